@@ -49,24 +49,25 @@ def positive(kind):
 
 
 def parse_args(argv=None):
-    p = Parser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--epochs", type=positive(int), default=3, help="passes over the training set")
-    p.add_argument("--batch-size", type=positive(int), default=64, help="samples per optimizer step, per process")
-    p.add_argument("--lr", type=positive(float), default=1e-3, help="Adam learning rate (constant)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the synthetic data, the weights and the shuffling")
-    p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes (0 = main process)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available")
-    p.add_argument("--model", choices=["cnn", "resnet18"], default="cnn", help="tiny CNN or 1-channel ResNet-18")
-    p.add_argument("--dataset", choices=["synthetic", "mnist"], default="synthetic", help="mnist reads --data-dir")
-    p.add_argument("--data-dir", default="data", help="folder holding MNIST/raw/ (never downloaded)")
-    p.add_argument("--train-samples", type=positive(int), help="training samples (default: 8000 synthetic, all MNIST)")
-    p.add_argument("--val-samples", type=positive(int), help="validation samples (default: 2000 synthetic, all MNIST)")
-    p.add_argument("--save", default="checkpoints/classifier.pt", help="checkpoint written at the end ('' = none)")
-    p.add_argument("--resume", help="checkpoint to continue from: weights, optimizer, epoch and RNG state")
-    p.add_argument("--eval-only", action="store_true", help="evaluate (the --resume checkpoint) once; save nothing")
-    p.add_argument("--dist-timeout", type=positive(float), default=300, help="seconds to wait for peers")  # DDP 1/10
-    p.add_argument("--sync-bn", action="store_true", help="BatchNorm over all ranks (GPU)")  # DDP 6/10
-    p.add_argument("--check-sync", action="store_true", help="verify replicas each epoch")  # DDP 9/10
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=positive(int), default=3, metavar="N", help="passes over the data (default: 3)")
+    p.add_argument("--batch-size", type=positive(int), default=64, metavar="N", help="per process (default: 64)")
+    p.add_argument("--lr", type=positive(float), default=1e-3, help="Adam, constant (default: 0.001)")
+    p.add_argument("--seed", type=int, default=0, help="seeds data, weights, order (default: 0)")
+    p.add_argument("--num-workers", type=int, default=0, metavar="N", help="DataLoader processes (default: 0)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if present (default)")
+    p.add_argument("--model", choices=["cnn", "resnet18"], default="cnn", help="tiny CNN (default) or ResNet-18")
+    p.add_argument("--dataset", choices=["synthetic", "mnist"], default="synthetic", help="default: synthetic")
+    p.add_argument("--data-dir", default="data", metavar="DIR", help="holds MNIST/raw/ (default: data)")
+    p.add_argument("--train-samples", type=positive(int), metavar="N", help="default: 8000 synthetic, all of MNIST")
+    p.add_argument("--val-samples", type=positive(int), metavar="N", help="default: 2000 synthetic, all of MNIST")
+    p.add_argument("--save", default="checkpoints/classifier.pt", metavar="PATH",
+                   help="checkpoint written at the end, '' for none (default: %(default)s)")
+    p.add_argument("--resume", metavar="PATH", help="go on from this checkpoint")
+    p.add_argument("--eval-only", action="store_true", help="evaluate once, train nothing")
+    p.add_argument("--dist-timeout", type=positive(float), default=300, metavar="S", help="default: 300 s")  # DDP 1/10
+    p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm (GPU only)")  # DDP 6/10
+    p.add_argument("--check-sync", action="store_true", help="compare replicas each epoch")  # DDP 9/10
     return p.parse_args(argv)
 
 
@@ -157,11 +158,11 @@ def build_model(name):
 
 
 def check_replicas_in_sync(model, epoch):  # DDP 9/10 --check-sync: compare hashes of every rank's weights
-    digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()  # DDP 9/10
+    digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters()))  # DDP 9/10
     digests = [None] * dist.get_world_size()  # DDP 9/10
-    dist.all_gather_object(digests, digest[:12])  # DDP 9/10
+    dist.all_gather_object(digests, digest.hexdigest()[:12])  # DDP 9/10
     if len(set(digests)) > 1:  # DDP 9/10
-        print(f"error: --check-sync: replicas differ after epoch {epoch}: {digests}", file=sys.stderr, flush=True)  # DDP 9/10
+        print(f"error: --check-sync: replicas differ after epoch {epoch}: {digests}", file=sys.stderr)  # DDP 9/10
         sys.exit(3)  # DDP 9/10
 
 
@@ -176,7 +177,8 @@ def train_one_epoch(model, loader, optimizer, device):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        totals += torch.stack([loss.detach() * len(labels), (logits.argmax(1) == labels).sum(), labels.new_tensor(len(labels))])
+        correct = (logits.argmax(1) == labels).sum()
+        totals += torch.stack([loss.detach() * len(labels), correct, labels.new_tensor(len(labels))])
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # DDP 7/10 reduce the metrics: sums over all ranks
     return totals
 
@@ -200,8 +202,9 @@ def save_checkpoint(path, model, optimizer, epoch, args):
     """Write atomically: a temp file in the same folder, fsync, then rename over the final name."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     device = next(model.parameters()).device
+    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "args": vars(args),
-             "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}}
+             "rng": rng}
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
         torch.save(state, f)
@@ -227,7 +230,8 @@ def load_checkpoint(path, model, optimizer, args):
     except InputError:
         raise
     except Exception as err:  # truncated, not a checkpoint of ours, wrong shapes: bad input all the same
-        raise InputError(f"cannot resume from {path}: {type(err).__name__}: {str(err).strip().splitlines()[0]}") from None
+        reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"
+        raise InputError(f"cannot resume from {path}: {reason}") from None
 
 
 def loss_and_accuracy(totals):
@@ -247,7 +251,8 @@ def main(argv=None):
 
     # data
     train_set, val_set = build_datasets(args)
-    print0(is_main, f"data {args.dataset} | {len(train_set)} train / {len(val_set)} val samples | batch {args.batch_size}")
+    print0(is_main, f"data {args.dataset} | {len(train_set)} train / {len(val_set)} val samples | "
+                    f"batch {args.batch_size}")
     if world_size > min(len(train_set), len(val_set)):  # DDP 4/10 shard the data: every rank needs a sample
         raise InputError(f"{world_size} processes but {len(train_set)} train / {len(val_set)} val samples")  # DDP 4/10
     sampler = DistributedSampler(train_set, seed=args.seed)  # DDP 4/10 this rank's share of a shuffled order
@@ -263,7 +268,7 @@ def main(argv=None):
     if args.sync_bn and device.type != "cuda":  # DDP 6/10 wrap the model
         raise InputError("--sync-bn needs CUDA devices: PyTorch's SyncBatchNorm runs on GPUs only")  # DDP 6/10
     model = nn.SyncBatchNorm.convert_sync_batchnorm(model) if args.sync_bn else model  # DDP 6/10
-    model = DDP(model, device_ids=[device] if device.type == "cuda" else None)  # DDP 6/10 averages gradients in backward
+    model = DDP(model, device_ids=[device] if device.type == "cuda" else None)  # DDP 6/10 averages gradients
     print0(is_main, f"model {args.model} | {sum(p.numel() for p in model.parameters()):,} weights | device {device}")
 
     # train: one line per epoch, after a first evaluation of the starting weights

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from conftest import ok, run, run_many, summary, weights
+from conftest import make_mnist, ok, run, run_many, summary, weights
 
 SINGLE, DDP = "train_single_gpu.py", "train_ddp_basic.py"
 SMALL = ["--train-samples", 512, "--val-samples", 101, "--seed", 3]  # 101: odd, so no world size divides it
@@ -137,24 +137,6 @@ def test_resnet18_trains_under_ddp_with_unequal_eval_batches(tmp_path):
     assert summary(result)["val_samples"] == 9
     keys = weights(tmp_path / "r.pt").keys()
     assert "bn1.running_mean" in keys and not any(k.startswith("module.") for k in keys)
-
-
-def write_idx(path, array):
-    """An MNIST-format (IDX) file: magic 0x08 (ubyte) + ndim, big-endian sizes, then the bytes."""
-    import numpy as np
-    header = bytes([0, 0, 8, array.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in array.shape)
-    path.write_bytes(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
-
-
-def make_mnist(root, n_train=60, n_val=20):
-    import numpy as np
-    raw = root / "MNIST" / "raw"
-    raw.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for prefix, n in (("train", n_train), ("t10k", n_val)):
-        write_idx(raw / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)))
-        write_idx(raw / f"{prefix}-labels-idx1-ubyte", rng.integers(0, 10, n))
-    return raw
 
 
 def test_real_mnist_loader_reads_idx_files(tmp_path):

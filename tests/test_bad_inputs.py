@@ -1,0 +1,95 @@
+"""Every bad input to the chapter 1 and 2 scripts ends with exit code 2 and one clear line on stderr, no
+traceback and no hang: non-positive or malformed numbers, a missing, corrupted, truncated or mismatched
+checkpoint, missing or unreadable MNIST files, CUDA-only options on a CPU, more processes than samples.
+
+Most cases call the scripts' own parse_args()/main() in this process (a launch costs seconds of torch
+import); the last tests launch real processes to prove that such an error becomes exit code 2 with one
+line, and that under torchrun it stops every worker instead of hanging."""
+import importlib
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from conftest import REPO, make_mnist, run, run_many
+
+SINGLE, DDP = "train_single_gpu.py", "train_ddp_basic.py"
+sys.path.insert(0, str(REPO))
+
+
+def trainer(script):
+    return importlib.import_module(script[:-3])
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    trainer(SINGLE).main(["--train-samples", "64", "--val-samples", "8", "--epochs", "1", "--save", str(d / "good.pt")])
+    good = (d / "good.pt").read_bytes()
+    (d / "truncated.pt").write_bytes(good[:len(good) // 2])
+    (d / "garbage.pt").write_bytes(b"not a checkpoint\n" * 100)
+    (d / "empty").mkdir()
+    raw = make_mnist(d / "broken")
+    (raw / "t10k-images-idx3-ubyte").write_bytes(b"\x00\x00\x08\x03garbage")
+    return d
+
+
+@pytest.fixture
+def leave_group():
+    yield
+    if dist.is_initialized():  # the DDP script's main() joined a one-process group in this process
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("script,args,message", [
+    (SINGLE, ["--batch-size", "0"], "argument --batch-size: must be positive, got 0"),
+    (DDP, ["--epochs", "-1"], "argument --epochs: must be positive, got -1"),
+    (SINGLE, ["--lr", "0"], "argument --lr: must be positive, got 0"),
+    (DDP, ["--lr", "fast"], "argument --lr: invalid positive float value: 'fast'"),
+    (DDP, ["--dist-timeout", "0"], "argument --dist-timeout: must be positive, got 0"),
+    (SINGLE, ["--train-samples", "-5"], "argument --train-samples: must be positive, got -5"),
+    (SINGLE, ["--model", "vgg"], "argument --model: invalid choice: 'vgg'"),
+])
+def test_bad_flag_values_are_refused_in_one_line(script, args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        trainer(script).parse_args(args)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("script,args,message", [
+    (SINGLE, ["--resume", "{d}/missing.pt"], "checkpoint not found: {d}/missing.pt"),
+    (DDP, ["--resume", "{d}/garbage.pt"], "cannot resume from {d}/garbage.pt: "),
+    (SINGLE, ["--resume", "{d}/truncated.pt"], "cannot resume from {d}/truncated.pt: "),
+    (DDP, ["--resume", "{d}/good.pt", "--model", "resnet18"], "{d}/good.pt holds a --model cnn, this run builds --model resnet18"),
+    (SINGLE, ["--dataset", "mnist", "--data-dir", "{d}/empty"],
+     "MNIST not found: place the uncompressed files train-images-idx3-ubyte, train-labels-idx1-ubyte, "
+     "t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte in {d}/empty/MNIST/raw/"),
+    (DDP, ["--dataset", "mnist", "--data-dir", "{d}/broken"], "cannot read the MNIST files in {d}/broken/MNIST/raw/"),
+    (DDP, ["--sync-bn"], "--sync-bn needs CUDA devices"),
+    (SINGLE, ["--device", "cuda"], "--device cuda, but no CUDA device is visible"),
+])
+def test_bad_files_and_options_raise_one_line_input_errors(script, args, message, files, leave_group, tmp_path):
+    module = trainer(script)
+    args = [a.format(d=files) for a in args] + ["--train-samples", "64", "--val-samples", "8", "--save", str(tmp_path / "x.pt")]
+    with pytest.raises(module.InputError) as err:
+        module.main(args)
+    assert message.format(d=files) in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_input_errors_exit_2_with_one_line_and_no_traceback(files):
+    cases = [(SINGLE, ["--epochs", "0"]), (DDP, ["--batch-size", "-3"]),
+             (SINGLE, ["--resume", files / "truncated.pt"]), (DDP, ["--resume", files / "missing.pt"])]
+    for (script, args), result in zip(cases, run_many(cases)):
+        where = f"{script} {args}: exit {result.returncode}\n{result.stderr}"
+        assert result.returncode == 2 and "Traceback" not in result.stderr, where
+        assert len(result.stderr.strip().splitlines()) == 1 and "error: " in result.stderr, where
+
+
+def test_more_processes_than_samples_fails_fast_under_torchrun():
+    result = run(DDP, ["--train-samples", "2", "--val-samples", "2"], nproc=3)
+    assert result.returncode != 0  # torchrun reports the workers' exit code 2 and exits 1 itself
+    assert "error: 3 processes but 2 train / 2 val samples" in result.stderr
+    assert "exitcode  : 2" in result.stderr or "exitcode: 2" in result.stderr
