@@ -37,12 +37,12 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def positive(kind):
-    """An argparse type: a number of `kind` (int or float) above zero."""
+def positive(kind, zero_ok=False):
+    """An argparse type: a number of `kind` (int or float) above zero, or at least zero if zero_ok."""
     def parse(text):
         value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        if value < 0 or (value == 0 and not zero_ok):
+            raise argparse.ArgumentTypeError(f"must be {'at least 0' if zero_ok else 'positive'}, got {text}")
         return value
     parse.__name__ = f"positive {kind.__name__}"  # argparse names it in "invalid positive int value"
     return parse
@@ -54,7 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=positive(int), default=64, metavar="N", help="per process (default: 64)")
     p.add_argument("--lr", type=positive(float), default=1e-3, help="Adam, constant (default: 0.001)")
     p.add_argument("--seed", type=int, default=0, help="seeds data, weights, order (default: 0)")
-    p.add_argument("--num-workers", type=int, default=0, metavar="N", help="DataLoader processes (default: 0)")
+    p.add_argument("--num-workers", type=positive(int, zero_ok=True), default=0, metavar="N", help="DataLoader processes (default: 0)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if present (default)")
     p.add_argument("--model", choices=["cnn", "resnet18"], default="cnn", help="tiny CNN (default) or ResNet-18")
     p.add_argument("--dataset", choices=["synthetic", "mnist"], default="synthetic", help="default: synthetic")

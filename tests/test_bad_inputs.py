@@ -49,6 +49,7 @@ def leave_group():
     (DDP, ["--dist-timeout", "0"], "argument --dist-timeout: must be positive, got 0"),
     (SINGLE, ["--train-samples", "-5"], "argument --train-samples: must be positive, got -5"),
     (SINGLE, ["--model", "vgg"], "argument --model: invalid choice: 'vgg'"),
+    (DDP, ["--num-workers", "-1"], "argument --num-workers: must be at least 0, got -1"),
 ])
 def test_bad_flag_values_are_refused_in_one_line(script, args, message, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -8,7 +8,7 @@
 5. validation metrics count each sample once at world size 1, 2 and 3 on a set of odd size;
 6. resume equals the uninterrupted run, and checkpoints cross-load between the two scripts;
 7. ResNet-18 (BatchNorm buffers) trains under DDP and evaluates ranks with unequal batch counts;
-8. the real MNIST loader reads MNIST-format files (tiny ones written here).
+8. the real MNIST loader reads MNIST-format files (tiny ones written here), with DDP at one process.
 Bad inputs are in test_bad_inputs.py; the shape of the lesson's diff in test_lesson_diff.py.
 """
 import json
@@ -139,7 +139,8 @@ def test_resnet18_trains_under_ddp_with_unequal_eval_batches(tmp_path):
     assert "bn1.running_mean" in keys and not any(k.startswith("module.") for k in keys)
 
 
-def test_real_mnist_loader_reads_idx_files(tmp_path):
+def test_real_mnist_loader_reads_idx_files_under_a_one_process_torchrun(tmp_path):
     make_mnist(tmp_path / "data")
-    out = ok(run(SINGLE, ["--dataset", "mnist", "--data-dir", tmp_path / "data", "--epochs", 1, "--save", ""]))
-    assert "data mnist | 60 train / 20 val samples" in out and summary(out)["val_samples"] == 20
+    out = ok(run(DDP, ["--dataset", "mnist", "--data-dir", tmp_path / "data", "--epochs", 1, "--save", ""], nproc=1))
+    assert "world size 1 |" in out and "data mnist | 60 train / 20 val samples" in out
+    assert "epoch 1/1 | train loss" in out and summary(out)["val_samples"] == 20
