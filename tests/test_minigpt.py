@@ -1,0 +1,88 @@
+"""Chapter 3, train_ddp_minigpt.py, under real launches (plain `python` and `torchrun` on CPU/gloo), with a
+small model on the default corpus. These tests prove:
+
+1. at 2 processes the ranks read disjoint, non-overlapping training windows, and with --grad-accum 2 DDP
+   all-reduces the gradients once per optimizer step (a counting comm hook), not once per micro-batch;
+2. 2 processes x batch 4 x 2 accumulation steps give the weights of 1 process x batch 16 (accumulation
+   with no_sync is exact);
+3. the validation loss falls below its starting value;
+4. a run that crashed after its step-4 checkpoint and resumed from it logs the same losses and ends with
+   the same weights (bit for bit, dropout included) as the uninterrupted run;
+5. bf16 autocast runs on the CPU, a --compile'd model's checkpoint has no `_orig_mod.` keys, and
+   `--sample` generates from that checkpoint in one plain process without torchrun.
+Bad inputs are in test_minigpt_inputs.py.
+"""
+import json
+import re
+
+import torch
+
+from conftest import ok, run, run_many, summary, weights
+
+GPT = "train_ddp_minigpt.py"
+TINY = ["--n-layer", 2, "--n-head", 2, "--n-embd", 32, "--block-size", 32, "--eval-windows", 32, "--log-every", 1,
+        "--lr", 1e-2, "--warmup-steps", 2]
+
+
+def steps_logged(out):
+    """{step: the whole training log line} for every `step N/M | loss ...` line."""
+    return {int(m.group(1)): line for line in out.splitlines() if (m := re.match(r"step (\d+)/\d+ \| loss ", line))}
+
+
+def val_losses(out):
+    return [float(m.group(1)) for m in re.finditer(r"^step \d+/\d+ \| val loss (\d+\.\d+)", out, re.M)]
+
+
+def test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact(tmp_path):
+    flags = TINY + ["--max-steps", 6, "--dropout", 0, "--eval-every", 3]
+    result = run("tests/minigpt_probe.py", [tmp_path, *flags, "--batch-size", 4, "--grad-accum", 2,
+                                            "--save", tmp_path / "ddp.pt"], nproc=2)
+    out = ok(result)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for seen in ranks:
+        assert len(seen["windows"]) == 6 * 2 * 4  # steps x micro-batches x batch
+        assert seen["allreduce_calls"] == 6  # one bucket (a tiny model), all-reduced once per optimizer step
+    both = ranks[0]["windows"] + ranks[1]["windows"]
+    assert len(set(both)) == len(both)  # no window read twice, by one rank or by both
+    starts = sorted(both)
+    assert min(b - a for a, b in zip(starts, starts[1:])) >= 33  # windows of 33 tokens never overlap
+    losses = val_losses(out)
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.5  # evaluated at steps 0, 3, 6; it learns
+
+    single = ok(run(GPT, [*flags, "--batch-size", 16, "--grad-accum", 1, "--save", tmp_path / "one.pt"]))
+    assert "world size 1 |" in single
+    a, b = weights(tmp_path / "ddp.pt"), weights(tmp_path / "one.pt")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_resume_after_a_crash_equals_the_uninterrupted_run(tmp_path):
+    flags = TINY + ["--max-steps", 8, "--save-every", 4, "--dropout", 0.1, "--batch-size", 4, "--grad-accum", 2]
+    full = ok(run(GPT, [*flags, "--save", tmp_path / "full.pt"], nproc=2))
+    crash = run(GPT, [*flags, "--save", tmp_path / "crash.pt"], nproc=2,
+                env={"DDP_FAIL_AT_STEP": "6", "DDP_FAIL_RANK": "1"})
+    assert crash.returncode != 0 and "step 4/8 | saved" in crash.stdout and "step 6/8 | loss" not in crash.stdout
+    assert torch.load(tmp_path / "crash.pt", weights_only=True)["step"] == 4  # intact, from before the crash
+    resumed = ok(run(GPT, [*flags, "--save", tmp_path / "crash.pt", "--resume", tmp_path / "crash.pt"], nproc=2))
+    before, after = steps_logged(full), steps_logged(resumed)
+    assert sorted(after) == [5, 6, 7, 8]
+    for step in after:  # same loss, lr and grad norm, to the printed digits
+        assert after[step].split(" | ")[:4] == before[step].split(" | ")[:4]
+    a, b = weights(tmp_path / "full.pt"), weights(tmp_path / "crash.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bf16_on_cpu_compile_free_keys_and_sampling_without_torchrun(tmp_path):
+    trained, plain = run_many([
+        (GPT, [*TINY, "--max-steps", 3, "--amp", "bf16", "--compile", "--compile-backend", "eager",
+               "--save", tmp_path / "bf16.pt"]),
+        (GPT, [*TINY, "--max-steps", 2, "--save", tmp_path / "plain.pt"])])
+    out = ok(trained)
+    assert "amp bfloat16" in out and summary(out)["steps"] == 3
+    ok(plain)
+    keys = set(weights(tmp_path / "bf16.pt"))
+    assert keys == set(weights(tmp_path / "plain.pt")) and not any("_orig_mod" in k or "module." in k for k in keys)
+    sampled = run(GPT, ["--sample", "--ckpt", tmp_path / "bf16.pt", "--prompt", "def ", "--max-new-tokens", 40])
+    text = ok(sampled)
+    assert text.startswith("def ") and len(text.encode()) > 40
+    assert "world size" not in text and "torchrun" not in text  # no process group, no DDP
