@@ -60,7 +60,7 @@ def positive(kind, zero_ok=False):
 
 
 def parse_args(argv=None):
-    p = Parser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     a = p.add_argument_group("data").add_argument
     a("--data", metavar="FILE", help="text file (bytes are tokens) or .bin of uint16 ids (default: Python stdlib)")
     a("--vocab-size", type=positive(int), metavar="N", help="token ids of a .bin file are below N (required for .bin)")
@@ -75,15 +75,15 @@ def parse_args(argv=None):
     a("--compile", action="store_true", help="torch.compile the model (off by default)")
     a("--compile-backend", default="inductor", metavar="NAME", help="torch.compile backend (default: inductor)")
     a = p.add_argument_group("training").add_argument
-    a("--batch-size", type=positive(int), default=16, metavar="B", help="sequences per micro-step, per process (default: 16)")
+    a("--batch-size", type=positive(int), default=16, metavar="B", help="per micro-step and process (default: 16)")
     a("--grad-accum", type=positive(int), default=1, metavar="K", help="micro-steps per optimizer step (default: 1)")
     a("--max-steps", type=positive(int), default=300, metavar="N", help="optimizer steps (default: 300)")
     a("--lr", type=positive(float), default=3e-3, help="peak learning rate (default: 0.003)")
-    a("--min-lr", type=positive(float, zero_ok=True), default=3e-4, help="cosine floor (default: 0.0003)")
+    a("--min-lr", type=positive(float, zero_ok=True), default=3e-4, metavar="LR", help="cosine floor (default: 0.0003)")
     a("--warmup-steps", type=positive(int, zero_ok=True), default=30, metavar="N", help="linear warmup (default: 30)")
-    a("--weight-decay", type=positive(float, zero_ok=True), default=0.1, help="AdamW, matrices only (default: 0.1)")
-    a("--clip", type=positive(float, zero_ok=True), default=1.0, help="max gradient norm, 0 = off (default: 1.0)")
-    a("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto", help="auto: bf16 (or fp16) on GPUs, off on CPUs")
+    a("--weight-decay", type=positive(float, zero_ok=True), default=0.1, metavar="W", help="on matrices (default: 0.1)")
+    a("--clip", type=positive(float, zero_ok=True), default=1.0, metavar="NORM", help="0 = off (default: 1.0)")
+    a("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto", help="auto: bf16/fp16 on GPUs, off on CPUs")
     a("--seed", type=int, default=0, help="seeds the weights, the data order and dropout (default: 0)")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if present (default)")
     a("--dist-timeout", type=positive(float), default=300, metavar="S", help="default: 300 s")  # DDP 1/10
@@ -91,18 +91,18 @@ def parse_args(argv=None):
     a("--eval-every", type=positive(int), default=100, metavar="N", help="steps between evaluations (default: 100)")
     a("--eval-windows", type=positive(int), default=128, metavar="N", help="validation sequences (default: 128)")
     a("--log-every", type=positive(int), default=10, metavar="N", help="steps between log lines (default: 10)")
-    a("--save", default="checkpoints/minigpt.pt", metavar="PATH", help="checkpoint path, '' for none (default: %(default)s)")
-    a("--save-every", type=positive(int, zero_ok=True), default=0, metavar="N", help="also save every N steps (0 = only at the end)")
+    a("--save", default="checkpoints/minigpt.pt", metavar="PATH", help="'' for none (default: %(default)s)")
+    a("--save-every", type=positive(int, zero_ok=True), default=0, metavar="N", help="and every N steps (default: 0)")
     a("--resume", metavar="PATH", help="go on from this checkpoint (same data and model flags)")
-    a("--gpu-peak-tflops", type=positive(float), default=312.0, help="for MFU on CUDA (default: 312, A100 bf16)")
+    a("--gpu-peak-tflops", type=positive(float), default=312.0, metavar="T", help="for MFU (default: 312)")
     a("--benchmark", action="store_true", help="time --max-steps steps after 5 warm-up steps; no eval, no save")
     a = p.add_argument_group("sampling (one process, no torchrun)").add_argument
     a("--sample", action="store_true", help="generate text from --ckpt instead of training")
     a("--ckpt", metavar="PATH", help="checkpoint to sample from")
-    a("--prompt", default="\n", help="text the sample starts from (default: a newline)")
+    a("--prompt", default="\n", metavar="TEXT", help="text the sample starts from (default: a newline)")
     a("--max-new-tokens", type=positive(int), default=300, metavar="N", help="tokens to generate (default: 300)")
-    a("--temperature", type=positive(float), default=0.8, help="below 1: safer choices (default: 0.8)")
-    a("--top-k", type=positive(int, zero_ok=True), default=40, metavar="K", help="sample among the K likeliest, 0 = all")
+    a("--temperature", type=positive(float), default=0.8, metavar="T", help="below 1: safer choices (default: 0.8)")
+    a("--top-k", type=positive(int, zero_ok=True), default=40, metavar="K", help="draw from the K likeliest (0: all)")
     args = p.parse_args(argv)
     if args.n_embd % args.n_head:
         p.error(f"--n-head {args.n_head} must divide --n-embd {args.n_embd}")
@@ -158,24 +158,24 @@ def init_distributed(device, timeout_s):  # DDP 1/10 join the process group torc
 # ----------------------------------------------------------------------------------------------- data
 
 def load_tokens(args):
-    """All tokens as an int64 tensor, and the vocabulary size. Bytes of a text file are its tokens."""
+    """All tokens as a 1-D numpy array, and the vocabulary size. Bytes of a text file are its tokens; a .bin
+    file is memory-mapped, not read, so a corpus of many GB costs no RAM until its windows are read."""
     if args.data is None:
         files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
         raw = b"".join(open(f, "rb").read() for f in files)[:DEFAULT_CORPUS_BYTES]
-        return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).astype(np.int64)), 256
+        return np.frombuffer(raw, dtype=np.uint8), 256
     if not os.path.isfile(args.data):
         raise InputError(f"data file not found: {args.data}")
-    if args.data.endswith(".bin"):
-        if args.vocab_size is None:
-            raise InputError(f"{args.data} holds token ids: give --vocab-size (e.g. 50304 for GPT-2's BPE)")
-        if os.path.getsize(args.data) % 2:
-            raise InputError(f"{args.data} has an odd number of bytes: not a file of uint16 token ids")
-        tokens = torch.from_numpy(np.fromfile(args.data, dtype=np.uint16).astype(np.int64))
-        if len(tokens) and int(tokens.max()) >= args.vocab_size:
-            raise InputError(f"{args.data} holds token id {int(tokens.max())}, not below --vocab-size {args.vocab_size}")
-        return tokens, args.vocab_size
-    with open(args.data, "rb") as f:
-        return torch.from_numpy(np.frombuffer(f.read(), dtype=np.uint8).astype(np.int64)), 256
+    if not args.data.endswith(".bin"):
+        return np.fromfile(args.data, dtype=np.uint8), 256
+    if args.vocab_size is None:
+        raise InputError(f"{args.data} holds token ids: give --vocab-size (e.g. 50304 for GPT-2's BPE)")
+    if os.path.getsize(args.data) % 2:
+        raise InputError(f"{args.data} has an odd number of bytes: not a file of uint16 token ids")
+    tokens = np.memmap(args.data, dtype=np.uint16, mode="r") if os.path.getsize(args.data) else np.zeros(0, np.uint16)
+    if len(tokens) and int(tokens.max()) >= args.vocab_size:
+        raise InputError(f"{args.data} holds token id {int(tokens.max())}, not below --vocab-size {args.vocab_size}")
+    return tokens, args.vocab_size
 
 
 def split_tokens(tokens, args, world_size):
@@ -202,7 +202,7 @@ class Windows:
         self.rank, self.world, self.seed = rank, world_size, seed
         windows_per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size  # for any offset
         self.per_epoch = windows_per_rank // batch_size  # micro-batches per rank per epoch
-        self.span = torch.arange(block_size + 1)
+        self.span = np.arange(block_size + 1)
         self.epoch, self.starts = None, None
 
     def deal(self, epoch):
@@ -210,22 +210,23 @@ class Windows:
         offset = int(torch.randint(0, self.block + 1, (1,), generator=g))
         count = self.per_epoch * self.batch * self.world
         order = torch.randperm((len(self.tokens) - offset) // (self.block + 1), generator=g)[:count]
-        return (offset + order * (self.block + 1))[self.rank::self.world]  # DDP 4/10 this rank's windows
+        return (offset + order * (self.block + 1))[self.rank::self.world].numpy()  # DDP 4/10 this rank's windows
 
     def get(self, k):
         """Micro-batch k of this rank: inputs and targets (the inputs shifted by one token), (B, T) each."""
         epoch, i = divmod(k, self.per_epoch)
         if epoch != self.epoch:
             self.epoch, self.starts = epoch, self.deal(epoch)
-        rows = self.tokens[self.starts[i * self.batch:(i + 1) * self.batch, None] + self.span]
+        rows = torch.from_numpy(self.tokens[self.starts[i * self.batch:(i + 1) * self.batch, None] + self.span]
+                                .astype(np.int64))
         return rows[:, :-1], rows[:, 1:]
 
 
 def unigram_loss(train, val, vocab_size):
     """Cross-entropy (nats/token) on the validation tokens of predicting each token by its frequency in the
     training tokens: the loss to beat, for a model that ignores context."""
-    counts = torch.bincount(train, minlength=vocab_size).double() + 1  # +1: no token has probability 0
-    return -(counts / counts.sum()).log()[val].mean().item()
+    counts = np.bincount(train, minlength=vocab_size) + 1.0  # +1: no token has probability 0
+    return float(-np.log(counts / counts.sum())[val].mean())
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -383,14 +384,15 @@ def evaluate(model, val, args, rank, world_size, autocast):
     a disjoint slice: token-loss sums and token counts are all-reduced, so the mean is exact."""
     model.eval()
     device = next(model.parameters()).device
-    starts = torch.arange(0, len(val) - args.block_size, args.block_size + 1)[:args.eval_windows]
+    starts = np.arange(0, len(val) - args.block_size, args.block_size + 1)[:args.eval_windows]
     mine = starts[rank::world_size]  # DDP 4/10 disjoint validation slices, no padding
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for i in range(0, len(mine), args.batch_size):
-        rows = val[mine[i:i + args.batch_size, None] + torch.arange(args.block_size + 1)].to(device)
+        rows = torch.from_numpy(val[mine[i:i + args.batch_size, None] + np.arange(args.block_size + 1)]
+                                .astype(np.int64)).to(device)
         with autocast:
             _, loss_sum = model(rows[:, :-1], rows[:, 1:])
-        totals += torch.stack([loss_sum.double(), torch.tensor(rows[:, 1:].numel(), device=device, dtype=torch.float64)])
+        totals += torch.stack([loss_sum.double(), totals.new_tensor(rows[:, 1:].numel())])
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # DDP 7/10 sums over all ranks, then one division
     model.train()
     return (totals[0] / totals[1]).item()
@@ -494,9 +496,9 @@ def main(argv=None):
     tokens, vocab_size = load_tokens(args)
     train, val = split_tokens(tokens, args, world_size)
     windows = Windows(train, args.block_size, args.batch_size, rank, world_size, args.seed)  # DDP 4/10 per rank
-    baseline = unigram_loss(train, val, vocab_size)
+    baseline, unit = unigram_loss(train, val, vocab_size), "byte" if vocab_size == 256 else "token"
     print0(is_main, f"data {args.data or 'Python standard library'} | {len(train):,} train / {len(val):,} val "
-                    f"tokens | vocab {vocab_size} | byte-frequency baseline loss {baseline:.4f}")
+                    f"tokens | vocab {vocab_size} | {unit}-frequency baseline loss {baseline:.4f}")
 
     # model
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
@@ -539,7 +541,7 @@ def main(argv=None):
     trained = max(0, args.max_steps - start)
     summary = {"steps": trained, "val_loss": val_loss, "baseline_loss": baseline, "train_s": round(train_s, 3),
                "tokens_per_s": round(trained * tokens_per_step / train_s, 1) if train_s else 0.0}
-    print0(is_main, f"done | val loss {val_loss:.4f} (byte-frequency baseline {baseline:.4f}) | "
+    print0(is_main, f"done | val loss {val_loss:.4f} ({unit}-frequency baseline {baseline:.4f}) | "
                     f"{summary['tokens_per_s']:,.0f} tok/s over {train_s:.1f} s of training")
     print0(is_main, "summary " + json.dumps(summary))
     if is_main and vocab_size == 256:
