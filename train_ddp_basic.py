@@ -63,7 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--val-samples", type=positive(int), metavar="N", help="default: 2000 synthetic, all of MNIST")
     p.add_argument("--save", default="checkpoints/classifier.pt", metavar="PATH",
                    help="checkpoint written at the end, '' for none (default: %(default)s)")
-    p.add_argument("--resume", metavar="PATH", help="go on from this checkpoint")
+    p.add_argument("--save-every", type=positive(int, zero_ok=True), default=0, metavar="N", help="and every N epochs")
+    p.add_argument("--resume", metavar="PATH", help="go on from this checkpoint; 'auto': from --save if it exists")
     p.add_argument("--eval-only", action="store_true", help="evaluate once, train nothing")
     p.add_argument("--dist-timeout", type=positive(float), default=300, metavar="S", help="default: 300 s")  # DDP 1/10
     p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm (GPU only)")  # DDP 6/10
@@ -206,11 +207,23 @@ def save_checkpoint(path, model, optimizer, epoch, args):
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "args": vars(args),
              "rng": rng}
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half of one
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half of one
+    finally:
+        if os.path.exists(tmp):  # the write failed: drop the partial file (a killed process leaves it behind)
+            os.remove(tmp)
+
+
+def save_once(path, model, optimizer, epoch, args, is_main):
+    """The checkpoint after `epoch` epochs, written by the one process that saves ('' path: none)."""
+    if is_main and path:
+        save_checkpoint(path, model.module, optimizer, epoch, args)  # DDP 8/10 the unwrapped model: no "module."
+        print(f"saved {path} after epoch {epoch}", flush=True)
+    dist.barrier()  # DDP 8/10 save once: no rank goes on (or reads the file) before rank 0 has written it
 
 
 def load_checkpoint(path, model, optimizer, args):
@@ -232,6 +245,16 @@ def load_checkpoint(path, model, optimizer, args):
     except Exception as err:  # truncated, not a checkpoint of ours, wrong shapes: bad input all the same
         reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"
         raise InputError(f"cannot resume from {path}: {reason}") from None
+
+
+def resolve_resume(resume, save):
+    """--resume auto: continue from the --save checkpoint if one exists (after a crash, a restart runs the
+    same command again and picks up where the last checkpoint left it), else start fresh."""
+    if resume != "auto":
+        return resume
+    if not save:
+        raise InputError("--resume auto needs a --save path to look for")
+    return save if os.path.isfile(save) else None
 
 
 def loss_and_accuracy(totals):
@@ -264,12 +287,14 @@ def main(argv=None):
     # model
     model = build_model(args.model).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    start_epoch = load_checkpoint(args.resume, model, optimizer, args) if args.resume else 0
+    resume = resolve_resume(args.resume, args.save)
+    start_epoch = load_checkpoint(resume, model, optimizer, args) if resume else 0
     if args.sync_bn and device.type != "cuda":  # DDP 6/10 wrap the model
         raise InputError("--sync-bn needs CUDA devices: PyTorch's SyncBatchNorm runs on GPUs only")  # DDP 6/10
     model = nn.SyncBatchNorm.convert_sync_batchnorm(model) if args.sync_bn else model  # DDP 6/10
     model = DDP(model, device_ids=[device] if device.type == "cuda" else None)  # DDP 6/10 averages gradients
-    print0(is_main, f"model {args.model} | {sum(p.numel() for p in model.parameters()):,} weights | device {device}")
+    print0(is_main, f"model {args.model} | {sum(p.numel() for p in model.parameters()):,} weights | device {device}"
+                    + (f" | resumed from {resume} after epoch {start_epoch}" if resume else ""))
 
     # train: one line per epoch, after a first evaluation of the starting weights
     val_loss, val_acc, val_n = loss_and_accuracy(evaluate(model, val_loader, device))
@@ -284,6 +309,8 @@ def main(argv=None):
         val_loss, val_acc, val_n = loss_and_accuracy(evaluate(model, val_loader, device))
         print0(is_main, f"epoch {epoch + 1}/{args.epochs} | train loss {train_loss:.4f} | val loss {val_loss:.4f} | "
                         f"val acc {100 * val_acc:.2f}% | {n / train_s:,.0f} samples/s | {train_s:.1f} s")
+        if args.save_every and (epoch + 1) % args.save_every == 0 and epoch + 1 < args.epochs:
+            save_once(args.save, model, optimizer, epoch + 1, args, is_main)
         if args.check_sync:  # DDP 9/10
             check_replicas_in_sync(model, epoch + 1)  # DDP 9/10
     summary = {"val_loss": val_loss, "val_acc": val_acc, "val_samples": val_n, "train_samples": samples,
@@ -293,10 +320,8 @@ def main(argv=None):
     print0(is_main, "summary " + json.dumps(summary))
 
     # save
-    if is_main and args.save and not args.eval_only:
-        save_checkpoint(args.save, model.module, optimizer, max(start_epoch, args.epochs), args)  # DDP 8/10
-        print(f"saved {args.save}", flush=True)
-    dist.barrier()  # DDP 8/10 save once: no rank goes on (or reads the file) before rank 0 has written it
+    if not args.eval_only:
+        save_once(args.save, model, optimizer, max(start_epoch, args.epochs), args, is_main)
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ def parse_args(argv=None):
     a("--log-every", type=positive(int), default=10, metavar="N", help="steps between log lines (default: 10)")
     a("--save", default="checkpoints/minigpt.pt", metavar="PATH", help="'' for none (default: %(default)s)")
     a("--save-every", type=positive(int, zero_ok=True), default=0, metavar="N", help="and every N steps (default: 0)")
-    a("--resume", metavar="PATH", help="go on from this checkpoint (same data and model flags)")
+    a("--resume", metavar="PATH", help="go on from this checkpoint; 'auto': from --save if it exists")
     a("--gpu-peak-tflops", type=positive(float), default=312.0, metavar="T", help="for MFU (default: 312)")
     a("--benchmark", action="store_true", help="time --max-steps steps after 5 warm-up steps; no eval, no save")
     a = p.add_argument_group("sampling (one process, no torchrun)").add_argument
@@ -413,11 +413,25 @@ def save_checkpoint(path, raw_model, optimizer, scaler, step, args, vocab_size, 
     state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
              "step": step, "config": model_config(args, vocab_size), "args": vars(args), "rng": rng_states}
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half of one
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half of one
+    finally:
+        if os.path.exists(tmp):  # the write failed: drop the partial file (a killed process leaves it behind)
+            os.remove(tmp)
+
+
+def resolve_resume(resume, save):
+    """--resume auto: continue from the --save checkpoint if one exists (after a crash, a restart runs the
+    same command again and picks up where the last checkpoint left it), else start fresh."""
+    if resume != "auto":
+        return resume
+    if not save:
+        raise InputError("--resume auto needs a --save path to look for")
+    return save if os.path.isfile(save) else None
 
 
 def rng_state(device):
@@ -505,12 +519,14 @@ def main(argv=None):
     raw_model = GPT(**model_config(args, vocab_size), grad_checkpointing=args.grad_checkpointing).to(device)
     optimizer = make_optimizer(raw_model, args, device)
     torch.manual_seed(args.seed + rank)  # DDP 4/10 each rank its own dropout masks, as it has its own data
-    start = resume(args.resume, raw_model, optimizer, scaler, args, vocab_size, rank, device) if args.resume else 0
+    resume_from = resolve_resume(args.resume, args.save)
+    start = resume(resume_from, raw_model, optimizer, scaler, args, vocab_size, rank, device) if resume_from else 0
     model = torch.compile(raw_model, backend=args.compile_backend) if args.compile else raw_model
     model = DDP(model, device_ids=[device] if device.type == "cuda" else None)  # DDP 6/10 averages gradients
     n_params = sum(p.numel() for p in raw_model.parameters())
-    print0(is_main, f"model {n_params:,} parameters | {args.n_layer} layers, "
-                    f"{args.n_head} heads, {args.n_embd} wide, context {args.block_size}")
+    resumed = f" | resumed from {resume_from} at step {start}" if resume_from else ""
+    print0(is_main, f"model {n_params:,} parameters | {args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
+                    f"context {args.block_size}{resumed}")
 
     # train
     if args.benchmark:
@@ -574,12 +590,14 @@ def checkpoint_all(path, raw_model, optimizer, scaler, step, args, vocab_size, d
 
 def crash_step(rank):
     """Teaching aid for chapter 5 (docs/conventions.md): with DDP_FAIL_AT_STEP=N set, the process of rank
-    DDP_FAIL_RANK (default 0) dies as if killed when step N begins. Returns N for this rank, else 0."""
+    DDP_FAIL_RANK (default 0) dies as if killed when step N begins, on the first attempt only: torchrun
+    counts restarts in TORCHELASTIC_RESTART_COUNT, so a restarted job gets past it. Returns N, or 0."""
     try:
         step, victim = int(os.environ.get("DDP_FAIL_AT_STEP", 0)), int(os.environ.get("DDP_FAIL_RANK", 0))
+        first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
     except ValueError:
         raise InputError("DDP_FAIL_AT_STEP and DDP_FAIL_RANK must be whole numbers") from None
-    return step if rank == victim else 0
+    return step if rank == victim and first_attempt else 0
 
 
 def benchmark(model, optimizer, scaler, windows, args, autocast, device, tokens_per_step, is_main):

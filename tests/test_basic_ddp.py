@@ -8,7 +8,7 @@
 5. validation metrics count each sample once at world size 1, 2 and 3 on a set of odd size;
 6. resume equals the uninterrupted run, and checkpoints cross-load between the two scripts;
 7. ResNet-18 (BatchNorm buffers) trains under DDP and evaluates ranks with unequal batch counts;
-8. the real MNIST loader reads MNIST-format files (tiny ones written here), with DDP at one process.
+8. the real MNIST loader reads MNIST-format files (tiny ones written here), with DDP as one process.
 Bad inputs are in test_bad_inputs.py; the shape of the lesson's diff in test_lesson_diff.py.
 """
 import json
@@ -17,45 +17,22 @@ import os
 import pytest
 import torch
 
-from conftest import make_mnist, ok, run, run_many, summary, weights
-
-SINGLE, DDP = "train_single_gpu.py", "train_ddp_basic.py"
-SMALL = ["--train-samples", 512, "--val-samples", 101, "--seed", 3]  # 101: odd, so no world size divides it
+from conftest import DDP, SMALL, make_mnist, ok, run, summary, weights
 
 
-def test_readme_demo_learns_logs_once_and_saves_once(tmp_path):
-    out = ok(run(DDP, nproc=2, cwd=tmp_path))  # exactly the README's demo, run from an empty folder
+def test_readme_demo_learns_logs_once_and_saves_once(demo):
+    result, tmp_path = demo  # exactly the README's demo, run from an empty folder
+    out = ok(result)
     assert summary(out)["val_acc"] >= 0.90
     lines = out.splitlines()
     for prefix in ["world size 2 |", "data synthetic |", "model cnn |", "epoch 0/3 |", "epoch 1/3 |",
-                   "epoch 3/3 |", "done |", "summary ", "saved checkpoints/classifier.pt"]:
+                   "epoch 3/3 |", "done |", "summary ", "saved checkpoints/classifier.pt after epoch 3"]:
         assert sum(line.startswith(prefix) for line in lines) == 1, f"{prefix!r} not printed exactly once:\n{out}"
     assert os.listdir(tmp_path / "checkpoints") == ["classifier.pt"]  # one writer, no temp file left behind
     state = torch.load(tmp_path / "checkpoints" / "classifier.pt", map_location="cpu", weights_only=True)
     assert set(state) == {"model", "optimizer", "epoch", "args", "rng"}
     assert state["epoch"] == 3 and state["args"]["batch_size"] == 64
     assert state["model"] and not any(key.startswith("module.") for key in state["model"])
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """One set of small runs shared by the equivalence, resume, cross-load and world-size tests."""
-    d = tmp_path_factory.mktemp("runs")
-    single, ddp = SMALL + ["--batch-size", 32], SMALL + ["--batch-size", 16]  # global batch 32 in both
-    r = {}
-    r["s2"], r["s1"] = run_many([(SINGLE, single + ["--epochs", 2, "--save", d / "s2.pt"]),
-                                 (SINGLE, single + ["--epochs", 1, "--save", d / "s1.pt"])])
-    r["d2"] = run(DDP, ddp + ["--epochs", 2, "--save", d / "d2.pt", "--check-sync"], nproc=2)
-    r["s1_resumed"], r["w1_eval"], r["single_reads_ddp"] = run_many([
-        (SINGLE, single + ["--epochs", 2, "--resume", d / "s1.pt", "--save", d / "s1r.pt"]),
-        (DDP, ddp + ["--eval-only", "--resume", d / "s2.pt"]),  # plain python: a one-process group
-        (SINGLE, single + ["--eval-only", "--resume", d / "d2.pt"])])
-    r["ddp_reads_single"] = run(DDP, ddp + ["--epochs", 2, "--resume", d / "s1.pt", "--save", d / "ds1.pt"], nproc=2)
-    r["w3_eval"] = run(DDP, ddp + ["--eval-only", "--resume", d / "s2.pt"], nproc=3)
-    for result in r.values():
-        ok(result)
-    r["dir"] = d
-    return r
 
 
 def assert_weights_close(a, b, exact=False):
@@ -139,8 +116,8 @@ def test_resnet18_trains_under_ddp_with_unequal_eval_batches(tmp_path):
     assert "bn1.running_mean" in keys and not any(k.startswith("module.") for k in keys)
 
 
-def test_real_mnist_loader_reads_idx_files_under_a_one_process_torchrun(tmp_path):
+def test_real_mnist_loader_reads_idx_files_with_ddp_as_one_process(tmp_path):
     make_mnist(tmp_path / "data")
-    out = ok(run(DDP, ["--dataset", "mnist", "--data-dir", tmp_path / "data", "--epochs", 1, "--save", ""], nproc=1))
+    out = ok(run(DDP, ["--dataset", "mnist", "--data-dir", tmp_path / "data", "--epochs", 1, "--save", ""]))
     assert "world size 1 |" in out and "data mnist | 60 train / 20 val samples" in out
     assert "epoch 1/1 | train loss" in out and summary(out)["val_samples"] == 20

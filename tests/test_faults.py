@@ -1,0 +1,107 @@
+"""Chapter 5, faults. These tests prove that
+- a worker killed with a real SIGKILL (found by its PID and RANK) under `torchrun --max-restarts=1` is
+  restarted with its peer, `--resume auto` picks up the last checkpoint, and the run ends with exactly the
+  weights of the uninterrupted README demo;
+- without restarts, the same kill ends the whole job with a non-zero exit within 60 s (no hang), and the
+  last checkpoint on disk is intact and loads;
+- a node whose peer never joins fails within --join-timeout, not after the default minutes;
+- a checkpoint write that fails half-way (the disk fills, the process dies) never leaves a truncated file
+  under the final name: the previous checkpoint is still there, whole, in all three trainers.
+The restart of a crash reproduced by DDP_FAIL_AT_STEP is in test_minigpt.py.
+"""
+import importlib
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import DDP, REPO, command, descendants, finish, ok, start, weights
+
+sys.path.insert(0, str(REPO))
+RESTART_FIX = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch/pytorch#135712, see README chapter 5
+
+
+def worker_of_rank(agent, rank):
+    """The PID of the torchrun worker whose environment says RANK=rank."""
+    for pid in descendants(agent.pid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in b"".join(env):
+            return pid
+    raise AssertionError(f"no worker with RANK={rank} under {agent.pid}")
+
+
+def wait_for(path, agent, seconds=180):
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert agent.poll() is None, "the job ended before writing its first checkpoint"
+        assert time.monotonic() < deadline, f"no {path} after {seconds}s"
+        time.sleep(0.02)
+
+
+def test_sigkill_with_a_restart_resumes_to_the_uninterrupted_result(demo, tmp_path):
+    cmd = command(DDP, ["--save-every", 1, "--resume", "auto"], nproc=2, torchrun_args=["--max-restarts=1"])
+    agent = start(cmd, tmp_path, RESTART_FIX)  # the demo's flags otherwise: the same training
+    wait_for(tmp_path / "checkpoints" / "classifier.pt", agent)
+    os.kill(worker_of_rank(agent, 1), signal.SIGKILL)
+    out = ok(finish(agent, cmd))
+    assert "resumed from checkpoints/classifier.pt after epoch" in out  # the restarted group went on
+    a, b = weights(tmp_path / "checkpoints" / "classifier.pt"), weights(demo[1] / "checkpoints" / "classifier.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigkill_without_restarts_ends_the_job_within_60s_and_keeps_the_checkpoint(tmp_path):
+    cmd = command(DDP, ["--epochs", 40, "--save-every", 1, "--save", "ck.pt"], nproc=2)
+    agent = start(cmd, tmp_path)
+    wait_for(tmp_path / "ck.pt", agent)
+    killed = time.monotonic()
+    os.kill(worker_of_rank(agent, 1), signal.SIGKILL)
+    result = finish(agent, cmd, time_limit=60)
+    assert result.returncode != 0 and time.monotonic() - killed < 60
+    assert "Signal 9 (SIGKILL)" in result.stderr  # torchrun's report names the cause
+    state = torch.load(tmp_path / "ck.pt", map_location="cpu", weights_only=True)
+    assert 1 <= state["epoch"] < 40 and state["model"]
+
+
+def test_a_node_whose_peer_never_joins_fails_within_the_join_timeout(tmp_path):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [str(REPO / "launch_multinode_ddp.sh"), "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port",
+           str(port), "--join-timeout", "3", "--node-rank", "0", "--run", DDP]
+    began = time.monotonic()
+    result = finish(start(cmd, REPO, {"TORCHRUN": f"{sys.executable} -m torch.distributed.run"}), cmd, time_limit=90)
+    assert result.returncode != 0 and time.monotonic() - began < 60
+    assert "node 0 of 2: waiting up to 3s for all 2 nodes at 127.0.0.1" in result.stderr
+    assert "RendezvousTimeoutError" in result.stderr
+
+
+@pytest.mark.parametrize("script", ["train_single_gpu.py", "train_ddp_basic.py", "train_ddp_minigpt.py"])
+def test_a_failed_checkpoint_write_leaves_the_previous_file_whole(script, tmp_path, monkeypatch):
+    module = importlib.import_module(script[:-3])
+    path = tmp_path / "ck.pt"
+    path.write_bytes(b"the previous checkpoint")
+
+    def write_half_then_fail(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(module.torch, "save", write_half_then_fail)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    args = module.parse_args([])
+    with pytest.raises(OSError, match="No space left"):
+        if script == "train_ddp_minigpt.py":
+            module.save_checkpoint(str(path), model, optimizer, torch.amp.GradScaler("cpu", enabled=False), 1, args,
+                                   256, [])
+        else:
+            module.save_checkpoint(str(path), model, optimizer, 1, args)
+    assert path.read_bytes() == b"the previous checkpoint"  # untouched under the final name
+    assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]  # and the partial temp file is gone

@@ -1,0 +1,137 @@
+"""Chapter 4, launch_multinode_ddp.sh. These tests prove that the launcher
+- prints one ready-to-paste c10d torchrun command per node, all identical, with the endpoint and a
+  rendezvous id; adds the restart workaround only when restarts are on; and quotes arguments safely;
+- inside a SLURM allocation derives the node count, this node's rank and the head node (a fake
+  `scontrol` stands in for SLURM's), and with --run execs this node's command;
+- explains the troubleshooting switches on --help and --explain;
+- answers every bad input with exit code 2 and one line;
+- is valid bash and shellcheck-clean;
+- really runs a two-node job on this machine: two torchrun agents started from the printed commands, one
+  process each, meet at 127.0.0.1, train as global ranks 0 and 1 (world size 2), save one checkpoint, and
+  end with the weights of the one-node two-process run of the same flags.
+"""
+import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, environment, finish, ok, weights
+
+LAUNCHER = str(REPO / "launch_multinode_ddp.sh")
+
+
+def launch(*args, env=None):
+    return subprocess.run([LAUNCHER, *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **(env or {})})
+
+
+def commands(stdout):
+    return [line for line in stdout.splitlines() if line and not line.startswith("#")]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_prints_one_identical_c10d_command_per_node():
+    result = launch("--nnodes", 3, "--nproc-per-node", 8, "--master-addr", "10.1.2.3", "--master-port", 29511,
+                    "train_ddp_basic.py", "--epochs", 10, "--save", "my run/ckpt.pt")
+    assert result.returncode == 0, result.stderr
+    lines = commands(result.stdout)
+    assert len(lines) == 3 and len(set(lines)) == 1  # with c10d, every node runs the same command
+    words = shlex.split(lines[0])
+    assert words[:9] == ["torchrun", "--nnodes=3", "--nproc-per-node=8", "--rdzv-backend=c10d",
+                         "--rdzv-endpoint=10.1.2.3:29511", "--rdzv-id=ddp-10.1.2.3-29511",
+                         "--rdzv-conf=join_timeout=300", "--max-restarts=0", "train_ddp_basic.py"]
+    assert words[9:] == ["--epochs", "10", "--save", "my run/ckpt.pt"]  # quoted so that it pastes right
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in result.stdout
+    restarts = commands(launch("--nnodes", 2, "--master-addr", "h", "--max-restarts", 1, "train_ddp_basic.py").stdout)
+    assert restarts[0].startswith("env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ")
+
+
+def test_slurm_gives_nodes_rank_and_head_node_and_run_execs(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames gpu[07-09]" ] && printf "gpu07\\ngpu08\\ngpu09\\n"\n')
+    (fake / "scontrol").chmod(0o755)
+    slurm = {"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "3",
+             "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[07-09]", "SLURM_GPUS_ON_NODE": "4"}
+    printed = launch("train_ddp_basic.py", env=slurm)
+    assert printed.returncode == 0, printed.stderr
+    line = commands(printed.stdout)[0]
+    for part in ["--nnodes=3", "--nproc-per-node=4", "--rdzv-endpoint=gpu07:29500", "--rdzv-id=slurm-4242"]:
+        assert part in line
+    ran = launch("--run", "train_ddp_basic.py", "--epochs", 1, env={**slurm, "TORCHRUN": "echo torchrun"})
+    assert ran.returncode == 0 and "node 2 of 3" in ran.stderr  # SLURM_NODEID, read on this node
+    assert ran.stdout.strip() == line + " --epochs 1"  # exec'd: echo printed the very command
+
+
+def test_help_and_explain_name_the_troubleshooting_switches():
+    for flag in ("--help", "--explain"):
+        result = launch(flag)
+        assert result.returncode == 0
+        for switch in ("NCCL_DEBUG=INFO", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE=1", "GLOO_SOCKET_IFNAME", "firewall"):
+            assert switch in result.stdout, (flag, switch)
+    assert "--node-rank N" in launch("--help").stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--nnodes", "two", "--master-addr", "h", "train_ddp_basic.py"], "--nnodes must be a whole number >= 1, got 'two'"),
+    (["--nnodes", "0", "--master-addr", "h", "train_ddp_basic.py"], "--nnodes must be a whole number >= 1, got '0'"),
+    (["--nnodes", "2", "--nproc-per-node", "0", "--master-addr", "h", "train_ddp_basic.py"], "--nproc-per-node must"),
+    (["--nnodes", "2", "--master-addr", "h", "--node-rank", "2", "--run", "train_ddp_basic.py"],
+     "--node-rank must be 0..1 for --nnodes 2, got '2'"),
+    (["--nnodes", "2", "--master-addr", "h", "--node-rank", "-1", "train_ddp_basic.py"], "--node-rank must be a whole"),
+    (["--nnodes", "2", "--master-addr", "h", "--master-port", "65536", "train_ddp_basic.py"],
+     "--master-port must be 1-65535, got '65536'"),
+    (["--nnodes", "2", "--master-addr", "h", "--master-port", "0", "train_ddp_basic.py"], "--master-port must be"),
+    (["--nnodes", "2", "--master-addr", "h", "no_such_script.py"], "script not found: no_such_script.py"),
+    (["--nnodes", "2", "--master-addr", "h"], "no training script given"),
+    (["--nnodes", "2", "train_ddp_basic.py"], "--master-addr is required"),
+    (["--master-addr", "h", "train_ddp_basic.py"], "--nnodes is required"),
+    (["--nnodes", "2", "--master-addr", "h", "--run", "train_ddp_basic.py"], "--run needs --node-rank"),
+    (["--nnodes", "2", "--master-addr", "h; rm -rf /", "train_ddp_basic.py"], "--master-addr is not a host name"),
+    (["--nnodes", "2", "--master-addr", "h", "--join-timeout", "soon", "train_ddp_basic.py"], "--join-timeout must"),
+    (["--nnodes"], "--nnodes needs a value"),
+    (["--frobnicate", "train_ddp_basic.py"], "unknown option --frobnicate"),
+])
+def test_each_bad_input_exits_2_with_one_line(args, message):
+    result = launch(*args)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("error: ") and message in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+def test_bash_syntax_and_shellcheck():
+    assert subprocess.run(["bash", "-n", LAUNCHER]).returncode == 0
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed here (.ci/run installs it and runs it too)")
+    result = subprocess.run(["shellcheck", LAUNCHER], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+def test_two_nodes_on_one_machine_train_like_one_node_with_two_processes(runs, tmp_path):
+    port = free_port()
+    printed = launch("--nnodes", 2, "--nproc-per-node", 1, "--master-addr", "127.0.0.1", "--master-port", port,
+                     "--join-timeout", 60, "tests/ddp_probe.py", "record", tmp_path, *runs["ddp_flags"],
+                     "--save", tmp_path / "two_nodes.pt", env={"TORCHRUN": f"{sys.executable} -m torch.distributed.run"})
+    node0, node1 = commands(printed.stdout)
+    agents = [subprocess.Popen(line, shell=True, cwd=REPO, env=environment(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True) for line in (node0, node1)]
+    results = [finish(agent, ["node", str(i)]) for i, agent in enumerate(agents)]
+    outs = [ok(r) for r in results]
+    assert sum("world size 2 |" in out for out in outs) == 1  # rank 0 lives on one of the nodes, and logs
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]  # written by RANK 0 and 1
+    assert len(seen[0]) == len(seen[1]) == 2 * 256  # 2 epochs of half the 512 samples each
+    assert not set(seen[0][:256]) & set(seen[1][:256])  # on different samples
+    assert sorted(p.name for p in tmp_path.glob("*.pt")) == ["two_nodes.pt"]  # one checkpoint, by rank 0
+    a, b = weights(tmp_path / "two_nodes.pt"), weights(runs["dir"] / "d2.pt")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-7, msg=key)
