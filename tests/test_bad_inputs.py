@@ -9,7 +9,6 @@ import importlib
 import sys
 
 import pytest
-import torch.distributed as dist
 
 from conftest import REPO, make_mnist, run, run_many
 
@@ -32,13 +31,6 @@ def files(tmp_path_factory):
     raw = make_mnist(d / "broken")
     (raw / "t10k-images-idx3-ubyte").write_bytes(b"\x00\x00\x08\x03garbage")
     return d
-
-
-@pytest.fixture
-def leave_group():
-    yield
-    if dist.is_initialized():  # the DDP script's main() joined a one-process group in this process
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("script,args,message", [
@@ -71,7 +63,7 @@ def test_bad_flag_values_are_refused_in_one_line(script, args, message, capsys):
     (DDP, ["--sync-bn"], "--sync-bn needs CUDA devices"),
     (SINGLE, ["--device", "cuda"], "--device cuda, but no CUDA device is visible"),
 ])
-def test_bad_files_and_options_raise_one_line_input_errors(script, args, message, files, leave_group, tmp_path):
+def test_bad_files_and_options_raise_one_line_input_errors(script, args, message, files, in_process, tmp_path):
     module = trainer(script)
     args = [a.format(d=files) for a in args] + ["--train-samples", "64", "--val-samples", "8", "--save", str(tmp_path / "x.pt")]
     with pytest.raises(module.InputError) as err:

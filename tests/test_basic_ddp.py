@@ -3,12 +3,13 @@
 1. the README demo (`torchrun --nproc_per_node=2 train_ddp_basic.py`, default flags) learns (>= 90% val
    accuracy), prints each log line once and writes exactly one checkpoint, with no `module.` keys;
 2. DDP on 2 processes with --batch-size B ends with the weights of one process with --batch-size 2B;
-3. --check-sync passes on a healthy run and stops a run whose replica was nudged behind DDP's back;
-4. the ranks' training shards are disjoint, cover the data, and change order every epoch;
-5. validation metrics count each sample once at world size 1, 2 and 3 on a set of odd size;
-6. resume equals the uninterrupted run, and checkpoints cross-load between the two scripts;
-7. ResNet-18 (BatchNorm buffers) trains under DDP and evaluates ranks with unequal batch counts;
-8. the real MNIST loader reads MNIST-format files (tiny ones written here), with DDP as one process.
+3. --check-sync passes on a healthy run and stops a run whose replica was nudged behind DDP's back
+   (ResNet-18, whose BatchNorm buffers would hang an evaluation through the DDP wrapper);
+4. validation metrics count each sample once at world size 1, 2 and 3 on a set of odd size, and
+   checkpoints cross-load between the two scripts;
+5. resume equals the uninterrupted run (the single script here; DDP in test_faults.py);
+6. (the ranks' shards are disjoint, cover the data and reshuffle each epoch: test_launcher.py's two-node run);
+7. the real MNIST loader reads MNIST-format files (tiny ones written here), with DDP as one process.
 Bad inputs are in test_bad_inputs.py; the shape of the lesson's diff in test_lesson_diff.py.
 """
 import json
@@ -17,7 +18,7 @@ import os
 import pytest
 import torch
 
-from conftest import DDP, SMALL, make_mnist, ok, run, summary, weights
+from conftest import DDP, SINGLE, SMALL, make_mnist, ok, run, summary, weights
 
 
 def test_readme_demo_learns_logs_once_and_saves_once(demo):
@@ -55,39 +56,31 @@ def test_check_sync_passes_on_a_healthy_run(runs):
     assert "error" not in runs["d2"].stderr.lower() and "epoch 2/2 |" in runs["d2"].stdout
 
 
-def test_check_sync_catches_a_desynchronised_replica(tmp_path):
-    result = run("tests/ddp_probe.py", ["desync", "-", *SMALL, "--batch-size", 16, "--epochs", 2, "--save", "",
-                                        "--check-sync"], nproc=2)
+def test_check_sync_catches_a_desynchronised_resnet_replica(tmp_path):
+    """ResNet-18 under DDP on 2 processes; rank 1 nudges one weight after epoch 1, behind DDP's back. The
+    run evaluates (9 val samples: 5 on rank 0, 4 on rank 1, so with batch 4 two batches against one; through
+    the DDP wrapper its BatchNorm buffer broadcast would hang) and then --check-sync stops it."""
+    result = run("tests/ddp_probe.py", ["desync", "-", "--model", "resnet18", "--train-samples", 16, "--val-samples", 9,
+                                        "--batch-size", 4, "--epochs", 2, "--save", "", "--check-sync"], nproc=2)
+    assert "epoch 1/2 | train loss" in result.stdout  # trained and evaluated epoch 1, unequal batches and all
     assert result.returncode != 0
     assert "error: --check-sync: replicas differ after epoch 1" in result.stderr
     assert "epoch 2/2" not in result.stdout  # it stopped at the first check
 
 
-def test_shards_are_disjoint_cover_the_data_and_reshuffle_each_epoch(tmp_path):
-    ok(run("tests/ddp_probe.py", ["record", tmp_path, "--train-samples", 100, "--val-samples", 10, "--epochs", 2,
-                                  "--batch-size", 10, "--save", "", "--check-sync"], nproc=2))
-    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert [len(s) for s in seen] == [100, 100]  # 50 samples per rank per epoch, 2 epochs
-    for epoch in (0, 1):
-        shard0, shard1 = (set(s[50 * epoch:50 * epoch + 50]) for s in seen)
-        assert len(shard0) == len(shard1) == 50 and not shard0 & shard1
-        assert shard0 | shard1 == set(range(100))
-    for s in seen:
-        assert s[:50] != s[50:]  # set_epoch: a different order in epoch 2
-
-
-def test_val_metrics_identical_at_world_size_1_2_and_3(runs):
-    """Weights from s2.pt evaluated by the single script (at the end of its run), the DDP script as one
-    process and as three; d2's own weights evaluated by the single script and by its two-process run."""
-    reference = summary(runs["s2"].stdout)
-    assert "one-process group" in runs["w1_eval"].stdout
-    for name in ("w1_eval", "w3_eval"):
-        got = summary(runs[name].stdout)
-        assert got["val_samples"] == 101 and got["val_acc"] == reference["val_acc"], name
-        assert got["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-6), name
-    two, one = summary(runs["d2"].stdout), summary(runs["single_reads_ddp"].stdout)
-    assert two["val_samples"] == one["val_samples"] == 101 and two["val_acc"] == one["val_acc"]
-    assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6)
+def test_val_metrics_identical_at_world_size_1_2_and_3_and_checkpoints_cross_load(runs, in_process):
+    """s2.pt (single script) evaluated by the DDP script as one process and as three; d2.pt (DDP, two
+    processes) evaluated by the single script: each script reads the other's checkpoint, and the
+    validation metrics over 101 samples agree at every world size."""
+    d, reference = runs["dir"], summary(runs["s2"].stdout)
+    one = in_process(DDP, [*SMALL, "--eval-only", "--resume", d / "s2.pt"])
+    assert "one-process group" in one
+    for got in (summary(one), summary(runs["w3_eval"].stdout)):
+        assert got["val_samples"] == 101 and got["val_acc"] == reference["val_acc"]
+        assert got["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-6)
+    two, single = summary(runs["d2"].stdout), summary(in_process(SINGLE, [*SMALL, "--eval-only", "--resume", d / "d2.pt"]))
+    assert two["val_samples"] == single["val_samples"] == 101 and two["val_acc"] == single["val_acc"]
+    assert two["val_loss"] == pytest.approx(single["val_loss"], rel=1e-6)
 
 
 def test_resume_equals_uninterrupted_run(runs):
@@ -98,26 +91,8 @@ def test_resume_equals_uninterrupted_run(runs):
     assert torch.load(d / "s1r.pt", weights_only=True)["epoch"] == 2
 
 
-def test_checkpoints_cross_load_between_the_scripts(runs):
-    d = runs["dir"]
-    # single-process epoch 1, then DDP epoch 2: the same weights as either uninterrupted run
-    assert_weights_close(weights(d / "ds1.pt"), weights(d / "s2.pt"))
-    out = runs["ddp_reads_single"].stdout
-    assert "epoch 2/2 | train loss" in out and "epoch 1/2 | train loss" not in out  # it trained epoch 2 only
-
-
-def test_resnet18_trains_under_ddp_with_unequal_eval_batches(tmp_path):
-    # 9 val samples over 2 ranks: 5 and 4, so with batch 4 rank 0 runs two eval batches and rank 1 one;
-    # evaluating through the DDP wrapper would hang on its BatchNorm buffer broadcast
-    result = ok(run(DDP, ["--model", "resnet18", "--train-samples", 16, "--val-samples", 9, "--batch-size", 4,
-                          "--epochs", 1, "--save", tmp_path / "r.pt"], nproc=2))
-    assert summary(result)["val_samples"] == 9
-    keys = weights(tmp_path / "r.pt").keys()
-    assert "bn1.running_mean" in keys and not any(k.startswith("module.") for k in keys)
-
-
-def test_real_mnist_loader_reads_idx_files_with_ddp_as_one_process(tmp_path):
+def test_real_mnist_loader_reads_idx_files_with_ddp_as_one_process(tmp_path, in_process):
     make_mnist(tmp_path / "data")
-    out = ok(run(DDP, ["--dataset", "mnist", "--data-dir", tmp_path / "data", "--epochs", 1, "--save", ""]))
+    out = in_process(DDP, ["--dataset", "mnist", "--data-dir", tmp_path / "data", "--epochs", 1, "--save", ""])
     assert "world size 1 |" in out and "data mnist | 60 train / 20 val samples" in out
     assert "epoch 1/1 | train loss" in out and summary(out)["val_samples"] == 20

@@ -7,8 +7,9 @@
 - answers every bad input with exit code 2 and one line;
 - is valid bash and shellcheck-clean;
 - really runs a two-node job on this machine: two torchrun agents started from the printed commands, one
-  process each, meet at 127.0.0.1, train as global ranks 0 and 1 (world size 2), save one checkpoint, and
-  end with the weights of the one-node two-process run of the same flags.
+  process each, meet at 127.0.0.1, train as global ranks 0 and 1 (world size 2) on disjoint shards that
+  cover the data and reshuffle every epoch, save one checkpoint, and end with the weights of the one-node
+  two-process run of the same flags.
 """
 import json
 import os
@@ -130,7 +131,10 @@ def test_two_nodes_on_one_machine_train_like_one_node_with_two_processes(runs, t
     assert sum("world size 2 |" in out for out in outs) == 1  # rank 0 lives on one of the nodes, and logs
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]  # written by RANK 0 and 1
     assert len(seen[0]) == len(seen[1]) == 2 * 256  # 2 epochs of half the 512 samples each
-    assert not set(seen[0][:256]) & set(seen[1][:256])  # on different samples
+    for epoch in (0, 1):  # DistributedSampler: disjoint shards that cover the data, every epoch
+        shard0, shard1 = (set(s[256 * epoch:256 * (epoch + 1)]) for s in seen)
+        assert len(shard0) == len(shard1) == 256 and not shard0 & shard1 and shard0 | shard1 == set(range(512))
+    assert all(s[:256] != s[256:] for s in seen)  # set_epoch: a new order in epoch 2
     assert sorted(p.name for p in tmp_path.glob("*.pt")) == ["two_nodes.pt"]  # one checkpoint, by rank 0
     a, b = weights(tmp_path / "two_nodes.pt"), weights(runs["dir"] / "d2.pt")
     for key in a:

@@ -6,19 +6,22 @@ small model on the default corpus. These tests prove:
 2. 2 processes x batch 4 x 2 accumulation steps give the weights of 1 process x batch 16 (accumulation
    with no_sync is exact);
 3. the validation loss falls below its starting value;
-4. a worker killed at step 6 under `torchrun --max-restarts=1` is restarted, the run resumes from its
-   step-4 checkpoint (--resume auto) and ends with the losses and weights (bit for bit, dropout included)
-   of the uninterrupted run;
+4. a worker killed at step 6 under `torchrun --max-restarts=1` is restarted, and the run resumes from its
+   step-4 checkpoint (--resume auto) exactly: its step 5 repeats the first attempt's (dropout included);
 5. bf16 autocast runs on the CPU, a --compile'd model's checkpoint has no `_orig_mod.` keys, and
    `--sample` generates from that checkpoint in one plain process without torchrun.
 Bad inputs are in test_minigpt_inputs.py.
 """
 import json
 import re
+import sys
 
 import torch
 
-from conftest import ok, run, run_many, summary, weights
+from conftest import REPO, ok, run, summary, weights
+
+sys.path.insert(0, str(REPO))
+import train_ddp_minigpt as gpt  # noqa: E402
 
 GPT = "train_ddp_minigpt.py"
 TINY = ["--n-layer", 2, "--n-head", 2, "--n-embd", 32, "--block-size", 32, "--eval-windows", 32, "--log-every", 1,
@@ -57,37 +60,31 @@ def test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact(tmp_p
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
-def test_a_crashed_worker_is_restarted_and_resumes_to_the_uninterrupted_result(tmp_path):
-    """torchrun --max-restarts=1: rank 1 dies at step 6 (DDP_FAIL_AT_STEP, first attempt only); torchrun
-    restarts both workers, --resume auto picks up the step-4 checkpoint, and the run ends as if nothing
-    had happened: same losses after step 4, same weights, bit for bit (dropout included)."""
+def test_a_crashed_worker_is_restarted_and_resumes_exactly(tmp_path):
+    """torchrun --max-restarts=1: rank 1 dies as step 6 begins (DDP_FAIL_AT_STEP, first attempt only);
+    torchrun restarts both workers, --resume auto picks up the step-4 checkpoint, and the restarted run's
+    step 5 is the first attempt's step 5 to the printed digit (loss, lr, grad norm): weights, optimizer,
+    data position and every rank's dropout stream came back exactly."""
     flags = TINY + ["--max-steps", 8, "--save-every", 4, "--dropout", 0.1, "--batch-size", 4, "--grad-accum", 2]
-    full = ok(run(GPT, [*flags, "--save", tmp_path / "full.pt"], nproc=2))
-    restarted = run(GPT, [*flags, "--save", tmp_path / "crash.pt", "--resume", "auto"], nproc=2,
-                    torchrun_args=["--max-restarts=1"],
-                    env={"DDP_FAIL_AT_STEP": "6", "DDP_FAIL_RANK": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
-    out = ok(restarted)
-    assert "resumed from" not in out.split("step 4/8 | saved")[0]  # the first attempt started fresh
-    assert f"resumed from {tmp_path / 'crash.pt'} at step 4" in out  # the restart resumed
-    before, after = steps_logged(full), steps_logged(out.split("at step 4")[1])
-    assert sorted(after) == [5, 6, 7, 8]
-    for step in after:  # same loss, lr and grad norm, to the printed digits
-        assert after[step].split(" | ")[:4] == before[step].split(" | ")[:4]
-    a, b = weights(tmp_path / "full.pt"), weights(tmp_path / "crash.pt")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    out = ok(run(GPT, [*flags, "--save", tmp_path / "ck.pt", "--resume", "auto"], nproc=2,
+                 torchrun_args=["--max-restarts=1"],
+                 env={"DDP_FAIL_AT_STEP": "6", "DDP_FAIL_RANK": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}))
+    first, _, second = out.partition(f"resumed from {tmp_path / 'ck.pt'} at step 4")
+    assert second, out  # the restart resumed from the step-4 checkpoint
+    before, after = steps_logged(first), steps_logged(second)
+    assert sorted(before) == [1, 2, 3, 4, 5] and sorted(after) == [5, 6, 7, 8]
+    assert after[5].split(" | ")[:4] == before[5].split(" | ")[:4]
+    assert torch.load(tmp_path / "ck.pt", weights_only=True)["step"] == 8
 
 
-def test_bf16_on_cpu_compile_free_keys_and_sampling_without_torchrun(tmp_path):
-    trained, plain = run_many([
-        (GPT, [*TINY, "--max-steps", 3, "--amp", "bf16", "--compile", "--compile-backend", "eager",
-               "--save", tmp_path / "bf16.pt"]),
-        (GPT, [*TINY, "--max-steps", 2, "--save", tmp_path / "plain.pt"])])
-    out = ok(trained)
+def test_bf16_on_cpu_compile_free_keys_and_sampling_without_torchrun(tmp_path, in_process):
+    out = ok(run(GPT, [*TINY, "--max-steps", 3, "--amp", "bf16", "--compile", "--compile-backend", "eager",
+                       "--save", tmp_path / "bf16.pt"]))
     assert "amp bfloat16" in out and summary(out)["steps"] == 3
-    ok(plain)
+    plain = set(gpt.GPT(**torch.load(tmp_path / "bf16.pt", weights_only=True)["config"]).state_dict())
     keys = set(weights(tmp_path / "bf16.pt"))
-    assert keys == set(weights(tmp_path / "plain.pt")) and not any("_orig_mod" in k or "module." in k for k in keys)
-    sampled = run(GPT, ["--sample", "--ckpt", tmp_path / "bf16.pt", "--prompt", "def ", "--max-new-tokens", 40])
-    text = ok(sampled)
+    assert keys == plain and not any("_orig_mod" in k or "module." in k for k in keys)
+    import torch.distributed as dist
+    text = in_process(GPT, ["--sample", "--ckpt", tmp_path / "bf16.pt", "--prompt", "def ", "--max-new-tokens", 40])
     assert text.startswith("def ") and len(text.encode()) > 40
-    assert "world size" not in text and "torchrun" not in text  # no process group, no DDP
+    assert not dist.is_initialized()  # no process group, no torchrun: one plain process

@@ -32,13 +32,6 @@ def files(tmp_path_factory):
     return d
 
 
-@pytest.fixture
-def leave_group():
-    yield
-    if dist.is_initialized():  # main() joined a one-process group in this process
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("args,message", [
     (["--data", "{d}/missing.txt"], "data file not found: {d}/missing.txt"),
     (["--data", "{d}/empty.txt"], "{d}/empty.txt has 0 tokens: too short for 1 process(es)"),
@@ -52,7 +45,7 @@ def leave_group():
     (["--sample", "--ckpt", "{d}/nothing.pt"], "checkpoint not found: {d}/nothing.pt"),
     (["--data", "{d}/text.txt", "--device", "cuda"], "--device cuda, but no CUDA device is visible"),
 ])
-def test_bad_data_and_checkpoints_raise_one_line_input_errors(args, message, files, leave_group):
+def test_bad_data_and_checkpoints_raise_one_line_input_errors(args, message, files, in_process):
     with pytest.raises(gpt.InputError) as err:
         gpt.main([*TINY, *[a.format(d=files) for a in args]])
     assert message.format(d=files) in str(err.value) and "\n" not in str(err.value)
