@@ -55,7 +55,8 @@ def test_bad_flag_values_are_refused_in_one_line(script, args, message, capsys):
     (SINGLE, ["--resume", "{d}/missing.pt"], "checkpoint not found: {d}/missing.pt"),
     (DDP, ["--resume", "{d}/garbage.pt"], "cannot resume from {d}/garbage.pt: "),
     (SINGLE, ["--resume", "{d}/truncated.pt"], "cannot resume from {d}/truncated.pt: "),
-    (DDP, ["--resume", "{d}/good.pt", "--model", "resnet18"], "{d}/good.pt holds a --model cnn, this run builds --model resnet18"),
+    (DDP, ["--resume", "{d}/good.pt", "--model", "resnet18"],
+     "{d}/good.pt holds a --model cnn, this run builds --model resnet18"),
     (SINGLE, ["--dataset", "mnist", "--data-dir", "{d}/empty"],
      "MNIST not found: place the uncompressed files train-images-idx3-ubyte, train-labels-idx1-ubyte, "
      "t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte in {d}/empty/MNIST/raw/"),
@@ -65,7 +66,8 @@ def test_bad_flag_values_are_refused_in_one_line(script, args, message, capsys):
 ])
 def test_bad_files_and_options_raise_one_line_input_errors(script, args, message, files, in_process, tmp_path):
     module = trainer(script)
-    args = [a.format(d=files) for a in args] + ["--train-samples", "64", "--val-samples", "8", "--save", str(tmp_path / "x.pt")]
+    args = [a.format(d=files) for a in args]
+    args += ["--train-samples", "64", "--val-samples", "8", "--save", str(tmp_path / "x.pt")]
     with pytest.raises(module.InputError) as err:
         module.main(args)
     assert message.format(d=files) in str(err.value) and "\n" not in str(err.value)

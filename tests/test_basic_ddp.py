@@ -78,7 +78,8 @@ def test_val_metrics_identical_at_world_size_1_2_and_3_and_checkpoints_cross_loa
     for got in (summary(one), summary(runs["w3_eval"].stdout)):
         assert got["val_samples"] == 101 and got["val_acc"] == reference["val_acc"]
         assert got["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-6)
-    two, single = summary(runs["d2"].stdout), summary(in_process(SINGLE, [*SMALL, "--eval-only", "--resume", d / "d2.pt"]))
+    two = summary(runs["d2"].stdout)
+    single = summary(in_process(SINGLE, [*SMALL, "--eval-only", "--resume", d / "d2.pt"]))
     assert two["val_samples"] == single["val_samples"] == 101 and two["val_acc"] == single["val_acc"]
     assert two["val_loss"] == pytest.approx(single["val_loss"], rel=1e-6)
 

@@ -61,7 +61,8 @@ def test_prints_one_identical_c10d_command_per_node():
 def test_slurm_gives_nodes_rank_and_head_node_and_run_execs(tmp_path):
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "scontrol").write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames gpu[07-09]" ] && printf "gpu07\\ngpu08\\ngpu09\\n"\n')
+    (fake / "scontrol").write_text(
+        '#!/bin/sh\n[ "$1 $2 $3" = "show hostnames gpu[07-09]" ] && printf "gpu07\\ngpu08\\ngpu09\\n"\n')
     (fake / "scontrol").chmod(0o755)
     slurm = {"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "3",
              "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[07-09]", "SLURM_GPUS_ON_NODE": "4"}
@@ -85,7 +86,8 @@ def test_help_and_explain_name_the_troubleshooting_switches():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--nnodes", "two", "--master-addr", "h", "train_ddp_basic.py"], "--nnodes must be a whole number >= 1, got 'two'"),
+    (["--nnodes", "two", "--master-addr", "h", "train_ddp_basic.py"],
+     "--nnodes must be a whole number >= 1, got 'two'"),
     (["--nnodes", "0", "--master-addr", "h", "train_ddp_basic.py"], "--nnodes must be a whole number >= 1, got '0'"),
     (["--nnodes", "2", "--nproc-per-node", "0", "--master-addr", "h", "train_ddp_basic.py"], "--nproc-per-node must"),
     (["--nnodes", "2", "--master-addr", "h", "--node-rank", "2", "--run", "train_ddp_basic.py"],
@@ -122,7 +124,8 @@ def test_two_nodes_on_one_machine_train_like_one_node_with_two_processes(runs, t
     port = free_port()
     printed = launch("--nnodes", 2, "--nproc-per-node", 1, "--master-addr", "127.0.0.1", "--master-port", port,
                      "--join-timeout", 60, "tests/ddp_probe.py", "record", tmp_path, *runs["ddp_flags"],
-                     "--save", tmp_path / "two_nodes.pt", env={"TORCHRUN": f"{sys.executable} -m torch.distributed.run"})
+                     "--save", tmp_path / "two_nodes.pt",
+                     env={"TORCHRUN": f"{sys.executable} -m torch.distributed.run"})
     node0, node1 = commands(printed.stdout)
     agents = [subprocess.Popen(line, shell=True, cwd=REPO, env=environment(), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True) for line in (node0, node1)]
