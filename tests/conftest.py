@@ -140,7 +140,8 @@ def runs(tmp_path_factory):
     r["s2"], r["s1"] = run_many([(SINGLE, single + ["--epochs", 2, "--save", d / "s2.pt"]),
                                  (SINGLE, single + ["--epochs", 1, "--save", d / "s1.pt"])])
     r["d2"] = run(DDP, ddp + ["--epochs", 2, "--save", d / "d2.pt", "--check-sync"], nproc=2)
-    r["s1_resumed"] = run(SINGLE, single + ["--epochs", 2, "--resume", d / "s1.pt", "--save", d / "s1r.pt"])
+    # the single-process script under torchrun too: it ignores the variables torchrun sets, and runs as usual
+    r["s1_resumed"] = run(SINGLE, single + ["--epochs", 2, "--resume", d / "s1.pt", "--save", d / "s1r.pt"], nproc=1)
     r["w3_eval"] = run(DDP, ddp + ["--eval-only", "--resume", d / "s2.pt"], nproc=3)
     for result in r.values():
         ok(result)
