@@ -54,7 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=positive(int), default=64, metavar="N", help="per process (default: 64)")
     p.add_argument("--lr", type=positive(float), default=1e-3, help="Adam, constant (default: 0.001)")
     p.add_argument("--seed", type=int, default=0, help="seeds data, weights, order (default: 0)")
-    p.add_argument("--num-workers", type=positive(int, zero_ok=True), default=0, metavar="N", help="DataLoader processes (default: 0)")
+    p.add_argument("--num-workers", type=positive(int, zero_ok=True), default=0, metavar="N",
+                   help="DataLoader worker processes, 0 = load in this one (default: 0)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if present (default)")
     p.add_argument("--model", choices=["cnn", "resnet18"], default="cnn", help="tiny CNN (default) or ResNet-18")
     p.add_argument("--dataset", choices=["synthetic", "mnist"], default="synthetic", help="default: synthetic")

@@ -444,9 +444,10 @@ def read_checkpoint(path):
         raise InputError(f"checkpoint not found: {path}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-        state["model"], state["config"], state["step"]  # noqa: B018 - a KeyError means: not our checkpoint
+        if not isinstance(state, dict) or not {"model", "config", "step"} <= state.keys():
+            raise ValueError("not a checkpoint of this script (no model, config and step)")
         return state
-    except Exception as err:  # truncated, not a checkpoint of ours: bad input all the same
+    except Exception as err:  # truncated, not a torch file, not a checkpoint of ours: bad input all the same
         reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
         raise InputError(f"cannot read checkpoint {path}: {reason}") from None
 

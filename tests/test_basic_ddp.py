@@ -12,7 +12,6 @@
 7. the real MNIST loader reads MNIST-format files (tiny ones written here), with DDP as one process.
 Bad inputs are in test_bad_inputs.py; the shape of the lesson's diff in test_lesson_diff.py.
 """
-import json
 import os
 
 import pytest

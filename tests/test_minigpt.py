@@ -82,6 +82,10 @@ def test_bf16_on_cpu_compile_free_keys_and_sampling_without_torchrun(tmp_path, i
     out = ok(run(GPT, [*TINY, "--max-steps", 3, "--amp", "bf16", "--compile", "--compile-backend", "eager",
                        "--save", tmp_path / "bf16.pt"]))
     assert "amp bfloat16" in out and summary(out)["steps"] == 3
+    with torch.autocast("cpu", dtype=gpt.amp_dtype("bf16", torch.device("cpu"))):  # what main() wraps steps in
+        logits, _ = gpt.GPT(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=16, dropout=0.0)(
+            torch.zeros(1, 8, dtype=torch.long))
+    assert logits.dtype == torch.bfloat16  # the matrix products really ran in bf16
     plain = set(gpt.GPT(**torch.load(tmp_path / "bf16.pt", weights_only=True)["config"]).state_dict())
     keys = set(weights(tmp_path / "bf16.pt"))
     assert keys == plain and not any("_orig_mod" in k or "module." in k for k in keys)
@@ -100,7 +104,7 @@ def test_grad_checkpointing_gives_the_same_gradients_with_less_stored():
         model = gpt.GPT(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0,
                         grad_checkpointing=checkpointing)
         runs = []
-        model.blocks[0].register_forward_pre_hook(lambda *_: runs.append(1))  # pre: recompute may stop early
+        model.blocks[0].register_forward_pre_hook(lambda *_, runs=runs: runs.append(1))  # pre: recompute may stop early
         x = torch.randint(0, 256, (4, 17))
         _, loss = model(x[:, :-1], x[:, 1:])
         loss.backward()

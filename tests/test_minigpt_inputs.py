@@ -68,7 +68,7 @@ def test_bad_flags_are_refused_in_one_line(args, message, capsys):
 def test_input_errors_exit_2_with_one_line_and_no_traceback(files):
     cases = [("train_ddp_minigpt.py", [*TINY, "--data", files / "ids.bin"]),
              ("train_ddp_minigpt.py", ["--sample", "--ckpt", files / "truncated.pt"])]
-    for (script, args), result in zip(cases, run_many(cases)):
+    for (_, args), result in zip(cases, run_many(cases)):
         where = f"{args}: exit {result.returncode}\n{result.stderr}"
         assert result.returncode == 2 and "Traceback" not in result.stderr, where
         assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error: "), where
