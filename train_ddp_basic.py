@@ -15,6 +15,7 @@ import datetime  # DDP 1/10
 import hashlib  # DDP 9/10
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -70,6 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--dist-timeout", type=positive(float), default=300, metavar="S", help="default: 300 s")  # DDP 1/10
     p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm (GPU only)")  # DDP 6/10
     p.add_argument("--check-sync", action="store_true", help="compare replicas each epoch")  # DDP 9/10
+    p.add_argument("--debug", action="store_true", help="checked collectives, data per rank, --check-sync")  # DDP 9/10
     return p.parse_args(argv)
 
 
@@ -88,11 +90,13 @@ def pick_device(name):
     return torch.device(name)
 
 
-def init_distributed(device, timeout_s):  # DDP 1/10 join the process group torchrun describes in env vars
+def init_distributed(device, timeout_s, debug):  # DDP 1/10 join the process group torchrun describes in env vars
     if device.type == "cuda":  # DDP 2/10 one GPU per process, picked by LOCAL_RANK, before any CUDA work
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))  # DDP 2/10
         torch.cuda.set_device(device)  # DDP 2/10
     backend, timeout = ("nccl" if device.type == "cuda" else "gloo"), datetime.timedelta(seconds=timeout_s)  # DDP 1/10
+    if debug:  # DDP 9/10 TORCH_DISTRIBUTED_DEBUG, before the group starts; DETAIL checks every collective across ranks
+        dist.set_debug_level(dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO)  # DDP 9/10 see docs
     if "RANK" in os.environ:  # DDP 1/10 launched by torchrun
         dist.init_process_group(backend, timeout=timeout)  # DDP 1/10
     else:  # DDP 1/10 plain `python`: a group of one, over an in-memory store
@@ -159,19 +163,21 @@ def build_model(name):
     return model
 
 
-def check_replicas_in_sync(model, epoch):  # DDP 9/10 --check-sync: compare hashes of every rank's weights
+def check_replicas_in_sync(model, when):  # DDP 9/10 --check-sync: compare hashes of every rank's weights
     digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters()))  # DDP 9/10
     digests = [None] * dist.get_world_size()  # DDP 9/10
     dist.all_gather_object(digests, digest.hexdigest()[:12])  # DDP 9/10
     if len(set(digests)) > 1:  # DDP 9/10
-        print(f"error: --check-sync: replicas differ after epoch {epoch}: {digests}", file=sys.stderr)  # DDP 9/10
+        print(f"error: --check-sync: replicas differ after {when}: {digests}", file=sys.stderr)  # DDP 9/10
         sys.exit(3)  # DDP 9/10
 
 
-def train_one_epoch(model, loader, optimizer, device):
-    """One pass over the loader. Returns [loss sum, correct, samples] as float64 (summed, not averaged)."""
+def train_one_epoch(model, loader, optimizer, device, step_times):
+    """One pass over the loader. Returns [loss sum, correct, samples] as float64 (summed, not averaged), and
+    appends each step's seconds (data loading included) to step_times."""
     model.train()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
+    tick = time.perf_counter()
     for images, labels in loader:
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         logits = model(images)
@@ -181,6 +187,10 @@ def train_one_epoch(model, loader, optimizer, device):
         optimizer.step()
         correct = (logits.argmax(1) == labels).sum()
         totals += torch.stack([loss.detach() * len(labels), correct, labels.new_tensor(len(labels))])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # a GPU step is only queued until now: wait, then read the clock
+        step_times.append(time.perf_counter() - tick)
+        tick = time.perf_counter()
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # DDP 7/10 reduce the metrics: sums over all ranks
     return totals
 
@@ -258,6 +268,13 @@ def resolve_resume(resume, save):
     return save if os.path.isfile(save) else None
 
 
+def median_step_seconds(step_times, warmup=5):
+    """The median seconds per step, leaving out the first `warmup` steps (lazy initialisation, caches, the
+    allocator) when there are more; 0.0 when no step ran."""
+    timed = step_times[warmup:] or step_times
+    return statistics.median(timed) if timed else 0.0
+
+
 def loss_and_accuracy(totals):
     """[loss sum, correct, samples] -> (mean loss, accuracy, samples)."""
     loss_sum, correct, n = totals.tolist()
@@ -268,9 +285,10 @@ def main(argv=None):
     args = parse_args(argv)
     # setup
     device = pick_device(args.device)
-    device, rank, world_size = init_distributed(device, args.dist_timeout)  # DDP 1/10
+    device, rank, world_size = init_distributed(device, args.dist_timeout, args.debug)  # DDP 1/10
     is_main = rank == 0  # DDP 3/10 rank 0 alone logs and saves
-    print0(is_main, f"world size {world_size} | global batch {args.batch_size * world_size}")  # DDP 3/10
+    global_batch = args.batch_size * world_size  # DDP 3/10 samples per optimizer step, all ranks together
+    print0(is_main, f"world size {world_size} | global batch {global_batch}")  # DDP 3/10
     torch.manual_seed(args.seed)  # the same initial weights for the same seed
 
     # data
@@ -281,6 +299,8 @@ def main(argv=None):
         raise InputError(f"{world_size} processes but {len(train_set)} train / {len(val_set)} val samples")  # DDP 4/10
     sampler = DistributedSampler(train_set, seed=args.seed)  # DDP 4/10 this rank's share of a shuffled order
     val_set = Subset(val_set, range(rank, len(val_set), world_size))  # DDP 4/10 disjoint slices: no padding to count
+    if args.debug:  # DDP 9/10 every rank, not just rank 0, says which samples it holds
+        print(f"[rank {rank}] train {len(sampler)}: {list(sampler)[:4]}.. | val {len(val_set)}", flush=True)  # DDP 9/10
     train_loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.num_workers,
                               pin_memory=device.type == "cuda")
     val_loader = DataLoader(val_set, args.batch_size, num_workers=args.num_workers, pin_memory=device.type == "cuda")
@@ -300,11 +320,11 @@ def main(argv=None):
     # train: one line per epoch, after a first evaluation of the starting weights
     val_loss, val_acc, val_n = loss_and_accuracy(evaluate(model, val_loader, device))
     print0(is_main, f"epoch {start_epoch}/{args.epochs} | val loss {val_loss:.4f} | val acc {100 * val_acc:.2f}%")
-    samples, seconds = 0, 0.0
+    samples, seconds, step_times = 0, 0.0, []
     for epoch in range(start_epoch, start_epoch if args.eval_only else args.epochs):
         sampler.set_epoch(epoch)  # DDP 5/10 a new shuffled order each epoch, the same on every rank
         start = time.perf_counter()
-        train_loss, _, n = loss_and_accuracy(train_one_epoch(model, train_loader, optimizer, device))
+        train_loss, _, n = loss_and_accuracy(train_one_epoch(model, train_loader, optimizer, device, step_times))
         train_s = time.perf_counter() - start
         samples, seconds = samples + n, seconds + train_s
         val_loss, val_acc, val_n = loss_and_accuracy(evaluate(model, val_loader, device))
@@ -312,10 +332,13 @@ def main(argv=None):
                         f"val acc {100 * val_acc:.2f}% | {n / train_s:,.0f} samples/s | {train_s:.1f} s")
         if args.save_every and (epoch + 1) % args.save_every == 0 and epoch + 1 < args.epochs:
             save_once(args.save, model, optimizer, epoch + 1, args, is_main)
-        if args.check_sync:  # DDP 9/10
-            check_replicas_in_sync(model, epoch + 1)  # DDP 9/10
+        if args.check_sync or args.debug:  # DDP 9/10
+            check_replicas_in_sync(model, f"epoch {epoch + 1}")  # DDP 9/10
     summary = {"val_loss": val_loss, "val_acc": val_acc, "val_samples": val_n, "train_samples": samples,
                "train_s": round(seconds, 3), "samples_per_s": round(samples / seconds, 1) if seconds else 0.0}
+    step_s = median_step_seconds(step_times)  # the steady pace, for benchmark_scaling.py (docs/conventions.md)
+    summary.update(step_ms=round(1000 * step_s, 3), per_step=global_batch, throughput_unit="samples/s",
+                   throughput=round(global_batch / step_s, 1) if step_s else 0.0)
     print0(is_main, f"done | val loss {val_loss:.4f} | val acc {100 * val_acc:.2f}% | "
                     f"{summary['samples_per_s']:,.0f} samples/s over {seconds:.1f} s of training")
     print0(is_main, "summary " + json.dumps(summary))

@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import datetime  # DDP 1/10
 import glob
+import hashlib  # DDP 9/10
 import json
 import math
 import os
@@ -87,6 +88,8 @@ def parse_args(argv=None):
     a("--seed", type=int, default=0, help="seeds the weights, the data order and dropout (default: 0)")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if present (default)")
     a("--dist-timeout", type=positive(float), default=300, metavar="S", help="default: 300 s")  # DDP 1/10
+    a("--check-sync", action="store_true", help="compare replicas at each evaluation")  # DDP 9/10
+    a("--debug", action="store_true", help="checked collectives, data per rank, --check-sync")  # DDP 9/10
     a = p.add_argument_group("evaluation, logging, checkpoints").add_argument
     a("--eval-every", type=positive(int), default=100, metavar="N", help="steps between evaluations (default: 100)")
     a("--eval-windows", type=positive(int), default=128, metavar="N", help="validation sequences (default: 128)")
@@ -142,11 +145,13 @@ def keep_freed_memory_on_cpu(device):
     libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD = 1 GiB: keep up to that much freed heap for reuse
 
 
-def init_distributed(device, timeout_s):  # DDP 1/10 join the process group torchrun describes in env vars
+def init_distributed(device, timeout_s, debug):  # DDP 1/10 join the process group torchrun describes in env vars
     if device.type == "cuda":  # DDP 2/10 one GPU per process, picked by LOCAL_RANK, before any CUDA work
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))  # DDP 2/10
         torch.cuda.set_device(device)  # DDP 2/10
     backend, timeout = ("nccl" if device.type == "cuda" else "gloo"), datetime.timedelta(seconds=timeout_s)  # DDP 1/10
+    if debug:  # DDP 9/10 TORCH_DISTRIBUTED_DEBUG, before the group starts; DETAIL checks every collective across ranks
+        dist.set_debug_level(dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO)  # DDP 9/10 see docs
     if "RANK" in os.environ:  # DDP 1/10 launched by torchrun
         dist.init_process_group(backend, timeout=timeout)  # DDP 1/10
     else:  # DDP 1/10 plain `python`: a group of one, over an in-memory store
@@ -398,6 +403,15 @@ def evaluate(model, val, args, rank, world_size, autocast):
     return (totals[0] / totals[1]).item()
 
 
+def check_replicas_in_sync(model, when):  # DDP 9/10 --check-sync: compare hashes of every rank's weights
+    digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters()))  # DDP 9/10
+    digests = [None] * dist.get_world_size()  # DDP 9/10
+    dist.all_gather_object(digests, digest.hexdigest()[:12])  # DDP 9/10
+    if len(set(digests)) > 1:  # DDP 9/10
+        print(f"error: --check-sync: replicas differ after {when}: {digests}", file=sys.stderr)  # DDP 9/10
+        sys.exit(3)  # DDP 9/10
+
+
 def mean_over_ranks(value, world_size):
     """The average of a scalar tensor over all ranks (SUM then divide: gloo has no AVG)."""
     value = value.detach().clone().float()
@@ -496,7 +510,7 @@ def main(argv=None):
         return sample(args)
     # setup
     device = pick_device(args.device)
-    device, rank, world_size = init_distributed(device, args.dist_timeout)  # DDP 1/10
+    device, rank, world_size = init_distributed(device, args.dist_timeout, args.debug)  # DDP 1/10
     is_main = rank == 0  # DDP 3/10 rank 0 alone logs and saves
     keep_freed_memory_on_cpu(device)
     dtype = amp_dtype(args.amp, device)
@@ -514,6 +528,9 @@ def main(argv=None):
     baseline, unit = unigram_loss(train, val, vocab_size), "byte" if vocab_size == 256 else "token"
     print0(is_main, f"data {args.data or 'Python standard library'} | {len(train):,} train / {len(val):,} val "
                     f"tokens | vocab {vocab_size} | {unit}-frequency baseline loss {baseline:.4f}")
+    if args.debug:  # DDP 9/10 every rank, not just rank 0, says which windows it reads
+        print(f"[rank {rank}] {windows.per_epoch} micro-batches per epoch, first windows at "
+              f"tokens {windows.deal(0)[:4].tolist()}", flush=True)  # DDP 9/10
 
     # model
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
@@ -532,24 +549,29 @@ def main(argv=None):
     # train
     if args.benchmark:
         return benchmark(model, optimizer, scaler, windows, args, autocast, device, tokens_per_step, is_main)
-    fail_at = crash_step(rank)
+    fail_at, fail_mode = crash_step(rank)
     val_loss = evaluate(model.module, val, args, rank, world_size, autocast)  # DDP 7/10 the plain module
     print0(is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
-    timer, train_s, last = time.perf_counter(), 0.0, start
+    timer, train_s, last, paces = time.perf_counter(), 0.0, start, []  # paces: seconds per step, per log line
     for step in range(start, args.max_steps):
-        if step + 1 == fail_at:
+        if step + 1 == fail_at and fail_mode == "crash":
             os._exit(17)  # like a killed process: no cleanup, no goodbye to the group
+        if step + 1 == fail_at:  # "hang": alive but stuck, so never at this step's all-reduce; the other
+            time.sleep(3600)  # ranks wait there until --dist-timeout fails them, and torchrun ends the job
         loss, grad_norm = train_step(model, optimizer, scaler, windows, step, args, autocast, device)
         done = step + 1
         if done % args.log_every == 0 or done == args.max_steps:
             loss = mean_over_ranks(loss, world_size)  # DDP 7/10 the loss of all ranks' tokens
             seconds = time.perf_counter() - timer
             train_s, timer, steps, last = train_s + seconds, time.perf_counter(), done - last, done
+            paces.append(seconds / steps)
             print0(is_main, log_line(done, args, loss, grad_norm.item(), seconds / steps, tokens_per_step, n_params,
                                      device, world_size))
         if done % args.eval_every == 0 or done == args.max_steps:
             val_loss = evaluate(model.module, val, args, rank, world_size, autocast)  # DDP 7/10
             print0(is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | baseline {baseline:.4f}")
+            if args.check_sync or args.debug:  # DDP 9/10
+                check_replicas_in_sync(model, f"step {done}")  # DDP 9/10
             timer = time.perf_counter()  # evaluation is not training time
         if args.save and (done == args.max_steps or (args.save_every and done % args.save_every == 0)):
             checkpoint_all(args.save, raw_model, optimizer, scaler, done, args, vocab_size, device, is_main)
@@ -558,6 +580,8 @@ def main(argv=None):
     trained = max(0, args.max_steps - start)
     summary = {"steps": trained, "val_loss": val_loss, "baseline_loss": baseline, "train_s": round(train_s, 3),
                "tokens_per_s": round(trained * tokens_per_step / train_s, 1) if train_s else 0.0}
+    step_s = statistics.median(paces[1:] or paces) if paces else 0.0  # the first log interval warms up
+    summary.update(pace(step_s, tokens_per_step))
     print0(is_main, f"done | val loss {val_loss:.4f} ({unit}-frequency baseline {baseline:.4f}) | "
                     f"{summary['tokens_per_s']:,.0f} tok/s over {train_s:.1f} s of training")
     print0(is_main, "summary " + json.dumps(summary))
@@ -590,15 +614,26 @@ def checkpoint_all(path, raw_model, optimizer, scaler, step, args, vocab_size, d
 
 
 def crash_step(rank):
-    """Teaching aid for chapter 5 (docs/conventions.md): with DDP_FAIL_AT_STEP=N set, the process of rank
-    DDP_FAIL_RANK (default 0) dies as if killed when step N begins, on the first attempt only: torchrun
-    counts restarts in TORCHELASTIC_RESTART_COUNT, so a restarted job gets past it. Returns N, or 0."""
+    """Teaching aid for chapters 5 and 6 (docs/conventions.md): with DDP_FAIL_AT_STEP=N set, the process of
+    rank DDP_FAIL_RANK (default 0) dies as if killed when step N begins (DDP_FAIL_MODE=crash, the default) or
+    stops there as if stuck (DDP_FAIL_MODE=hang), on the first attempt only: torchrun counts restarts in
+    TORCHELASTIC_RESTART_COUNT, so a restarted job gets past it. Returns (N or 0, mode)."""
+    mode = os.environ.get("DDP_FAIL_MODE", "crash")
     try:
         step, victim = int(os.environ.get("DDP_FAIL_AT_STEP", 0)), int(os.environ.get("DDP_FAIL_RANK", 0))
         first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
     except ValueError:
         raise InputError("DDP_FAIL_AT_STEP and DDP_FAIL_RANK must be whole numbers") from None
-    return step if rank == victim and first_attempt else 0
+    if mode not in ("crash", "hang"):
+        raise InputError(f"DDP_FAIL_MODE must be crash or hang, not {mode!r}")
+    return (step if rank == victim and first_attempt else 0), mode
+
+
+def pace(step_s, tokens_per_step):
+    """The summary keys benchmark_scaling.py reads (docs/conventions.md): median ms per optimizer step, and
+    the throughput of all ranks it implies."""
+    return {"step_ms": round(1000 * step_s, 3), "per_step": tokens_per_step, "throughput_unit": "tokens/s",
+            "throughput": round(tokens_per_step / step_s, 1) if step_s else 0.0}
 
 
 def benchmark(model, optimizer, scaler, windows, args, autocast, device, tokens_per_step, is_main):
@@ -609,10 +644,8 @@ def benchmark(model, optimizer, scaler, windows, args, autocast, device, tokens_
         loss, _ = train_step(model, optimizer, scaler, windows, step, args, autocast, device)
         loss.item()  # wait for the device: the step is over
         times.append(time.perf_counter() - start)
-    median = statistics.median(times[5:])
-    result = {"median_ms_per_step": round(1000 * median, 2), "tokens_per_s": round(tokens_per_step / median, 1),
-              "tokens_per_step": tokens_per_step, "timed_steps": args.max_steps}
-    print0(is_main, f"benchmark | {result['median_ms_per_step']} ms/step | {result['tokens_per_s']:,.0f} tok/s")
+    result = {**pace(statistics.median(times[5:]), tokens_per_step), "timed_steps": args.max_steps}
+    print0(is_main, f"benchmark | {result['step_ms']} ms/step | {result['throughput']:,.0f} tok/s")
     print0(is_main, "summary " + json.dumps(result))
 
 

@@ -11,6 +11,7 @@ downloaded; `--dataset mnist --data-dir data` reads the real MNIST files from da
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -137,10 +138,12 @@ def build_model(name):
     return model
 
 
-def train_one_epoch(model, loader, optimizer, device):
-    """One pass over the loader. Returns [loss sum, correct, samples] as float64 (summed, not averaged)."""
+def train_one_epoch(model, loader, optimizer, device, step_times):
+    """One pass over the loader. Returns [loss sum, correct, samples] as float64 (summed, not averaged), and
+    appends each step's seconds (data loading included) to step_times."""
     model.train()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
+    tick = time.perf_counter()
     for images, labels in loader:
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         logits = model(images)
@@ -150,6 +153,10 @@ def train_one_epoch(model, loader, optimizer, device):
         optimizer.step()
         correct = (logits.argmax(1) == labels).sum()
         totals += torch.stack([loss.detach() * len(labels), correct, labels.new_tensor(len(labels))])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # a GPU step is only queued until now: wait, then read the clock
+        step_times.append(time.perf_counter() - tick)
+        tick = time.perf_counter()
     return totals
 
 
@@ -223,6 +230,13 @@ def resolve_resume(resume, save):
     return save if os.path.isfile(save) else None
 
 
+def median_step_seconds(step_times, warmup=5):
+    """The median seconds per step, leaving out the first `warmup` steps (lazy initialisation, caches, the
+    allocator) when there are more; 0.0 when no step ran."""
+    timed = step_times[warmup:] or step_times
+    return statistics.median(timed) if timed else 0.0
+
+
 def loss_and_accuracy(totals):
     """[loss sum, correct, samples] -> (mean loss, accuracy, samples)."""
     loss_sum, correct, n = totals.tolist()
@@ -234,6 +248,7 @@ def main(argv=None):
     # setup
     device = pick_device(args.device)
     is_main = True  # the one process logs and saves (under DDP, only rank 0 will)
+    global_batch = args.batch_size  # samples per optimizer step
     torch.manual_seed(args.seed)  # the same initial weights for the same seed
 
     # data
@@ -256,11 +271,11 @@ def main(argv=None):
     # train: one line per epoch, after a first evaluation of the starting weights
     val_loss, val_acc, val_n = loss_and_accuracy(evaluate(model, val_loader, device))
     print0(is_main, f"epoch {start_epoch}/{args.epochs} | val loss {val_loss:.4f} | val acc {100 * val_acc:.2f}%")
-    samples, seconds = 0, 0.0
+    samples, seconds, step_times = 0, 0.0, []
     for epoch in range(start_epoch, start_epoch if args.eval_only else args.epochs):
         sampler.generator.manual_seed(args.seed + epoch)  # a new order each epoch, the same for a given seed
         start = time.perf_counter()
-        train_loss, _, n = loss_and_accuracy(train_one_epoch(model, train_loader, optimizer, device))
+        train_loss, _, n = loss_and_accuracy(train_one_epoch(model, train_loader, optimizer, device, step_times))
         train_s = time.perf_counter() - start
         samples, seconds = samples + n, seconds + train_s
         val_loss, val_acc, val_n = loss_and_accuracy(evaluate(model, val_loader, device))
@@ -270,6 +285,9 @@ def main(argv=None):
             save_once(args.save, model, optimizer, epoch + 1, args, is_main)
     summary = {"val_loss": val_loss, "val_acc": val_acc, "val_samples": val_n, "train_samples": samples,
                "train_s": round(seconds, 3), "samples_per_s": round(samples / seconds, 1) if seconds else 0.0}
+    step_s = median_step_seconds(step_times)  # the steady pace, for benchmark_scaling.py (docs/conventions.md)
+    summary.update(step_ms=round(1000 * step_s, 3), per_step=global_batch, throughput_unit="samples/s",
+                   throughput=round(global_batch / step_s, 1) if step_s else 0.0)
     print0(is_main, f"done | val loss {val_loss:.4f} | val acc {100 * val_acc:.2f}% | "
                     f"{summary['samples_per_s']:,.0f} samples/s over {seconds:.1f} s of training")
     print0(is_main, "summary " + json.dumps(summary))

@@ -139,7 +139,7 @@ def runs(tmp_path_factory):
     r = {}
     r["s2"], r["s1"] = run_many([(SINGLE, single + ["--epochs", 2, "--save", d / "s2.pt"]),
                                  (SINGLE, single + ["--epochs", 1, "--save", d / "s1.pt"])])
-    r["d2"] = run(DDP, ddp + ["--epochs", 2, "--save", d / "d2.pt", "--check-sync"], nproc=2)
+    r["d2"] = run(DDP, ddp + ["--epochs", 2, "--save", d / "d2.pt", "--check-sync", "--debug"], nproc=2)
     # the single-process script under torchrun too: it ignores the variables torchrun sets, and runs as usual
     r["s1_resumed"] = run(SINGLE, single + ["--epochs", 2, "--resume", d / "s1.pt", "--save", d / "s1r.pt"], nproc=1)
     r["w3_eval"] = run(DDP, ddp + ["--eval-only", "--resume", d / "s2.pt"], nproc=3)

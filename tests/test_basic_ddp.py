@@ -3,7 +3,8 @@
 1. the README demo (`torchrun --nproc_per_node=2 train_ddp_basic.py`, default flags) learns (>= 90% val
    accuracy), prints each log line once and writes exactly one checkpoint, with no `module.` keys;
 2. DDP on 2 processes with --batch-size B ends with the weights of one process with --batch-size 2B;
-3. --check-sync passes on a healthy run and stops a run whose replica was nudged behind DDP's back
+3. --check-sync passes on a healthy run, and --debug (which includes it) stops a run whose replica was
+   nudged behind DDP's back
    (ResNet-18, whose BatchNorm buffers would hang an evaluation through the DDP wrapper);
 4. validation metrics count each sample once at world size 1, 2 and 3 on a set of odd size, and
    checkpoints cross-load between the two scripts;
@@ -58,9 +59,10 @@ def test_check_sync_passes_on_a_healthy_run(runs):
 def test_check_sync_catches_a_desynchronised_resnet_replica(tmp_path):
     """ResNet-18 under DDP on 2 processes; rank 1 nudges one weight after epoch 1, behind DDP's back. The
     run evaluates (9 val samples: 5 on rank 0, 4 on rank 1, so with batch 4 two batches against one; through
-    the DDP wrapper its BatchNorm buffer broadcast would hang) and then --check-sync stops it."""
+    the DDP wrapper its BatchNorm buffer broadcast would hang) and then the check stops it. The run asks for
+    --debug, which includes --check-sync (the healthy run of the `runs` fixture passes both flags)."""
     result = run("tests/ddp_probe.py", ["desync", "-", "--model", "resnet18", "--train-samples", 16, "--val-samples", 9,
-                                        "--batch-size", 4, "--epochs", 2, "--save", "", "--check-sync"], nproc=2)
+                                        "--batch-size", 4, "--epochs", 2, "--save", "", "--debug"], nproc=2)
     assert "epoch 1/2 | train loss" in result.stdout  # trained and evaluated epoch 1, unequal batches and all
     assert result.returncode != 0
     assert "error: --check-sync: replicas differ after epoch 1" in result.stderr

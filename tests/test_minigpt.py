@@ -8,7 +8,8 @@ small model on the default corpus. These tests prove:
 3. the validation loss falls below its starting value;
 4. a worker killed at step 6 under `torchrun --max-restarts=1` is restarted, and the run resumes from its
    step-4 checkpoint (--resume auto) exactly: its step 5 repeats the first attempt's (dropout included);
-5. bf16 autocast runs on the CPU, a --compile'd model's checkpoint has no `_orig_mod.` keys, and
+5. bf16 autocast runs on the CPU, the summary carries the median pace benchmark_scaling.py reads, a
+   --compile'd model's checkpoint has no `_orig_mod.` keys, and
    `--sample` generates from that checkpoint in one plain process without torchrun;
 6. --grad-checkpointing recomputes blocks in backward and yields the plain model's gradients.
 Bad inputs are in test_minigpt_inputs.py.
@@ -17,6 +18,7 @@ import json
 import re
 import sys
 
+import pytest
 import torch
 
 from conftest import REPO, ok, run, summary, weights
@@ -81,7 +83,10 @@ def test_a_crashed_worker_is_restarted_and_resumes_exactly(tmp_path):
 def test_bf16_on_cpu_compile_free_keys_and_sampling_without_torchrun(tmp_path, in_process):
     out = ok(run(GPT, [*TINY, "--max-steps", 3, "--amp", "bf16", "--compile", "--compile-backend", "eager",
                        "--save", tmp_path / "bf16.pt"]))
-    assert "amp bfloat16" in out and summary(out)["steps"] == 3
+    result = summary(out)
+    assert "amp bfloat16" in out and result["steps"] == 3
+    assert result["per_step"] == 16 * 32 and result["throughput_unit"] == "tokens/s"  # what benchmark_scaling reads
+    assert result["throughput"] == pytest.approx(result["per_step"] / (result["step_ms"] / 1000), rel=0.01)
     with torch.autocast("cpu", dtype=gpt.amp_dtype("bf16", torch.device("cpu"))):  # what main() wraps steps in
         logits, _ = gpt.GPT(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=16, dropout=0.0)(
             torch.zeros(1, 8, dtype=torch.long))
