@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, make_mnist, run, run_many
+from conftest import REPO, command, finish, make_mnist, run_many, start
 
 SINGLE, DDP = "train_single_gpu.py", "train_ddp_basic.py"
 sys.path.insert(0, str(REPO))
@@ -74,16 +74,27 @@ def test_bad_files_and_options_raise_one_line_input_errors(script, args, message
     assert not (tmp_path / "x.pt").exists()
 
 
-def test_input_errors_exit_2_with_one_line_and_no_traceback(files):
+@pytest.fixture(scope="module")
+def launched(files):
+    """The real launches of this module, side by side (each mostly waits for its torch import): two plain
+    `python` runs with a bad flag or file, and a 2-process torchrun job with too few samples."""
     cases = [(SINGLE, ["--epochs", "0"]), (DDP, ["--resume", files / "missing.pt"])]
-    for (script, args), result in zip(cases, run_many(cases)):
+    torchrun_cmd = command(DDP, ["--train-samples", "1", "--val-samples", "1"], nproc=2)
+    torchrun_job = start(torchrun_cmd, REPO)
+    plain = run_many(cases)
+    return cases, plain, finish(torchrun_job, torchrun_cmd)
+
+
+def test_input_errors_exit_2_with_one_line_and_no_traceback(launched):
+    cases, results, _ = launched
+    for (script, args), result in zip(cases, results):
         where = f"{script} {args}: exit {result.returncode}\n{result.stderr}"
         assert result.returncode == 2 and "Traceback" not in result.stderr, where
         assert len(result.stderr.strip().splitlines()) == 1 and "error: " in result.stderr, where
 
 
-def test_more_processes_than_samples_fails_fast_under_torchrun():
-    result = run(DDP, ["--train-samples", "1", "--val-samples", "1"], nproc=2)
+def test_more_processes_than_samples_fails_fast_under_torchrun(launched):
+    result = launched[2]
     assert result.returncode != 0  # torchrun reports the workers' exit code 2 and exits 1 itself
     assert "error: 2 processes but 1 train / 1 val samples" in result.stderr
     assert "exitcode  : 2" in result.stderr or "exitcode: 2" in result.stderr

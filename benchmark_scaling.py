@@ -1,0 +1,422 @@
+"""Chapter 6: how well does DDP scale on this machine? Runs a trainer at several process counts, under
+torchrun, and reports throughput, speedup and scaling efficiency; --collectives times the raw collectives.
+
+    python benchmark_scaling.py --device cpu                    # train_ddp_basic.py at 1, 2, 4.. processes (1 per core)
+    python benchmark_scaling.py --nproc 1 2 4 8 --json scaling.json --svg scaling.svg   # 8 GPUs
+    python benchmark_scaling.py --strong 256                    # strong scaling: 256 samples per step at every count
+    python benchmark_scaling.py --trainer train_ddp_minigpt.py -- --benchmark --max-steps 20   # trainer flags after --
+    python benchmark_scaling.py --collectives --max-bytes 64M   # all_reduce, broadcast, barrier: latency, bandwidth
+    # the collectives across 2 nodes of 8 GPUs (chapter 4's launcher; run its --run line on each node):
+    ./launch_multinode_ddp.sh --nnodes 2 --nproc-per-node 8 --master-addr NODE0 benchmark_scaling.py --collectives
+
+Weak scaling (the default) keeps the trainer's per-process batch, so the global batch grows with the
+process count; ideal is throughput x N. Strong scaling (--strong GLOBAL) splits a fixed global batch over
+the processes. Each run's throughput comes from the trainer's `summary` line: the median over timed steps
+after warm-up (docs/conventions.md), so start-up, evaluation and checkpoints are not counted.
+"""
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1.0}  # nccl-tests' PERFORMANCE.md
+
+
+class InputError(Exception):
+    """Bad input, or a run that failed: reported as one line (plus the run's last lines) and exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2, instead of argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive_int(text):
+    if not text.isdigit() or int(text) == 0:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text!r}")
+    return int(text)
+
+
+def byte_size(text):
+    """'65536', '64K', '64M', '1G' (powers of 1024; a trailing 'B' or 'iB' is allowed) -> bytes, at least 1 KiB."""
+    m = re.fullmatch(r"(\d+)\s*([KMG]?)(i?B)?", text.strip(), re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size like 64K, 64M or 1G: {text!r}")
+    size = int(m.group(1)) * 1024 ** " KMG".index(m.group(2).upper() or " ")
+    if size < 1024:
+        raise argparse.ArgumentTypeError(f"must be at least 1K, got {text!r}")
+    return size
+
+
+def parse_args(argv):
+    """Our flags before `--`, the trainer's after it."""
+    ours, trainer_flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--trainer", default="train_ddp_basic.py", metavar="SCRIPT",
+                   help="DDP trainer to run (default: %(default)s); its own flags go after --")
+    p.add_argument("--nproc", type=positive_int, nargs="+", metavar="N",
+                   help="process counts (default: 1, 2, 4, .. up to the GPUs, or the CPU cores, of this machine)")
+    p.add_argument("--strong", type=positive_int, metavar="GLOBAL",
+                   help="strong scaling: GLOBAL samples (LM: sequences) per micro-step, split over the processes")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto = cuda if present (default); cpu runs one process per core, gloo")
+    p.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
+    p.add_argument("--svg", metavar="PATH", help="write the chart as an SVG picture")
+    p.add_argument("--repeat", type=positive_int, default=1, metavar="K",
+                   help="runs per count; the run of median throughput is reported (default: 1)")
+    p.add_argument("--timeout", type=positive_int, default=1800, metavar="S", help="per run (default: 1800 s)")
+    c = p.add_argument_group("--collectives (nccl-tests' definitions of time, algbw and busbw)")
+    c.add_argument("--collectives", action="store_true", help="time all_reduce, broadcast and barrier instead")
+    c.add_argument("--max-bytes", type=byte_size, default=byte_size("64M"), metavar="SIZE",
+                   help="largest message, from 1K up by x4 (default: 64M)")
+    c.add_argument("--iters", type=positive_int, default=20, metavar="N", help="timed calls per size (default: 20)")
+    c.add_argument("--warmup", type=positive_int, default=5, metavar="N", help="untimed calls first (default: 5)")
+    args = p.parse_args(ours)
+    args.trainer_flags = trainer_flags
+    if args.collectives and (trainer_flags or args.strong):
+        p.error("--collectives runs no trainer: drop --strong and the flags after --")
+    return args
+
+
+# ------------------------------------------------------------------------------------------ launching
+
+def devices(choice):
+    """('cuda' or 'cpu', how many processes this machine can run: one per GPU, or one per CPU core)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if choice == "cpu":
+        return "cpu", cores
+    import torch  # only now: importing it takes seconds
+    if torch.cuda.is_available():
+        return "cuda", torch.cuda.device_count()
+    if choice == "cuda":
+        raise InputError("--device cuda, but no CUDA device is visible (try --device cpu)")
+    return "cpu", cores
+
+
+def process_counts(requested, device, available):
+    if requested is None:
+        return [2 ** k for k in range(int(math.log2(available)) + 1)]
+    counts = sorted(set(requested))
+    if counts[-1] > available:
+        what = f"{available} GPU(s)" if device == "cuda" else f"{available} CPU core(s) (one process per core)"
+        raise InputError(f"--nproc {counts[-1]}: this machine has {what}, so {available} is the most it can measure")
+    return counts
+
+
+def launch(script, nproc, script_args, device, timeout):
+    """`torchrun --standalone --nproc_per_node=N script args`; returns (stdout, wall seconds), or raises
+    InputError with the run's last lines when it fails or outlives `timeout`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
+           *script_args]
+    env = dict(os.environ)
+    if device == "cpu":
+        env.setdefault("OMP_NUM_THREADS", "1")  # one core per process, at every count (torchrun sets 1 only for N > 1)
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # torchrun passes it on to its workers, then exits
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        raise InputError(failure(script, nproc, f"still running after --timeout {timeout} s", out, err)) from None
+    if proc.returncode != 0:
+        raise InputError(failure(script, nproc, f"exit code {proc.returncode}", out, err))
+    return out, time.perf_counter() - start
+
+
+def failure(script, nproc, what, out, err, keep=12):
+    """The error message for a failed run: what happened, then the workers' own last lines (torchrun's log
+    lines and its failure report are left out, except the exit codes it names)."""
+    lines, in_report = [], False
+    for line in (out + "\n" + err).splitlines():
+        # an unprefixed traceback is torchrun's own (the workers' lines start with [rankN]:)
+        in_report = in_report or line.startswith("Traceback (most recent call last)")
+        if line.strip() and not re.match(r"[EWI]\d{4} ", line) and (not in_report or "exitcode" in line):
+            lines.append(line)
+    return f"{os.path.basename(script)} failed at {nproc} process(es): {what}; its last lines:\n" + \
+        "\n".join("    " + line for line in lines[-keep:])
+
+
+def read_summary(out, script, nproc):
+    lines = [line for line in out.splitlines() if line.startswith("summary ")]
+    if not lines:
+        raise InputError(failure(script, nproc, "no `summary {json}` line (docs/conventions.md)", out, ""))
+    return json.loads(lines[-1][len("summary "):])
+
+
+# ------------------------------------------------------------------------------------------- scaling
+
+def trainer_args(flags, nproc, strong, device):
+    """The trainer's flags for one run: the user's, plus no checkpoint (unless asked), the device, and under
+    strong scaling this count's share of the global batch."""
+    given = {flag.split("=")[0] for flag in flags if flag.startswith("--")}
+    extra = [] if "--save" in given else ["--save", ""]
+    extra += [] if "--device" in given else ["--device", device]
+    if strong:
+        if "--batch-size" in given:
+            raise InputError("give the batch as --strong GLOBAL, not as the trainer's --batch-size")
+        if strong % nproc:
+            raise InputError(f"--strong {strong} does not split evenly over {nproc} processes")
+        extra += ["--batch-size", str(strong // nproc)]
+    return flags + extra
+
+
+def measure(args, device, counts):
+    """One trainer run per process count; each row: nproc, per_step, step_ms, throughput, unit, wall_s."""
+    script = args.trainer if os.path.isabs(args.trainer) else os.path.join(os.getcwd(), args.trainer)
+    if not os.path.isfile(script):
+        script = os.path.join(HERE, args.trainer)  # the course's trainers, from any folder
+    if not os.path.isfile(script):
+        raise InputError(f"trainer not found: {args.trainer}")
+    rows = []
+    for n in counts:
+        runs = []
+        for k in range(args.repeat):
+            print(f"running {os.path.basename(script)} on {n} process(es), run {k + 1}/{args.repeat}..", flush=True)
+            flags = trainer_args(args.trainer_flags, n, args.strong, device)
+            out, wall = launch(script, n, flags, device, args.timeout)
+            s = read_summary(out, script, n)
+            missing = {"step_ms", "per_step", "throughput", "throughput_unit"} - set(s)
+            if missing or not s["throughput"]:
+                raise InputError(failure(script, n, f"its summary has no throughput ({', '.join(sorted(missing))})",
+                                         out, ""))
+            runs.append({"nproc": n, "per_step": s["per_step"], "step_ms": s["step_ms"],
+                         "throughput": s["throughput"], "unit": s["throughput_unit"], "wall_s": round(wall, 1)})
+        rows.append(sorted(runs, key=lambda r: r["throughput"])[len(runs) // 2])  # the median run (upper, if even)
+    base = rows[0]
+    for row in rows:
+        row["speedup"] = round(row["throughput"] / base["throughput"], 3)
+        row["ideal"] = row["nproc"] / base["nproc"]  # linear scaling from the smallest count
+        row["efficiency"] = round(row["speedup"] / row["ideal"], 3)
+    return rows
+
+
+def table(rows):
+    unit = rows[0]["unit"]
+    per = "tokens" if unit.startswith("token") else "samples"
+    lines = [f"{'procs':>5} | {per + ' per step':>16} | {'ms/step':>8} | {unit:>12} | {'speedup':>7} | "
+             f"{'efficiency':>10} | {'wall s':>6}"]
+    for r in rows:
+        lines.append(f"{r['nproc']:>5} | {r['per_step']:>16,} | {r['step_ms']:>8.1f} | {r['throughput']:>12,.0f} | "
+                     f"{r['speedup']:>6.2f}x | {100 * r['efficiency']:>9.0f}% | {r['wall_s']:>6.1f}")
+    return "\n".join(lines)
+
+
+def ascii_chart(rows, width=50):
+    """'#' = measured throughput, '.' = what linear scaling from the smallest count would add."""
+    base = rows[0]["throughput"]
+    top = max(max(r["throughput"], base * r["ideal"]) for r in rows)
+    lines = [f"{rows[0]['unit']}: '#' measured, '.' missing to linear scaling (ideal = {rows[0]['nproc']} "
+             f"process(es) x N)"]
+    for r in rows:
+        got, ideal = round(width * r["throughput"] / top), round(width * base * r["ideal"] / top)
+        bar = "#" * got + "." * max(0, ideal - got)
+        lines.append(f"{r['nproc']:>4} | {bar:<{width}} {r['throughput']:>10,.0f}  {100 * r['efficiency']:.0f}%")
+    return "\n".join(lines)
+
+
+def svg_chart(rows, title):
+    """A bar chart as an SVG document (plain text, no plotting library): measured throughput per process
+    count, the linear-scaling ideal as a dashed outline behind each bar."""
+    w, h, left, bottom, top_pad = 640, 360, 70, 50, 50
+    plot_w, plot_h = w - left - 20, h - bottom - top_pad
+    base = rows[0]["throughput"]
+    top = max(max(r["throughput"], base * r["ideal"]) for r in rows) * 1.1
+    slot = plot_w / len(rows)
+
+    def y(v):  # a value's height on the picture
+        return top_pad + plot_h * (1 - v / top)
+
+    def esc(text):
+        return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
+             f'font-family="sans-serif" font-size="12">',
+             f'<rect width="{w}" height="{h}" fill="white"/>',
+             f'<text x="{w / 2}" y="22" text-anchor="middle" font-size="15">{esc(title)}</text>',
+             f'<text x="{w / 2}" y="40" text-anchor="middle" fill="#555">solid: measured; dashed: linear scaling '
+             f'from {rows[0]["nproc"]} process(es); label: speedup, efficiency</text>']
+    for k in range(5):  # horizontal grid lines with their values
+        v = top * k / 4
+        parts.append(f'<line x1="{left}" x2="{w - 20}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#ddd"/>')
+        parts.append(f'<text x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{v:,.0f}</text>')
+    for i, r in enumerate(rows):
+        x, bw = left + i * slot + slot * 0.2, slot * 0.6
+        ideal = base * r["ideal"]
+        parts.append(f'<rect x="{x:.1f}" y="{y(ideal):.1f}" width="{bw:.1f}" height="{y(0) - y(ideal):.1f}" '
+                     f'fill="none" stroke="#888" stroke-dasharray="5,4"/>')
+        parts.append(f'<rect x="{x:.1f}" y="{y(r["throughput"]):.1f}" width="{bw:.1f}" '
+                     f'height="{y(0) - y(r["throughput"]):.1f}" fill="#3b73b9"/>')
+        parts.append(f'<text x="{x + bw / 2:.1f}" y="{y(r["throughput"]) - 6:.1f}" text-anchor="middle">'
+                     f'{r["throughput"]:,.0f} ({r["speedup"]:.2f}x, {100 * r["efficiency"]:.0f}%)</text>')
+        parts.append(f'<text x="{x + bw / 2:.1f}" y="{h - bottom + 18}" text-anchor="middle">{r["nproc"]} '
+                     f'process{"es" if r["nproc"] > 1 else ""}</text>')
+    parts.append(f'<text x="16" y="{top_pad + plot_h / 2}" transform="rotate(-90 16 {top_pad + plot_h / 2})" '
+                 f'text-anchor="middle">{esc(rows[0]["unit"])}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
+
+
+def write_atomically(path, text):
+    """Into a temp file beside `path`, then renamed over it: never a half-written file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def describe(device):
+    if device == "cuda":
+        import torch
+        return f"{torch.cuda.get_device_name(0)}, NCCL"
+    return f"{len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()}-core CPU, gloo"
+
+
+# ---------------------------------------------------------------------------------------- collectives
+
+def collectives_worker(args):
+    """Under torchrun: time each collective at each size; rank 0 prints the table and a summary line."""
+    import torch
+    import torch.distributed as dist
+    device = torch.device("cpu")
+    if args.device != "cpu" and torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)  # before any CUDA work: one GPU per process
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=300))
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        sizes = [1024 * 4 ** k for k in range(int(math.log(args.max_bytes / 1024, 4)) + 1)]
+        sizes += [args.max_bytes] if sizes[-1] != args.max_bytes else []
+        rows = [time_collective(op, size, args, device, world) for op in ("all_reduce", "broadcast")
+                for size in sizes] + [time_collective("barrier", 0, args, device, world)]
+        if rank == 0:
+            print(f"collectives | {world} processes | {dist.get_backend()} on {device.type} | float32 | "
+                  f"{args.iters} timed calls after {args.warmup} warm-up; time = the slowest rank's mean", flush=True)
+            print(collectives_table(rows), flush=True)
+            print("summary " + json.dumps({"world_size": world, "backend": dist.get_backend(), "rows": rows}),
+                  flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def time_collective(op, nbytes, args, device, world):
+    """One row: the op's mean time per call (the slowest rank's), nccl-tests' algbw and busbw, and how many
+    elements came out wrong in a check run before the timing (the sum of ranks, or the root's values)."""
+    import torch
+    import torch.distributed as dist
+
+    def sync():  # a CUDA collective is only queued when the call returns
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    rank, wrong = dist.get_rank(), 0
+    if op == "barrier":
+        call = dist.barrier
+    else:
+        x = torch.full((nbytes // 4,), float(rank + 1), device=device)
+        if op == "all_reduce":
+            dist.all_reduce(x)
+            wrong = int((x != world * (world + 1) / 2).sum())
+            call = functools.partial(dist.all_reduce, x)
+        else:
+            dist.broadcast(x, src=0)
+            wrong = int((x != 1.0).sum())
+            call = functools.partial(dist.broadcast, x, src=0)
+        x.zero_()  # time on zeros: repeated sums stay finite
+    for _ in range(args.warmup):
+        call()
+    sync()
+    dist.barrier()  # start the clock together
+    start = time.perf_counter()
+    for _ in range(args.iters):
+        call()
+    sync()
+    stats = torch.tensor([(time.perf_counter() - start) / args.iters, wrong], dtype=torch.float64, device=device)
+    dist.all_reduce(stats[:1], op=dist.ReduceOp.MAX)
+    dist.all_reduce(stats[1:], op=dist.ReduceOp.SUM)
+    seconds, wrong = stats.tolist()
+    row = {"op": op, "bytes": nbytes, "time_us": round(1e6 * seconds, 2), "wrong": int(wrong)}
+    if op != "barrier":
+        algbw = nbytes / seconds / 1e9  # GB/s, 10^9 bytes as in nccl-tests
+        row["algbw_gbps"], row["busbw_gbps"] = float(f"{algbw:.4g}"), float(f"{algbw * BUSBW_FACTOR[op](world):.4g}")
+    return row
+
+
+def human_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:g} {unit}"
+        n /= 1024
+
+
+def collectives_table(rows):
+    lines = [f"{'op':<10} | {'size':>9} | {'time us':>10} | {'algbw GB/s':>10} | {'busbw GB/s':>10} | wrong"]
+    for r in rows:
+        size = human_bytes(r["bytes"]) if r["op"] != "barrier" else "-"
+        bw = f"{r['algbw_gbps']:>10.3f} | {r['busbw_gbps']:>10.3f}" if "algbw_gbps" in r else f"{'-':>10} | {'-':>10}"
+        lines.append(f"{r['op']:<10} | {size:>9} | {r['time_us']:>10.1f} | {bw} | {r['wrong']}")
+    return "\n".join(lines)
+
+
+def collectives(args, device, counts):
+    """Launch this script under torchrun at every count of 2 or more; each run prints its own table."""
+    results = []
+    for n in [c for c in counts if c > 1] or [counts[-1]]:
+        flags = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("max_bytes", "iters", "warmup", "device")]
+        out, _ = launch(os.path.abspath(__file__), n, ["--collectives", *flags], device, args.timeout)
+        print("\n".join(line for line in out.splitlines() if not line.startswith("summary ")), flush=True)
+        results.append(read_summary(out, __file__, n))
+    return results
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.collectives and "RANK" in os.environ:  # we are one of torchrun's workers
+        return collectives_worker(args)
+    device, available = devices(args.device)
+    counts = process_counts(args.nproc, device, available)
+    if args.collectives:
+        result = {"collectives": collectives(args, device, counts)}
+    else:
+        rows = measure(args, device, counts)
+        where = describe(device)
+        mode = f"strong scaling, {args.strong} per step" if args.strong else "weak scaling"
+        print(f"\n{os.path.basename(args.trainer)} | {where} | {mode}\n{table(rows)}\n\n{ascii_chart(rows)}")
+        result = {"trainer": os.path.basename(args.trainer), "hardware": where, "mode": mode,
+                  "trainer_flags": args.trainer_flags, "runs": rows}
+        if args.svg:
+            write_atomically(args.svg, svg_chart(rows, f"{os.path.basename(args.trainer)} on {where}: {mode}"))
+            print(f"wrote {args.svg}")
+    if args.json:
+        write_atomically(args.json, json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except InputError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
