@@ -219,8 +219,7 @@ def ascii_chart(rows, width=50):
     """'#' = measured throughput, '.' = what linear scaling from the smallest count would add."""
     base = rows[0]["throughput"]
     top = max(max(r["throughput"], base * r["ideal"]) for r in rows)
-    lines = [f"{rows[0]['unit']}: '#' measured, '.' missing to linear scaling (ideal = {rows[0]['nproc']} "
-             f"process(es) x N)"]
+    lines = [f"{rows[0]['unit']}: '#' measured, '.' missing to linear scaling from {plural(rows[0]['nproc'])}"]
     for r in rows:
         got, ideal = round(width * r["throughput"] / top), round(width * base * r["ideal"] / top)
         bar = "#" * got + "." * max(0, ideal - got)
@@ -234,7 +233,10 @@ def svg_chart(rows, title):
     w, h, left, bottom, top_pad = 640, 360, 70, 50, 50
     plot_w, plot_h = w - left - 20, h - bottom - top_pad
     base = rows[0]["throughput"]
-    top = max(max(r["throughput"], base * r["ideal"]) for r in rows) * 1.1
+    highest = max(max(r["throughput"], base * r["ideal"]) for r in rows) * 1.08  # room for the labels
+    tick = min(m * 10 ** e for e in range(math.floor(math.log10(highest / 4)), math.floor(math.log10(highest / 4)) + 2)
+               for m in (1, 2, 2.5, 5) if m * 10 ** e >= highest / 5)  # a round step, 4 or 5 of them up to the top
+    top = math.ceil(highest / tick) * tick
     slot = plot_w / len(rows)
 
     def y(v):  # a value's height on the picture
@@ -248,11 +250,11 @@ def svg_chart(rows, title):
              f'<rect width="{w}" height="{h}" fill="white"/>',
              f'<text x="{w / 2}" y="22" text-anchor="middle" font-size="15">{esc(title)}</text>',
              f'<text x="{w / 2}" y="40" text-anchor="middle" fill="#555">solid: measured; dashed: linear scaling '
-             f'from {rows[0]["nproc"]} process(es); label: speedup, efficiency</text>']
-    for k in range(5):  # horizontal grid lines with their values
-        v = top * k / 4
+             f'from {plural(rows[0]["nproc"])}; label: speedup, efficiency</text>']
+    for k in range(round(top / tick) + 1):  # horizontal grid lines with their values
+        v = tick * k
         parts.append(f'<line x1="{left}" x2="{w - 20}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#ddd"/>')
-        parts.append(f'<text x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{v:,.0f}</text>')
+        parts.append(f'<text x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{v:,.6g}</text>')
     for i, r in enumerate(rows):
         x, bw = left + i * slot + slot * 0.2, slot * 0.6
         ideal = base * r["ideal"]
@@ -262,12 +264,16 @@ def svg_chart(rows, title):
                      f'height="{y(0) - y(r["throughput"]):.1f}" fill="#3b73b9"/>')
         parts.append(f'<text x="{x + bw / 2:.1f}" y="{y(r["throughput"]) - 6:.1f}" text-anchor="middle">'
                      f'{r["throughput"]:,.0f} ({r["speedup"]:.2f}x, {100 * r["efficiency"]:.0f}%)</text>')
-        parts.append(f'<text x="{x + bw / 2:.1f}" y="{h - bottom + 18}" text-anchor="middle">{r["nproc"]} '
-                     f'process{"es" if r["nproc"] > 1 else ""}</text>')
+        parts.append(f'<text x="{x + bw / 2:.1f}" y="{h - bottom + 18}" text-anchor="middle">'
+                     f'{plural(r["nproc"])}</text>')
     parts.append(f'<text x="16" y="{top_pad + plot_h / 2}" transform="rotate(-90 16 {top_pad + plot_h / 2})" '
                  f'text-anchor="middle">{esc(rows[0]["unit"])}</text>')
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
+
+
+def plural(nproc):
+    return f"{nproc} process" + ("es" if nproc > 1 else "")
 
 
 def write_atomically(path, text):

@@ -46,8 +46,11 @@ When a multi-node job hangs or fails, in this order:
                                 (docker0, lo, a VPN) makes ranks wait for peers they cannot reach.
   5. GLOO_SOCKET_IFNAME=eth0    the same for gloo (CPU jobs, and PyTorch's own control messages).
   6. NCCL_IB_DISABLE=1          no InfiniBand: use TCP sockets (clouds without IB, broken IB drivers).
-  7. TORCH_DISTRIBUTED_DEBUG=DETAIL   check that all ranks call the same collectives with the same shapes.
-  8. A port already in use (EADDRINUSE) on node 0: pick another --master-port, or find the old job
+  7. TORCH_DISTRIBUTED_DEBUG=DETAIL   check that all ranks call the same collectives with the same shapes
+                                (NCCL jobs; with gloo, DDP crashes under DETAIL in torch 2.13-2.14: use INFO).
+  8. benchmark_scaling.py --collectives   as the SCRIPT: all_reduce/broadcast/barrier latency and bus
+                                bandwidth between the nodes, to compare with the network's rated speed.
+  9. A port already in use (EADDRINUSE) on node 0: pick another --master-port, or find the old job
      (`ss -ltnp | grep PORT`).
 Export a switch on every node before the command, e.g. `NCCL_DEBUG=INFO ./launch_multinode_ddp.sh ... --run`.
 EOF

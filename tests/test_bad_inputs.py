@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, command, finish, make_mnist, run_many, start
+from conftest import REPO, make_mnist, run, run_many
 
 SINGLE, DDP = "train_single_gpu.py", "train_ddp_basic.py"
 sys.path.insert(0, str(REPO))
@@ -76,13 +76,10 @@ def test_bad_files_and_options_raise_one_line_input_errors(script, args, message
 
 @pytest.fixture(scope="module")
 def launched(files):
-    """The real launches of this module, side by side (each mostly waits for its torch import): two plain
-    `python` runs with a bad flag or file, and a 2-process torchrun job with too few samples."""
+    """The real launches of this module: two plain `python` runs with a bad flag or file, side by side, and a
+    2-process torchrun job with too few samples."""
     cases = [(SINGLE, ["--epochs", "0"]), (DDP, ["--resume", files / "missing.pt"])]
-    torchrun_cmd = command(DDP, ["--train-samples", "1", "--val-samples", "1"], nproc=2)
-    torchrun_job = start(torchrun_cmd, REPO)
-    plain = run_many(cases)
-    return cases, plain, finish(torchrun_job, torchrun_cmd)
+    return cases, run_many(cases), run(DDP, ["--train-samples", "1", "--val-samples", "1"], nproc=2)
 
 
 def test_input_errors_exit_2_with_one_line_and_no_traceback(launched):

@@ -26,8 +26,8 @@ SMALL = ["--epochs", 1, "--train-samples", 768, "--val-samples", 32]
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """The three launches of this module, started side by side (the machine has 2 cores; none of these tests
-    checks a speed, only that the numbers agree with each other): {name: (CompletedProcess, folder)}."""
+    """The three launches of this module: {name: (CompletedProcess, folder)}. The failing trainer's launch
+    (one process) runs beside the weak-scaling one's first run (one process), the collectives after them."""
     d = tmp_path_factory.mktemp("bench")
     (d / "broken_trainer.py").write_text("import sys\nprint('loading the data')\n"
                                          "sys.exit('error: no such dataset: imagenet-99')\n")
@@ -35,8 +35,10 @@ def launched(tmp_path_factory):
             "collectives": ["--device", "cpu", "--collectives", "--nproc", 2, "--max-bytes", "16K", "--iters", 3,
                             "--warmup", 1, "--json", d / "c.json"],
             "broken": ["--device", "cpu", "--nproc", 1, 2, "--trainer", d / "broken_trainer.py"]}
-    procs = {name: (start(command(BENCH, a), d), command(BENCH, a)) for name, a in args.items()}
-    return {name: (finish(proc, cmd), d) for name, (proc, cmd) in procs.items()}
+    broken = start(command(BENCH, args["broken"]), d)
+    weak = run(BENCH, args["weak"], cwd=d)
+    return {"weak": (weak, d), "broken": (finish(broken, command(BENCH, args["broken"])), d),
+            "collectives": (run(BENCH, args["collectives"], cwd=d), d)}
 
 
 def test_weak_scaling_table_chart_json_and_svg_agree(launched):

@@ -1,0 +1,105 @@
+"""The documentation's code is real. These tests prove:
+
+1. every fenced Python block in README.md and docs/*.md carries a marker on the line above it, either
+   `<!-- runnable -->` (must exit 0), `<!-- runnable, fails with: TEXT -->` (must fail and print TEXT) or
+   `<!-- not runnable: REASON -->`, so no new block escapes the suite;
+2. every runnable block runs as its first line says: `# python NAME.py` (here, in this test process) or
+   `# torchrun --standalone --nproc_per_node=N NAME.py` (under real torchrun, on CPU/gloo);
+3. the unused-parameter block of docs/troubleshooting.md reproduces DDP's real error and both fixes work;
+4. every link to a script line (``[`code`](../script.py#L12)``) points at a line holding that code, and every
+   `tests/FILE.py::test_name` the docs cite exists.
+"""
+import contextlib
+import io
+import re
+import runpy
+
+import pytest
+
+from conftest import REPO, run
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
+MARKER = re.compile(r"<!-- (runnable|runnable, fails with: (?P<text>.*?)|not runnable: .+?) -->$")
+LAUNCH = re.compile(r"# (?:python|torchrun --standalone --nproc_per_node=(?P<n>\d+)) (?P<name>\w+\.py)$")
+
+
+def blocks():
+    """(doc name, marker, expected failure text or None, code) for every ```python block of the docs."""
+    found = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for m in FENCE.finditer(text):
+            above = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+            marker = MARKER.search(above)
+            found.append((doc.name, marker.group(1) if marker else None, marker and marker.group("text"), m.group(1)))
+    return found
+
+
+def runnable(kind):
+    """The runnable blocks launched with `kind` ('python' or 'torchrun'), as pytest params."""
+    out = []
+    for doc, marker, fails_with, code in blocks():
+        launch = LAUNCH.match(code.splitlines()[0]) if marker and marker.startswith("runnable") else None
+        if launch and (launch.group("n") is not None) == (kind == "torchrun"):
+            out.append(pytest.param(launch.group("name"), launch.group("n"), fails_with, code,
+                                    id=f"{doc}:{launch.group('name')}"))
+    return out
+
+
+def test_every_python_block_is_marked_and_says_how_to_run_it():
+    assert len(blocks()) >= 5
+    for doc, marker, _, code in blocks():
+        assert marker, f"{doc}: a ```python block without a runnable/not runnable marker:\n{code[:200]}"
+        if marker.startswith("runnable"):
+            assert LAUNCH.match(code.splitlines()[0]), f"{doc}: first line must say how to run it:\n{code[:200]}"
+
+
+@pytest.mark.parametrize("name, nproc, fails_with, code", runnable("python"))
+def test_plain_python_blocks_run(name, nproc, fails_with, code, tmp_path, monkeypatch):
+    (tmp_path / name).write_text(code)
+    monkeypatch.chdir(tmp_path)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        runpy.run_path(str(tmp_path / name), run_name="__main__")  # an assert inside the block fails the test
+    assert printed.getvalue().strip(), f"{name} printed nothing"
+
+
+@pytest.fixture(scope="module")
+def torchrun_results(tmp_path_factory):
+    """Every torchrun block, launched once, one after the other: {file name: CompletedProcess}."""
+    folder = tmp_path_factory.mktemp("snippets")
+    results = {}
+    for param in runnable("torchrun"):
+        name, nproc, _, code = param.values
+        (folder / name).write_text(code)
+        results[name] = run(folder / name, nproc=int(nproc), cwd=folder)
+    return results
+
+
+@pytest.mark.parametrize("name, nproc, fails_with, code", runnable("torchrun"))
+def test_torchrun_blocks_run(name, nproc, fails_with, code, torchrun_results):
+    result = torchrun_results[name]
+    output = result.stdout + result.stderr
+    if fails_with:
+        assert result.returncode != 0 and fails_with in output, f"expected a failure with {fails_with!r}:\n{output}"
+    else:
+        assert result.returncode == 0, output
+
+
+def test_unused_parameter_block_shows_the_error_and_both_fixes_work(torchrun_results):
+    out = torchrun_results["unused.py"].stdout
+    assert "the bug: Expected to have finished reduction in the prior iteration" in out, out
+    assert "fix 1, find_unused_parameters=True: 2 steps" in out and "fix 2, no unused layer: 2 steps" in out, out
+
+
+def test_links_to_script_lines_point_at_the_quoted_code():
+    links = 0
+    for doc in DOCS:
+        for code, path, line in re.findall(r"\[`([^`]+)`\]\(\.{0,2}/?([\w/.-]+\.py)#L(\d+)\)", doc.read_text()):
+            lines = (REPO / path).read_text().splitlines()
+            assert code in lines[int(line) - 1], f"{doc.name}: {path}#L{line} is not `{code}`: {lines[int(line) - 1]}"
+            links += 1
+        for path, name in re.findall(r"(tests/test_\w+\.py)::(test_\w+)", doc.read_text()):
+            assert f"def {name}(" in (REPO / path).read_text(), f"{doc.name} cites a missing test {path}::{name}"
+    assert links >= 10
