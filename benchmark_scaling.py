@@ -125,16 +125,25 @@ def launch(script, nproc, script_args, device, timeout):
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)  # torchrun passes it on to its workers, then exits
-        try:
-            out, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
+        out, err = stop(proc)
         raise InputError(failure(script, nproc, f"still running after --timeout {timeout} s", out, err)) from None
+    except KeyboardInterrupt:  # Ctrl-C reaches only us (the run has a session of its own): end the run too
+        stop(proc)
+        raise
     if proc.returncode != 0:
         raise InputError(failure(script, nproc, f"exit code {proc.returncode}", out, err))
     return out, time.perf_counter() - start
+
+
+def stop(proc):
+    """End a torchrun launch: SIGTERM, which torchrun passes on to its workers; SIGKILL to its whole session
+    if it is still there 30 s later. Returns what it printed."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.communicate()
 
 
 def failure(script, nproc, what, out, err, keep=12):
@@ -174,6 +183,14 @@ def trainer_args(flags, nproc, strong, device):
     return flags + extra
 
 
+def pace_row(summary, nproc, wall_s):
+    """One table row from a trainer's summary: the keys every trainer prints (docs/conventions.md)."""
+    if not summary["throughput"]:
+        raise KeyError("throughput above 0: no step was timed")
+    return {"nproc": nproc, "per_step": summary["per_step"], "step_ms": summary["step_ms"],
+            "throughput": summary["throughput"], "unit": summary["throughput_unit"], "wall_s": round(wall_s, 1)}
+
+
 def measure(args, device, counts):
     """One trainer run per process count; each row: nproc, per_step, step_ms, throughput, unit, wall_s."""
     script = args.trainer if os.path.isabs(args.trainer) else os.path.join(os.getcwd(), args.trainer)
@@ -188,13 +205,10 @@ def measure(args, device, counts):
             print(f"running {os.path.basename(script)} on {n} process(es), run {k + 1}/{args.repeat}..", flush=True)
             flags = trainer_args(args.trainer_flags, n, args.strong, device)
             out, wall = launch(script, n, flags, device, args.timeout)
-            s = read_summary(out, script, n)
-            missing = {"step_ms", "per_step", "throughput", "throughput_unit"} - set(s)
-            if missing or not s["throughput"]:
-                raise InputError(failure(script, n, f"its summary has no throughput ({', '.join(sorted(missing))})",
-                                         out, ""))
-            runs.append({"nproc": n, "per_step": s["per_step"], "step_ms": s["step_ms"],
-                         "throughput": s["throughput"], "unit": s["throughput_unit"], "wall_s": round(wall, 1)})
+            try:
+                runs.append(pace_row(read_summary(out, script, n), n, wall))
+            except KeyError as err:
+                raise InputError(failure(script, n, f"its summary has no {err} (docs/conventions.md)", out, "")) from None
         rows.append(sorted(runs, key=lambda r: r["throughput"])[len(runs) // 2])  # the median run (upper, if even)
     base = rows[0]
     for row in rows:

@@ -2,6 +2,7 @@
 CPU/gloo), with one thread per process, loopback-only rendezvous and a hard time limit, and read
 their output."""
 import contextlib
+import io
 import json
 import os
 import signal
@@ -137,11 +138,21 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("runs")
     single, ddp = SMALL + ["--batch-size", 32], SMALL + ["--batch-size", 16]  # global batch 32 in both
     r = {}
-    r["s2"], r["s1"] = run_many([(SINGLE, single + ["--epochs", 2, "--save", d / "s2.pt"]),
-                                 (SINGLE, single + ["--epochs", 1, "--save", d / "s1.pt"])])
+    import importlib
+    sys.path.insert(0, str(REPO))
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the launched runs (OMP_NUM_THREADS=1): the same float sums, bit for bit
+    with contextlib.redirect_stdout(io.StringIO()):  # the 1-epoch run to resume from: here, no launch needed
+        importlib.import_module(SINGLE[:-3]).main([str(a) for a in single + ["--epochs", 1, "--save", d / "s1.pt"]])
+    torch.set_num_threads(threads)
+    # the uninterrupted 2-epoch run (plain python), beside the resumed one: the single-process script under
+    # torchrun, which ignores the variables torchrun sets and runs as usual (one process each)
+    cmd = command(SINGLE, single + ["--epochs", 2, "--resume", d / "s1.pt", "--save", d / "s1r.pt"], nproc=1)
+    resumed = start(cmd, REPO)
+    (r["s2"],) = run_many([(SINGLE, single + ["--epochs", 2, "--save", d / "s2.pt"])])
+    r["s1_resumed"] = finish(resumed, cmd)
     r["d2"] = run(DDP, ddp + ["--epochs", 2, "--save", d / "d2.pt", "--check-sync", "--debug"], nproc=2)
-    # the single-process script under torchrun too: it ignores the variables torchrun sets, and runs as usual
-    r["s1_resumed"] = run(SINGLE, single + ["--epochs", 2, "--resume", d / "s1.pt", "--save", d / "s1r.pt"], nproc=1)
     r["w3_eval"] = run(DDP, ddp + ["--eval-only", "--resume", d / "s2.pt"], nproc=3)
     for result in r.values():
         ok(result)

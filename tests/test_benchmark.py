@@ -1,8 +1,11 @@
 """Chapter 6, benchmark_scaling.py, under real torchrun launches on CPU/gloo. These tests prove:
 
-1. weak scaling at 1 and 2 processes: each run's numbers come from the trainer's own `summary` line (global
-   batch 64 then 128), speedup and efficiency follow from them, and the table, the ASCII chart, the JSON file
-   and the SVG picture all show the same runs;
+1. weak scaling at 1 and 2 processes: the numbers come from each run's `summary` line, speedup and
+   efficiency follow from them exactly, the trainer's own flags reach it (plus `--save ''` and the device),
+   and the table, the ASCII chart, the JSON file and the SVG picture all show the same runs. The trainer
+   here is a stand-in whose pace is known (10 ms per step, 25% more per added process), so the arithmetic
+   is checked to the digit; the real trainers' summaries go through the same reader in
+   test_the_real_trainers_summaries_are_what_the_benchmark_reads;
 2. strong scaling splits the global batch evenly over the processes, and refuses a batch that does not split;
 3. --collectives checks that all_reduce and broadcast give the right values at every size and reports
    nccl-tests' algorithm and bus bandwidths (busbw = algbw x 2(N-1)/N for all-reduce, x 1 for broadcast);
@@ -15,23 +18,33 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from conftest import REPO, command, finish, run, start
+from conftest import REPO, command, finish, run, start, summary
 
 sys.path.insert(0, str(REPO))
 import benchmark_scaling as bench  # noqa: E402  (imports no torch at module level)
 
 BENCH = "benchmark_scaling.py"
-SMALL = ["--epochs", 1, "--train-samples", 768, "--val-samples", 32]
+STAND_IN = """import json, os, sys
+world, rank, flags = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]), sys.argv[1:]
+batch = int(flags[flags.index("--batch-size") + 1]) if "--batch-size" in flags else 64
+step_ms, per_step = 10.0 * (1 + 0.25 * (world - 1)), batch * world
+if rank == 0:
+    json.dump(flags, open(f"flags{world}.json", "w"))
+    print("summary " + json.dumps({"step_ms": step_ms, "per_step": per_step, "throughput_unit": "samples/s",
+                                   "throughput": per_step / step_ms * 1000}))
+"""
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """The three launches of this module: {name: (CompletedProcess, folder)}. The failing trainer's launch
-    (one process) runs beside the weak-scaling one's first run (one process), the collectives after them."""
+    (one process) runs beside the stand-in's first run (one process), the collectives after them."""
     d = tmp_path_factory.mktemp("bench")
+    (d / "stand_in.py").write_text(STAND_IN)
     (d / "broken_trainer.py").write_text("import sys\nprint('loading the data')\n"
                                          "sys.exit('error: no such dataset: imagenet-99')\n")
-    args = {"weak": ["--device", "cpu", "--nproc", 1, 2, "--json", d / "s.json", "--svg", d / "s.svg", "--", *SMALL],
+    args = {"weak": ["--device", "cpu", "--nproc", 1, 2, "--trainer", d / "stand_in.py", "--json", d / "s.json",
+                     "--svg", d / "s.svg", "--", "--epochs", "1"],
             "collectives": ["--device", "cpu", "--collectives", "--nproc", 2, "--max-bytes", "16K", "--iters", 3,
                             "--warmup", 1, "--json", d / "c.json"],
             "broken": ["--device", "cpu", "--nproc", 1, 2, "--trainer", d / "broken_trainer.py"]}
@@ -47,20 +60,31 @@ def test_weak_scaling_table_chart_json_and_svg_agree(launched):
     data = json.loads((tmp_path / "s.json").read_text())
     assert data["mode"] == "weak scaling" and data["hardware"].endswith("CPU, gloo")
     one, two = data["runs"]
-    assert (one["nproc"], one["per_step"], two["nproc"], two["per_step"]) == (1, 64, 2, 128)
-    for r in (one, two):  # throughput is the global batch over the median step time the trainer measured
-        assert r["throughput"] == pytest.approx(r["per_step"] / (r["step_ms"] / 1000), rel=0.01)
-        assert r["unit"] == "samples/s"
-    assert one["speedup"] == 1 and two["speedup"] == pytest.approx(two["throughput"] / one["throughput"], abs=1e-3)
-    assert two["efficiency"] == pytest.approx(two["speedup"] / 2, abs=1e-3)
+    assert (one["nproc"], one["per_step"], one["step_ms"], one["throughput"]) == (1, 64, 10.0, 6400.0)
+    assert (two["nproc"], two["per_step"], two["step_ms"], two["throughput"]) == (2, 128, 12.5, 10240.0)
+    assert (one["speedup"], one["efficiency"], two["speedup"], two["efficiency"]) == (1.0, 1.0, 1.6, 0.8)
+    for world in (1, 2):  # the user's flags after --, then no checkpoint and the device
+        assert json.loads((tmp_path / f"flags{world}.json").read_text()) == ["--epochs", "1", "--save", "",
+                                                                              "--device", "cpu"]
     table_rows = [line.split("|") for line in result.stdout.splitlines() if line.strip().startswith(("1 |", "2 |"))]
     assert [int(row[0]) for row in table_rows] == [1, 2, 1, 2]  # two table rows, two chart bars
-    assert table_rows[1][3].strip() == f"{two['throughput']:,.0f}"
-    assert "'#' measured" in result.stdout and "#" * 10 in result.stdout
+    assert [c.strip() for c in table_rows[1][1:6]] == ["128", "12.5", "10,240", "1.60x", "80%"]
+    assert table_rows[2][1].count("#") == 25 and table_rows[3][1].count("#") == 40  # bars to scale: 6,400 : 10,240
+    assert table_rows[3][1].count(".") == 10  # and what linear scaling (12,800) would add
     svg = ET.parse(tmp_path / "s.svg").getroot()  # well-formed XML
     bars = [e for e in svg.iter("{http://www.w3.org/2000/svg}rect") if e.get("fill") == "#3b73b9"]
-    assert len(bars) == 2 and float(bars[1].get("height")) > 0
-    assert f"{two['throughput']:,.0f}" in (tmp_path / "s.svg").read_text()
+    assert len(bars) == 2 and float(bars[1].get("height")) / float(bars[0].get("height")) == pytest.approx(1.6, rel=1e-3)
+    assert "10,240 (1.60x, 80%)" in (tmp_path / "s.svg").read_text()
+
+
+def test_the_real_trainers_summaries_are_what_the_benchmark_reads(runs, demo):
+    """The summaries of real runs (2 processes, batch 16 each; the README demo) make benchmark rows."""
+    for stdout, per_step in ((runs["d2"].stdout, 32), (demo[0].stdout, 128)):
+        row = bench.pace_row(summary(stdout), 2, 0.0)
+        assert row["per_step"] == per_step and row["unit"] == "samples/s" and row["step_ms"] > 0
+        assert row["throughput"] == pytest.approx(per_step / (row["step_ms"] / 1000), rel=0.01)
+    with pytest.raises(KeyError):
+        bench.pace_row({"val_loss": 1.0}, 1, 0.0)  # an older trainer without the pace keys
 
 
 def test_strong_scaling_splits_the_global_batch_and_refuses_uneven_splits():
