@@ -59,7 +59,8 @@ def byte_size(text):
 def parse_args(argv):
     """Our flags before `--`, the trainer's after it."""
     ours, trainer_flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    p = Parser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.split("\n\n")[0].replace("\n", " "),
+               epilog="Everything after -- goes to the trainer, e.g. `-- --epochs 1` (see the trainer's --help).")
     p.add_argument("--trainer", default="train_ddp_basic.py", metavar="SCRIPT",
                    help="DDP trainer to run (default: %(default)s); its own flags go after --")
     p.add_argument("--nproc", type=positive_int, nargs="+", metavar="N",
