@@ -1,8 +1,9 @@
 """Every bad input to train_ddp_minigpt.py ends with exit code 2 and one clear line: a missing, empty or
 too-short data file, a .bin file without --vocab-size, with an odd byte count or with token ids >= the
-vocabulary, impossible model or AMP settings, and a missing, corrupt or mismatched checkpoint for --resume
-or --sample. Most cases call the script's own main() in this process (a launch costs seconds of torch
-import); the last test launches it to prove that such an error becomes exit code 2 and one line."""
+vocabulary, impossible model or AMP settings, a missing, corrupt or mismatched checkpoint for --resume or
+--sample, and malformed teaching-aid variables (DDP_FAIL_*). Most cases call the script's own main() in this
+process (a launch costs seconds of torch import); one test launches it to prove that such an error becomes
+exit code 2 and one line."""
 import importlib
 import sys
 
@@ -72,3 +73,17 @@ def test_input_errors_exit_2_with_one_line_and_no_traceback(files):
         where = f"{args}: exit {result.returncode}\n{result.stderr}"
         assert result.returncode == 2 and "Traceback" not in result.stderr, where
         assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error: "), where
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"DDP_FAIL_AT_STEP": "three"}, "DDP_FAIL_AT_STEP and DDP_FAIL_RANK must be whole numbers"),
+    ({"DDP_FAIL_AT_STEP": "3", "DDP_FAIL_MODE": "freeze"}, "DDP_FAIL_MODE must be crash or hang, not 'freeze'"),
+])
+def test_bad_teaching_aid_variables_are_input_errors(env, message, monkeypatch):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(gpt.InputError, match=message):
+        gpt.crash_step(0)
+    monkeypatch.setenv("DDP_FAIL_MODE", "hang")
+    monkeypatch.setenv("DDP_FAIL_AT_STEP", "3")
+    assert gpt.crash_step(0) == (3, "hang") and gpt.crash_step(1) == (0, "hang")  # only DDP_FAIL_RANK (0) stops
