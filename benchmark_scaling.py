@@ -291,6 +291,19 @@ def plural(nproc):
     return f"{nproc} process" + ("es" if nproc > 1 else "")
 
 
+def check_writable(path):
+    """--json/--svg: the folder must exist (or be creatable) and take new files."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as err:
+        raise InputError(f"cannot write {path}: no folder {folder} ({err.strerror})") from None
+    if not os.access(folder, os.W_OK) or os.path.isdir(path):
+        raise InputError(f"cannot write {path}: not a writable file path")
+
+
 def write_atomically(path, text):
     """Into a temp file beside `path`, then renamed over it: never a half-written file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -414,6 +427,8 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.collectives and "RANK" in os.environ:  # we are one of torchrun's workers
         return collectives_worker(args)
+    for path in (args.json, args.svg):  # before minutes of runs, not after
+        check_writable(path)
     device, available = devices(args.device)
     counts = process_counts(args.nproc, device, available)
     if args.collectives:

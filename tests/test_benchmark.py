@@ -115,8 +115,11 @@ def test_collectives_report_correct_results_and_nccl_tests_bandwidths(launched):
     assert bench.BUSBW_FACTOR["all_reduce"](8) == 1.75 and bench.BUSBW_FACTOR["broadcast"](8) == 1
 
 
-def test_too_many_processes_and_bad_sizes_exit_2_with_one_line():
+def test_too_many_processes_bad_sizes_and_unwritable_outputs_exit_2_with_one_line(tmp_path):
+    (tmp_path / "a_file").write_text("")
     for args, message in [(["--device", "cpu", "--nproc", 1, 4096], "--nproc 4096: this machine has"),
+                          (["--device", "cpu", "--json", tmp_path / "a_file" / "out.json"], "cannot write"),
+                          (["--device", "cpu", "--svg", tmp_path], "cannot write"),
                           (["--collectives", "--max-bytes", "12X"], "not a size like 64K"),
                           (["--collectives", "--", "--epochs", "1"], "--collectives runs no trainer")]:
         result = run(BENCH, args)
