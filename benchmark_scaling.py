@@ -186,8 +186,6 @@ def trainer_args(flags, nproc, strong, device):
 
 def pace_row(summary, nproc, wall_s):
     """One table row from a trainer's summary: the keys every trainer prints (docs/conventions.md)."""
-    if not summary["throughput"]:
-        raise KeyError("throughput above 0: no step was timed")
     return {"nproc": nproc, "per_step": summary["per_step"], "step_ms": summary["step_ms"],
             "throughput": summary["throughput"], "unit": summary["throughput_unit"], "wall_s": round(wall_s, 1)}
 
@@ -207,9 +205,12 @@ def measure(args, device, counts):
             flags = trainer_args(args.trainer_flags, n, args.strong, device)
             out, wall = launch(script, n, flags, device, args.timeout)
             try:
-                runs.append(pace_row(read_summary(out, script, n), n, wall))
+                row = pace_row(read_summary(out, script, n), n, wall)
             except KeyError as err:
                 raise InputError(failure(script, n, f"its summary has no {err} (docs/conventions.md)", out, "")) from None
+            if not row["throughput"]:
+                raise InputError(failure(script, n, "its summary reports no timed step (throughput 0)", out, ""))
+            runs.append(row)
         rows.append(sorted(runs, key=lambda r: r["throughput"])[len(runs) // 2])  # the median run (upper, if even)
     base = rows[0]
     for row in rows:
@@ -317,11 +318,12 @@ def write_atomically(path, text):
             os.remove(tmp)
 
 
-def describe(device):
+def describe(device, available):
+    """The hardware line of the table and the chart: '8x NVIDIA H100 .., NCCL' or '2-core CPU, gloo'."""
     if device == "cuda":
         import torch
-        return f"{torch.cuda.get_device_name(0)}, NCCL"
-    return f"{len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()}-core CPU, gloo"
+        return f"{available}x {torch.cuda.get_device_name(0)}, NCCL"
+    return f"{available}-core CPU, gloo"
 
 
 # ---------------------------------------------------------------------------------------- collectives
@@ -435,7 +437,7 @@ def main(argv=None):
         result = {"collectives": collectives(args, device, counts)}
     else:
         rows = measure(args, device, counts)
-        where = describe(device)
+        where = describe(device, available)
         mode = f"strong scaling, {args.strong} per step" if args.strong else "weak scaling"
         print(f"\n{os.path.basename(args.trainer)} | {where} | {mode}\n{table(rows)}\n\n{ascii_chart(rows)}")
         result = {"trainer": os.path.basename(args.trainer), "hardware": where, "mode": mode,

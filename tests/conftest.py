@@ -143,9 +143,11 @@ def runs(tmp_path_factory):
     import torch
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in the launched runs (OMP_NUM_THREADS=1): the same float sums, bit for bit
-    with contextlib.redirect_stdout(io.StringIO()):  # the 1-epoch run to resume from: here, no launch needed
-        importlib.import_module(SINGLE[:-3]).main([str(a) for a in single + ["--epochs", 1, "--save", d / "s1.pt"]])
-    torch.set_num_threads(threads)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # the 1-epoch run to resume from: here, no launch needed
+            importlib.import_module(SINGLE[:-3]).main([str(a) for a in single + ["--epochs", 1, "--save", d / "s1.pt"]])
+    finally:
+        torch.set_num_threads(threads)
     # the uninterrupted 2-epoch run (plain python), beside the resumed one: the single-process script under
     # torchrun, which ignores the variables torchrun sets and runs as usual (one process each)
     cmd = command(SINGLE, single + ["--epochs", 2, "--resume", d / "s1.pt", "--save", d / "s1r.pt"], nproc=1)
