@@ -207,7 +207,8 @@ def measure(args, device, counts):
             try:
                 row = pace_row(read_summary(out, script, n), n, wall)
             except KeyError as err:
-                raise InputError(failure(script, n, f"its summary has no {err} (docs/conventions.md)", out, "")) from None
+                reason = f"its summary has no {err} (docs/conventions.md)"
+                raise InputError(failure(script, n, reason, out, "")) from None
             if not row["throughput"]:
                 raise InputError(failure(script, n, "its summary reports no timed step (throughput 0)", out, ""))
             runs.append(row)
