@@ -168,7 +168,7 @@ def check_replicas_in_sync(model, when):  # DDP 9/10 --check-sync: compare hashe
     digests = [None] * dist.get_world_size()  # DDP 9/10
     dist.all_gather_object(digests, digest.hexdigest()[:12])  # DDP 9/10
     if len(set(digests)) > 1:  # DDP 9/10
-        print(f"error: --check-sync: replicas differ after {when}: {digests}", file=sys.stderr)  # DDP 9/10
+        sys.stderr.write(f"error: --check-sync: replicas differ after {when}: {digests}\n")  # DDP 9/10
         sys.exit(3)  # DDP 9/10
 
 
@@ -299,8 +299,11 @@ def main(argv=None):
         raise InputError(f"{world_size} processes but {len(train_set)} train / {len(val_set)} val samples")  # DDP 4/10
     sampler = DistributedSampler(train_set, seed=args.seed)  # DDP 4/10 this rank's share of a shuffled order
     val_set = Subset(val_set, range(rank, len(val_set), world_size))  # DDP 4/10 disjoint slices: no padding to count
-    if args.debug:  # DDP 9/10 every rank, not just rank 0, says which samples it holds
-        print(f"[rank {rank}] train {len(sampler)}: {list(sampler)[:4]}.. | val {len(val_set)}", flush=True)  # DDP 9/10
+    if args.debug:  # DDP 9/10 every rank names the samples it holds; rank 0 prints the lines in rank order
+        shard = f"[rank {rank}] train {len(sampler)}: {list(sampler)[:4]}.. | val {len(val_set)}"  # DDP 9/10
+        shards = [None] * world_size  # DDP 9/10 one process writes: lines from many ranks never splice together
+        dist.all_gather_object(shards, shard)  # DDP 9/10
+        print0(is_main, "\n".join(shards))  # DDP 9/10
     train_loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.num_workers,
                               pin_memory=device.type == "cuda")
     val_loader = DataLoader(val_set, args.batch_size, num_workers=args.num_workers, pin_memory=device.type == "cuda")
@@ -352,7 +355,7 @@ if __name__ == "__main__":
     try:
         main()
     except InputError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"error: {err}\n")  # one write: error lines from several ranks never splice
         sys.exit(2)
     finally:  # DDP 10/10 leave the process group on every path, error or not
         if dist.is_initialized():  # DDP 10/10

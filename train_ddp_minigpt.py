@@ -408,7 +408,7 @@ def check_replicas_in_sync(model, when):  # DDP 9/10 --check-sync: compare hashe
     digests = [None] * dist.get_world_size()  # DDP 9/10
     dist.all_gather_object(digests, digest.hexdigest()[:12])  # DDP 9/10
     if len(set(digests)) > 1:  # DDP 9/10
-        print(f"error: --check-sync: replicas differ after {when}: {digests}", file=sys.stderr)  # DDP 9/10
+        sys.stderr.write(f"error: --check-sync: replicas differ after {when}: {digests}\n")  # DDP 9/10
         sys.exit(3)  # DDP 9/10
 
 
@@ -528,9 +528,11 @@ def main(argv=None):
     baseline, unit = unigram_loss(train, val, vocab_size), "byte" if vocab_size == 256 else "token"
     print0(is_main, f"data {args.data or 'Python standard library'} | {len(train):,} train / {len(val):,} val "
                     f"tokens | vocab {vocab_size} | {unit}-frequency baseline loss {baseline:.4f}")
-    if args.debug:  # DDP 9/10 every rank, not just rank 0, says which windows it reads
-        print(f"[rank {rank}] {windows.per_epoch} micro-batches per epoch, first windows at "
-              f"tokens {windows.deal(0)[:4].tolist()}", flush=True)  # DDP 9/10
+    if args.debug:  # DDP 9/10 every rank names the windows it reads; rank 0 prints the lines in rank order
+        shards = [None] * world_size  # DDP 9/10 one process writes: lines from many ranks never splice together
+        dist.all_gather_object(shards, f"[rank {rank}] {windows.per_epoch} micro-batches per epoch, first windows "
+                                       f"at tokens {windows.deal(0)[:4].tolist()}")  # DDP 9/10
+        print0(is_main, "\n".join(shards))  # DDP 9/10
 
     # model
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
@@ -653,7 +655,7 @@ if __name__ == "__main__":
     try:
         main()
     except InputError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"error: {err}\n")  # one write: error lines from several ranks never splice
         sys.exit(2)
     finally:  # DDP 10/10 leave the process group on every path, error or not
         if dist.is_initialized():  # DDP 10/10

@@ -301,5 +301,5 @@ if __name__ == "__main__":
     try:
         main()
     except InputError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"error: {err}\n")  # one write: error lines from several ranks never splice
         sys.exit(2)
