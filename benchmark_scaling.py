@@ -82,8 +82,8 @@ def parse_args(argv):
     c.add_argument("--warmup", type=positive_int, default=5, metavar="N", help="untimed calls first (default: 5)")
     args = p.parse_args(ours)
     args.trainer_flags = trainer_flags
-    if args.collectives and (trainer_flags or args.strong):
-        p.error("--collectives runs no trainer: drop --strong and the flags after --")
+    if args.collectives and (trainer_flags or args.strong or args.svg):
+        p.error("--collectives runs no trainer and draws no chart: drop --strong, --svg and the flags after --")
     return args
 
 
@@ -199,10 +199,9 @@ def measure(args, device, counts):
         raise InputError(f"trainer not found: {args.trainer}")
     rows = []
     for n in counts:
-        runs = []
+        runs, flags = [], trainer_args(args.trainer_flags, n, args.strong, device)
         for k in range(args.repeat):
             print(f"running {os.path.basename(script)} on {n} process(es), run {k + 1}/{args.repeat}..", flush=True)
-            flags = trainer_args(args.trainer_flags, n, args.strong, device)
             out, wall = launch(script, n, flags, device, args.timeout)
             try:
                 row = pace_row(read_summary(out, script, n), n, wall)

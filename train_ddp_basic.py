@@ -333,10 +333,10 @@ def main(argv=None):
         val_loss, val_acc, val_n = loss_and_accuracy(evaluate(model, val_loader, device))
         print0(is_main, f"epoch {epoch + 1}/{args.epochs} | train loss {train_loss:.4f} | val loss {val_loss:.4f} | "
                         f"val acc {100 * val_acc:.2f}% | {n / train_s:,.0f} samples/s | {train_s:.1f} s")
+        if args.check_sync or args.debug:  # DDP 9/10 before any save: never write a diverged replica
+            check_replicas_in_sync(model, f"epoch {epoch + 1}")  # DDP 9/10
         if args.save_every and (epoch + 1) % args.save_every == 0 and epoch + 1 < args.epochs:
             save_once(args.save, model, optimizer, epoch + 1, args, is_main)
-        if args.check_sync or args.debug:  # DDP 9/10
-            check_replicas_in_sync(model, f"epoch {epoch + 1}")  # DDP 9/10
     summary = {"val_loss": val_loss, "val_acc": val_acc, "val_samples": val_n, "train_samples": samples,
                "train_s": round(seconds, 3), "samples_per_s": round(samples / seconds, 1) if seconds else 0.0}
     step_s = median_step_seconds(step_times)  # the steady pace, for benchmark_scaling.py (docs/conventions.md)

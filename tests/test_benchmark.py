@@ -121,7 +121,8 @@ def test_too_many_processes_bad_sizes_and_unwritable_outputs_exit_2_with_one_lin
                           (["--device", "cpu", "--json", tmp_path / "a_file" / "out.json"], "cannot write"),
                           (["--device", "cpu", "--svg", tmp_path], "cannot write"),
                           (["--collectives", "--max-bytes", "12X"], "not a size like 64K"),
-                          (["--collectives", "--", "--epochs", "1"], "--collectives runs no trainer")]:
+                          (["--collectives", "--", "--epochs", "1"], "--collectives runs no trainer"),
+                          (["--collectives", "--svg", tmp_path / "c.svg"], "draws no chart")]:
         result = run(BENCH, args)
         assert result.returncode == 2 and message in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
