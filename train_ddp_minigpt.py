@@ -1,26 +1,25 @@
-"""Chapter 3: a GPT language model trained under DDP, with what a real trainer needs: mixed precision,
-gradient accumulation with no_sync, clipping, a warmup + cosine schedule, evaluation across ranks,
-resumable checkpoints, and sampling.
+"""Chapter 3: a GPT language model trained under DDP, with what a real trainer needs: mixed
+precision, gradient accumulation with no_sync, clipping, a warmup + cosine schedule, evaluation
+across ranks, resumable checkpoints, and sampling.
 
-    python train_ddp_minigpt.py                                         # 1 process, no torchrun needed
-    torchrun --standalone --nproc_per_node=2 train_ddp_minigpt.py       # 2 processes: CPU (gloo) or 2 GPUs
-    torchrun --standalone --nproc_per_node=gpu train_ddp_minigpt.py     # one process per GPU of this machine
-    # and on each of 2 nodes with 8 GPUs each (chapter 4):
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=NODE0:29500 train_ddp_minigpt.py
-    # inference runs in ONE plain process, no torchrun:
+    python train_ddp_minigpt.py                                      # 1 process, no torchrun
+    torchrun --standalone --nproc_per_node=2 train_ddp_minigpt.py    # 2 processes: CPU or 2 GPUs
+    torchrun --standalone --nproc_per_node=gpu train_ddp_minigpt.py  # one process per GPU here
+    ./launch_multinode_ddp.sh --nnodes 2 --nproc-per-node 8 --master-addr NODE0 train_ddp_minigpt.py
     python train_ddp_minigpt.py --sample --ckpt checkpoints/minigpt.pt --prompt "def main("
 
-Default data: the first 2,000,000 bytes of this Python's own standard library (its top-level .py files in
-sorted order), tokenized as bytes (vocab 256), so nothing is downloaded. `--data FILE` takes any text file,
-or a nanoGPT-style .bin of uint16 token ids with `--vocab-size`. DDP-only lines carry `# DDP k/10` tags,
-numbered as in chapter 2 (see README.md).
+The multi-node line prints the torchrun command to run on each node (chapter 4). Sampling runs in
+one plain process. Default data: the first 2,000,000 bytes of this Python's own standard library,
+one token per byte (vocab 256), so nothing is downloaded; `--data FILE` takes any text file, or a
+nanoGPT-style .bin of uint16 token ids with `--vocab-size`. DDP lines carry chapter 2's tags
+(`# DDP k`); what only this trainer adds for DDP is tagged `# DDP:`.
 """
 import argparse
 import contextlib
 import ctypes
-import datetime  # DDP 1/10
+import datetime
 import glob
-import hashlib  # DDP 9/10
+import hashlib
 import json
 import math
 import os
@@ -31,13 +30,11 @@ import time
 
 import numpy as np
 import torch
-import torch.distributed as dist  # DDP 1/10
+import torch.distributed as dist  # DDP 1
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP  # DDP 6/10
+from torch.nn.parallel import DistributedDataParallel as DDP  # DDP 6
 from torch.utils.checkpoint import checkpoint
-
-DEFAULT_CORPUS_BYTES = 2_000_000
 
 
 class InputError(Exception):
@@ -50,62 +47,96 @@ class Parser(argparse.ArgumentParser):
 
 
 def positive(kind, zero_ok=False):
-    """An argparse type: a number of `kind` (int or float) above zero, or at least zero if zero_ok."""
+    """An argparse type: a number of `kind` above zero, or at least zero if zero_ok."""
     def parse(text):
         value = kind(text)
         if value < 0 or (value == 0 and not zero_ok):
-            raise argparse.ArgumentTypeError(f"must be {'at least 0' if zero_ok else 'positive'}, got {text}")
+            bound = "at least 0" if zero_ok else "positive"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
         return value
-    parse.__name__ = f"positive {kind.__name__}"  # argparse names it in "invalid positive int value"
+    parse.__name__ = f"positive {kind.__name__}"  # argparse names it: "invalid positive int value"
     return parse
 
 
 def parse_args(argv=None):
     p = Parser(description=__doc__.split("\n\n")[0])
     a = p.add_argument_group("data").add_argument
-    a("--data", metavar="FILE", help="text file (bytes are tokens) or .bin of uint16 ids (default: Python stdlib)")
-    a("--vocab-size", type=positive(int), metavar="N", help="token ids of a .bin file are below N (required for .bin)")
-    a("--val-fraction", type=float, default=0.1, metavar="F", help="the tail of the data held out (default: 0.1)")
+    a("--data", metavar="FILE",
+      help="a text file (its bytes are the tokens) or a .bin of uint16 token ids "
+           "(default: the Python standard library)")
+    a("--vocab-size", type=positive(int), metavar="N", help="a .bin file's ids are below N")
+    a("--val-fraction", type=float, default=0.1, metavar="F",
+      help="the tail of the data held out for validation (default: 0.1)")
     a = p.add_argument_group("model").add_argument
-    a("--n-layer", type=positive(int), default=4, metavar="N", help="transformer blocks (default: 4)")
-    a("--n-head", type=positive(int), default=4, metavar="N", help="attention heads, must divide --n-embd (default: 4)")
-    a("--n-embd", type=positive(int), default=128, metavar="N", help="width of the residual stream (default: 128)")
-    a("--block-size", type=positive(int), default=128, metavar="T", help="context length in tokens (default: 128)")
+    a("--n-layer", type=positive(int), default=4, metavar="N",
+      help="transformer blocks (default: 4)")
+    a("--n-head", type=positive(int), default=4, metavar="N",
+      help="attention heads, must divide --n-embd (default: 4)")
+    a("--n-embd", type=positive(int), default=128, metavar="N",
+      help="width of the residual stream (default: 128)")
+    a("--block-size", type=positive(int), default=128, metavar="T",
+      help="context length in tokens (default: 128)")
     a("--dropout", type=float, default=0.0, metavar="P", help="dropout probability (default: 0.0)")
-    a("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
-    a("--compile", action="store_true", help="torch.compile the model (off by default)")
-    a("--compile-backend", default="inductor", metavar="NAME", help="torch.compile backend (default: inductor)")
+    a("--grad-checkpointing", action="store_true",
+      help="recompute each block's activations in backward: less memory, more time")
+    a("--compile", action="store_true", help="torch.compile the model (default: off)")
+    a("--compile-backend", default="inductor", metavar="NAME",
+      help="torch.compile backend (default: inductor)")
     a = p.add_argument_group("training").add_argument
-    a("--batch-size", type=positive(int), default=16, metavar="B", help="per micro-step and process (default: 16)")
-    a("--grad-accum", type=positive(int), default=1, metavar="K", help="micro-steps per optimizer step (default: 1)")
-    a("--max-steps", type=positive(int), default=300, metavar="N", help="optimizer steps (default: 300)")
+    a("--batch-size", type=positive(int), default=16, metavar="B",
+      help="sequences per micro-step, per process (default: 16)")
+    a("--grad-accum", type=positive(int), default=1, metavar="K",
+      help="micro-steps per optimizer step (default: 1)")
+    a("--max-steps", type=positive(int), default=300, metavar="N",
+      help="optimizer steps (default: 300)")
     a("--lr", type=positive(float), default=3e-3, help="peak learning rate (default: 0.003)")
-    a("--min-lr", type=positive(float, zero_ok=True), default=3e-4, metavar="LR", help="cosine floor (default: 0.0003)")
-    a("--warmup-steps", type=positive(int, zero_ok=True), default=30, metavar="N", help="linear warmup (default: 30)")
-    a("--weight-decay", type=positive(float, zero_ok=True), default=0.1, metavar="W", help="on matrices (default: 0.1)")
-    a("--clip", type=positive(float, zero_ok=True), default=1.0, metavar="NORM", help="0 = off (default: 1.0)")
-    a("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto", help="auto: bf16/fp16 on GPUs, off on CPUs")
-    a("--seed", type=int, default=0, help="seeds the weights, the data order and dropout (default: 0)")
-    a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if present (default)")
-    a("--dist-timeout", type=positive(float), default=300, metavar="S", help="default: 300 s")  # DDP 1/10
-    a("--check-sync", action="store_true", help="compare replicas at each evaluation")  # DDP 9/10
-    a("--debug", action="store_true", help="checked collectives, data per rank, --check-sync")  # DDP 9/10
+    a("--min-lr", type=positive(float, zero_ok=True), default=3e-4, metavar="LR",
+      help="where the cosine ends (default: 0.0003)")
+    a("--warmup-steps", type=positive(int, zero_ok=True), default=30, metavar="N",
+      help="steps of linear warmup (default: 30)")
+    a("--weight-decay", type=positive(float, zero_ok=True), default=0.1, metavar="W",
+      help="AdamW's, on matrices only (default: 0.1)")
+    a("--clip", type=positive(float, zero_ok=True), default=1.0, metavar="NORM",
+      help="clip the gradient norm to NORM, 0 = off (default: 1.0)")
+    a("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
+      help="autocast dtype; auto: bf16 (or fp16) on GPUs, off on CPUs (default: auto)")
+    a("--seed", type=int, default=0, help="seeds the weights, data order, dropout (default: 0)")
+    a("--device", choices=["auto", "cpu", "cuda"], default="auto",
+      help="auto = cuda if there is one, else cpu (default: auto)")
+    a = p.add_argument_group("distributed: timeouts and debugging (chapters 5 and 6)").add_argument
+    a("--dist-timeout", type=positive(float), default=300, metavar="S",
+      help="seconds a collective waits for a peer before the job fails (default: 300)")
+    a("--check-sync", action="store_true",
+      help="at each evaluation, check that every replica's weights are identical (exit 3 if not)")
+    a("--debug", action="store_true",
+      help="TORCH_DISTRIBUTED_DEBUG, each rank's data windows, and --check-sync")
     a = p.add_argument_group("evaluation, logging, checkpoints").add_argument
-    a("--eval-every", type=positive(int), default=100, metavar="N", help="steps between evaluations (default: 100)")
-    a("--eval-windows", type=positive(int), default=128, metavar="N", help="validation sequences (default: 128)")
-    a("--log-every", type=positive(int), default=10, metavar="N", help="steps between log lines (default: 10)")
-    a("--save", default="checkpoints/minigpt.pt", metavar="PATH", help="'' for none (default: %(default)s)")
-    a("--save-every", type=positive(int, zero_ok=True), default=0, metavar="N", help="and every N steps (default: 0)")
-    a("--resume", metavar="PATH", help="go on from this checkpoint; 'auto': from --save if it exists")
-    a("--gpu-peak-tflops", type=positive(float), default=312.0, metavar="T", help="for MFU (default: 312)")
-    a("--benchmark", action="store_true", help="time --max-steps steps after 5 warm-up steps; no eval, no save")
+    a("--eval-every", type=positive(int), default=100, metavar="N",
+      help="steps between evaluations (default: 100)")
+    a("--eval-windows", type=positive(int), default=128, metavar="N",
+      help="validation sequences per evaluation (default: 128)")
+    a("--log-every", type=positive(int), default=10, metavar="N",
+      help="steps between log lines (default: 10)")
+    a("--save", default="checkpoints/minigpt.pt", metavar="PATH",
+      help="checkpoint written at the end, '' for none (default: %(default)s)")
+    a("--save-every", type=positive(int, zero_ok=True), default=0, metavar="N",
+      help="also save every N steps, 0 = only at the end (default: 0)")
+    a("--resume", metavar="PATH",
+      help="go on from this checkpoint; 'auto': from --save if it exists")
+    a("--gpu-peak-tflops", type=positive(float), default=312.0, metavar="T",
+      help="the GPU's peak TFLOPS, for MFU (default: 312, an A100 in bf16)")
+    a("--benchmark", action="store_true",
+      help="time --max-steps steps after 5 warm-up steps; no evaluation, no checkpoint")
     a = p.add_argument_group("sampling (one process, no torchrun)").add_argument
     a("--sample", action="store_true", help="generate text from --ckpt instead of training")
-    a("--ckpt", metavar="PATH", help="checkpoint to sample from")
-    a("--prompt", default="\n", metavar="TEXT", help="text the sample starts from (default: a newline)")
-    a("--max-new-tokens", type=positive(int), default=300, metavar="N", help="tokens to generate (default: 300)")
-    a("--temperature", type=positive(float), default=0.8, metavar="T", help="below 1: safer choices (default: 0.8)")
-    a("--top-k", type=positive(int, zero_ok=True), default=40, metavar="K", help="draw from the K likeliest (0: all)")
+    a("--ckpt", metavar="PATH", help="the checkpoint to sample from")
+    a("--prompt", default="\n", metavar="TEXT", help="text to start from (default: a newline)")
+    a("--max-new-tokens", type=positive(int), default=300, metavar="N",
+      help="tokens to generate (default: 300)")
+    a("--temperature", type=positive(float), default=0.8, metavar="T",
+      help="below 1: safer choices, above 1: wilder ones (default: 0.8)")
+    a("--top-k", type=positive(int, zero_ok=True), default=40, metavar="K",
+      help="draw from the K likeliest tokens, 0 = from all (default: 40)")
     args = p.parse_args(argv)
     if args.n_embd % args.n_head:
         p.error(f"--n-head {args.n_head} must divide --n-embd {args.n_embd}")
@@ -116,8 +147,10 @@ def parse_args(argv=None):
     return args
 
 
+# ------------------------------------------------------------------------------------------ setup
+
 def print0(is_main, message):
-    """Print a log line if this process is the one that logs; flush so lines appear at once under torchrun."""
+    """Print a log line if this process is the one that logs; flush, so it shows at once."""
     if is_main:
         print(message, flush=True)
 
@@ -131,55 +164,84 @@ def pick_device(name):
     return torch.device(name)
 
 
+def init_distributed(device, timeout_s, debug):  # DDP 1: join the process group
+    """Join the group torchrun describes; plain `python` makes a group of one. Returns this
+    process's device, its rank and the world size."""
+    if device.type == "cuda":  # DDP 2: one GPU per process, picked by LOCAL_RANK, before CUDA work
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if debug:  # DDP: before the group starts; DETAIL checks every collective (not on gloo: docs/)
+        dist.set_debug_level(dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO)
+    if "RANK" in os.environ:  # launched by torchrun
+        dist.init_process_group(backend, timeout=timeout)
+    else:  # DDP: plain `python`, a group of one over an in-memory store
+        print("not launched by torchrun: running as a one-process group (world size 1)", flush=True)
+        store = dist.HashStore()
+        dist.init_process_group(backend, timeout=timeout, store=store, rank=0, world_size=1)
+    return device, dist.get_rank(), dist.get_world_size()
+
+
 def keep_freed_memory_on_cpu(device):
-    """CPU runs on Linux (glibc): keep freed memory inside the process. Each step allocates and frees tensors
-    of tens of MB (the logits: batch x context x vocab floats); by default glibc returns such blocks to the
-    OS at once, and the next step pays page faults to map them again (10-30% of a step, measured here)."""
+    """On Linux CPUs (glibc), keep freed memory in the process. Each step frees and allocates tens
+    of MB (the logits); by default glibc hands such blocks back to the OS at once, and the next
+    step pays page faults to map them again (10-30% of a step, measured: docs/performance.md)."""
     if device.type != "cpu":
         return
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return  # not glibc (macOS, musl, Windows): nothing to tune
-    libc.mallopt(-4, 0)  # M_MMAP_MAX = 0: serve large blocks from the heap, not from fresh mmaps
-    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD = 1 GiB: keep up to that much freed heap for reuse
+    libc.mallopt(-4, 0)  # M_MMAP_MAX = 0: serve large blocks from the heap, not fresh mmaps
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD = 1 GiB: keep that much freed heap for reuse
 
 
-def init_distributed(device, timeout_s, debug):  # DDP 1/10 join the process group torchrun describes in env vars
-    if device.type == "cuda":  # DDP 2/10 one GPU per process, picked by LOCAL_RANK, before any CUDA work
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))  # DDP 2/10
-        torch.cuda.set_device(device)  # DDP 2/10
-    backend, timeout = ("nccl" if device.type == "cuda" else "gloo"), datetime.timedelta(seconds=timeout_s)  # DDP 1/10
-    if debug:  # DDP 9/10 TORCH_DISTRIBUTED_DEBUG, before the group starts; DETAIL checks every collective across ranks
-        dist.set_debug_level(dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO)  # DDP 9/10 see docs
-    if "RANK" in os.environ:  # DDP 1/10 launched by torchrun
-        dist.init_process_group(backend, timeout=timeout)  # DDP 1/10
-    else:  # DDP 1/10 plain `python`: a group of one, over an in-memory store
-        print("not launched by torchrun: running as a one-process group (world size 1)", flush=True)  # DDP 1/10
-        dist.init_process_group(backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)  # DDP 1/10
-    return device, dist.get_rank(), dist.get_world_size()  # DDP 1/10
+def amp_dtype(choice, device):
+    """The autocast dtype, or None for fp32. bf16 has fp32's range: no loss scaling. fp16 needs a
+    GradScaler."""
+    if choice == "auto":
+        if device.type != "cuda":
+            return None
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if choice == "fp16" and device.type != "cuda":
+        raise InputError("--amp fp16 needs a CUDA device; on a CPU use --amp bf16 or --amp off")
+    if choice == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise InputError("--amp bf16: this GPU has no bf16 support; use --amp fp16")
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[choice]
 
 
-# ----------------------------------------------------------------------------------------------- data
+def mixed_precision(args, device):
+    """(the dtype's name, an autocast context, a GradScaler): the scaler runs for fp16 only."""
+    dtype = amp_dtype(args.amp, device)
+    autocast = torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # bf16 needs none
+    return str(dtype or "off").replace("torch.", ""), autocast, scaler
 
-def load_tokens(args):
-    """All tokens as a 1-D numpy array, and the vocabulary size. Bytes of a text file are its tokens; a .bin
-    file is memory-mapped, not read, so a corpus of many GB costs no RAM until its windows are read."""
+
+# ------------------------------------------------------------------------------------------- data
+
+def load_tokens(args, default_bytes=2_000_000):
+    """All tokens as a 1-D numpy array, and the vocabulary size. A text file's bytes are its
+    tokens; a .bin file is memory-mapped, so a corpus of many GB costs no RAM until it is read."""
     if args.data is None:
         files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
-        raw = b"".join(open(f, "rb").read() for f in files)[:DEFAULT_CORPUS_BYTES]
+        raw = b"".join(open(f, "rb").read() for f in files)[:default_bytes]
         return np.frombuffer(raw, dtype=np.uint8), 256
     if not os.path.isfile(args.data):
         raise InputError(f"data file not found: {args.data}")
     if not args.data.endswith(".bin"):
         return np.fromfile(args.data, dtype=np.uint8), 256
     if args.vocab_size is None:
-        raise InputError(f"{args.data} holds token ids: give --vocab-size (e.g. 50304 for GPT-2's BPE)")
-    if os.path.getsize(args.data) % 2:
+        raise InputError(f"{args.data} holds token ids: give --vocab-size "
+                         "(e.g. 50304 for GPT-2's BPE)")
+    size = os.path.getsize(args.data)
+    if size % 2:
         raise InputError(f"{args.data} has an odd number of bytes: not a file of uint16 token ids")
-    tokens = np.memmap(args.data, dtype=np.uint16, mode="r") if os.path.getsize(args.data) else np.zeros(0, np.uint16)
+    tokens = np.memmap(args.data, dtype=np.uint16, mode="r") if size else np.zeros(0, np.uint16)
     if len(tokens) and int(tokens.max()) >= args.vocab_size:
-        raise InputError(f"{args.data} holds token id {int(tokens.max())}, not below --vocab-size {args.vocab_size}")
+        raise InputError(f"{args.data} holds token id {int(tokens.max())}, "
+                         f"not below --vocab-size {args.vocab_size}")
     return tokens, args.vocab_size
 
 
@@ -189,62 +251,75 @@ def split_tokens(tokens, args, world_size):
     train, val = tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]
     need = world_size * args.batch_size * (args.block_size + 1)
     if len(train) < need + args.block_size or len(val) < args.block_size + 1:
-        where = args.data or "the default corpus"
-        raise InputError(f"{where} has {len(tokens)} tokens: too short for {world_size} process(es) x "
-                         f"--batch-size {args.batch_size} x --block-size {args.block_size} (+{args.val_fraction:.0%} "
-                         f"validation); give more data or smaller sizes")
+        raise InputError(f"{args.data or 'the default corpus'} has {len(tokens)} tokens: too short "
+                         f"for {world_size} process(es) x --batch-size {args.batch_size} x "
+                         f"--block-size {args.block_size} (+{args.val_fraction:.0%} validation); "
+                         "give more data or smaller sizes")
     return train, val
 
 
 class Windows:
     """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
-    block_size + 1 tokens, starting at a random offset, shuffles them (seed + epoch) and deals them to the
-    ranks round-robin, like DistributedSampler: every rank reads different windows, and an epoch reads each
-    token once. Micro-batch k is a pure function of k, so a resumed run reads what the uninterrupted one did."""
+    block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
+    ranks round-robin, like DistributedSampler: ranks read different windows, and an epoch reads
+    each token once. Micro-batch k is a function of k alone, so a resumed run reads what the
+    uninterrupted one would have."""
 
     def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
         self.tokens, self.block, self.batch = tokens, block_size, batch_size
         self.rank, self.world, self.seed = rank, world_size, seed
-        windows_per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size  # for any offset
-        self.per_epoch = windows_per_rank // batch_size  # micro-batches per rank per epoch
+        per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size  # at any offset
+        self.per_epoch = per_rank // batch_size  # micro-batches per rank per epoch
         self.span = np.arange(block_size + 1)
         self.epoch, self.starts = None, None
 
     def deal(self, epoch):
-        g = torch.Generator().manual_seed(self.seed + epoch)
+        """The start of every window this rank reads in `epoch`, in order."""
+        g = torch.Generator().manual_seed(self.seed + epoch)  # DDP 5: a new order each epoch
         offset = int(torch.randint(0, self.block + 1, (1,), generator=g))
         count = self.per_epoch * self.batch * self.world
         order = torch.randperm((len(self.tokens) - offset) // (self.block + 1), generator=g)[:count]
-        return (offset + order * (self.block + 1))[self.rank::self.world].numpy()  # DDP 4/10 this rank's windows
+        return (offset + order * (self.block + 1))[self.rank::self.world].numpy()  # DDP 4: shard
 
     def get(self, k):
-        """Micro-batch k of this rank: inputs and targets (the inputs shifted by one token), (B, T) each."""
+        """Micro-batch k of this rank: inputs and targets (inputs shifted by one), (B, T) each."""
         epoch, i = divmod(k, self.per_epoch)
         if epoch != self.epoch:
             self.epoch, self.starts = epoch, self.deal(epoch)
-        rows = torch.from_numpy(self.tokens[self.starts[i * self.batch:(i + 1) * self.batch, None] + self.span]
-                                .astype(np.int64))
+        rows = self.tokens[self.starts[i * self.batch:(i + 1) * self.batch, None] + self.span]
+        rows = torch.from_numpy(rows.astype(np.int64))
         return rows[:, :-1], rows[:, 1:]
 
 
 def unigram_loss(train, val, vocab_size):
-    """Cross-entropy (nats/token) on the validation tokens of predicting each token by its frequency in the
-    training tokens: the loss to beat, for a model that ignores context."""
+    """Cross-entropy (nats/token) on the validation tokens of predicting each token by its frequency
+    in the training tokens: the loss to beat, for a model that ignores context."""
     counts = np.bincount(train, minlength=vocab_size) + 1.0  # +1: no token has probability 0
     return float(-np.log(counts / counts.sum())[val].mean())
 
 
-# ---------------------------------------------------------------------------------------------- model
+def log_windows(windows, rank, world_size, is_main):  # DDP: --debug, which windows each rank reads
+    """Every rank describes its data; rank 0 prints the lines in rank order, so that lines from
+    several processes never splice into each other."""
+    line = (f"[rank {rank}] {windows.per_epoch} micro-batches per epoch, "
+            f"first windows at tokens {windows.deal(0)[:4].tolist()}")
+    lines = [None] * world_size
+    dist.all_gather_object(lines, line)  # a collective: every rank calls it
+    print0(is_main, "\n".join(lines))
+
+
+# ------------------------------------------------------------------------------------------ model
 
 def causal_attention(q, k, v):
-    """softmax(q k^T / sqrt(d)) v over earlier positions only, through PyTorch's fused kernel (flash attention
-    on GPUs): is_causal builds no mask tensor. No dropout on the attention weights: on a CPU it would force the
-    slow unfused path (dropout acts on the residual branches instead). On a CPU, attention runs in fp32 even
-    under bf16 autocast: PyTorch's bf16 CPU backward kernel is 3x slower than its fp32 one (measured here)."""
+    """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
+    attention on GPUs); is_causal builds no mask. No dropout on the attention weights: on a CPU it
+    forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
+    bf16 CPU backward kernel is 3x slower than the fp32 one (measured: docs/performance.md)."""
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     with torch.autocast("cpu", enabled=False):
-        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True).to(q.dtype)
+        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    return y.to(q.dtype)
 
 
 class CausalSelfAttention(nn.Module):
@@ -256,7 +331,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, heads, T, head size)
         y = causal_attention(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
@@ -268,7 +344,8 @@ class Block(nn.Module):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
         self.attn = CausalSelfAttention(n_embd, n_head)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
+                                 nn.Linear(4 * n_embd, n_embd))
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x):
@@ -277,17 +354,19 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd, dropout, grad_checkpointing=False):
+    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd, dropout,
+                 grad_checkpointing=False):
         super().__init__()
         self.block_size, self.grad_checkpointing = block_size, grad_checkpointing
-        self.tok_emb, self.pos_emb = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
+        self.tok_emb = nn.Embedding(vocab_size, n_embd)
+        self.pos_emb = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
-        self.head.weight = self.tok_emb.weight  # weight tying: one matrix embeds and un-embeds tokens
+        self.head.weight = self.tok_emb.weight  # weight tying: one matrix embeds and un-embeds
         self.apply(self.init_weights)
-        for name, p in self.named_parameters():  # GPT-2: shrink the residual branches' outputs with depth
+        for name, p in self.named_parameters():  # GPT-2: residual branches shrink with depth
             if name.endswith(("attn.proj.weight", "mlp.2.weight")):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer))
 
@@ -299,20 +378,22 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None):
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device)))
+        """Logits (B, T, vocab), and the mean cross-entropy per token if targets are given."""
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
         for block in self.blocks:
-            if self.grad_checkpointing and self.training:  # keep only block inputs; recompute the rest
+            if self.grad_checkpointing and self.training:  # keep block inputs; recompute the rest
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits, None
-        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature, top_k):
-        """Append max_new_tokens tokens to idx (1, T), one at a time, each drawn from the model's prediction."""
+        """Append max_new_tokens tokens to idx (1, T), each drawn from the model's prediction."""
         for _ in range(max_new_tokens):
             logits = self(idx[:, -self.block_size:])[0][:, -1] / temperature
             if top_k:
@@ -327,13 +408,26 @@ def model_config(args, vocab_size):
             "n_head": args.n_head, "n_embd": args.n_embd, "dropout": args.dropout}
 
 
-# -------------------------------------------------------------------------------------------- training
+def build_model(args, vocab_size, scaler, rank, device):
+    """The plain model and its optimizer, fresh or from --resume; and the step to go on from."""
+    torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's)
+    config = model_config(args, vocab_size)
+    raw_model = GPT(**config, grad_checkpointing=args.grad_checkpointing).to(device)
+    optimizer = make_optimizer(raw_model, args, device)
+    torch.manual_seed(args.seed + rank)  # DDP: each rank its own dropout masks, as its own data
+    path = resolve_resume(args.resume, args.save)
+    start = resume(path, raw_model, optimizer, scaler, args, vocab_size, rank, device)
+    return raw_model, optimizer, start, path
+
+
+# --------------------------------------------------------------------------------------- training
 
 def make_optimizer(model, args, device):
-    """AdamW; weight decay on matrices (embeddings, linear weights) only, never on biases or norms."""
+    """AdamW; weight decay on matrices (embeddings, linear weights) only, never biases or norms."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
@@ -342,40 +436,28 @@ def lr_at(step, args):
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
     progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
-    return args.min_lr + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (args.lr - args.min_lr)
-
-
-def amp_dtype(choice, device):
-    """The autocast dtype, or None for full fp32. bf16 has fp32's range: no loss scaling. fp16 needs a GradScaler."""
-    if choice == "auto":
-        if device.type != "cuda":
-            return None
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if choice == "fp16" and device.type != "cuda":
-        raise InputError("--amp fp16 needs a CUDA device; on a CPU use --amp bf16 or --amp off")
-    if choice == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise InputError("--amp bf16: this GPU has no bf16 support; use --amp fp16")
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[choice]
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))  # from 1 down to 0
+    return args.min_lr + cosine * (args.lr - args.min_lr)
 
 
 def train_step(model, optimizer, scaler, windows, step, args, autocast, device):
-    """One optimizer step over --grad-accum micro-batches. DDP all-reduces gradients during the last
-    micro-batch's backward only: the others run under no_sync() and just accumulate locally.
-    Returns the mean loss per token (a device tensor: no host sync here) and the gradient norm."""
+    """One optimizer step over --grad-accum micro-batches. Returns the mean loss per token (a device
+    tensor: no host sync here) and the gradient norm before clipping."""
     loss_sum = torch.zeros((), device=device)
     for micro in range(args.grad_accum):
         x, y = windows.get(step * args.grad_accum + micro)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         last = micro == args.grad_accum - 1
-        with contextlib.nullcontext() if last else model.no_sync():  # DDP 6/10 one all-reduce per optimizer step
+        # DDP: all-reduce once per optimizer step; the other micro-batches accumulate locally
+        with contextlib.nullcontext() if last else model.no_sync():
             with autocast:
                 _, loss = model(x, y)
-            loss = loss / (y.numel() * args.grad_accum)  # mean over all tokens of the step, on this rank
+            loss = loss / args.grad_accum  # every micro-batch has as many tokens: mean of means
             scaler.scale(loss).backward()
         loss_sum += loss.detach()
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, args)
-    scaler.unscale_(optimizer)  # fp16: true gradients before clipping (a no-op when the scaler is off)
+    scaler.unscale_(optimizer)  # fp16: true gradients before clipping (no-op if the scaler is off)
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
     scaler.step(optimizer)
     scaler.update()
@@ -385,256 +467,62 @@ def train_step(model, optimizer, scaler, windows, step, args, autocast, device):
 
 @torch.no_grad()
 def evaluate(model, val, args, rank, world_size, autocast):
-    """Mean loss per token over the first --eval-windows non-overlapping validation windows, each rank taking
-    a disjoint slice: token-loss sums and token counts are all-reduced, so the mean is exact."""
+    """Mean loss per token over the first --eval-windows non-overlapping validation windows, each
+    rank taking a disjoint slice: loss sums and token counts are all-reduced: the mean is exact."""
     model.eval()
     device = next(model.parameters()).device
     starts = np.arange(0, len(val) - args.block_size, args.block_size + 1)[:args.eval_windows]
-    mine = starts[rank::world_size]  # DDP 4/10 disjoint validation slices, no padding
+    mine = starts[rank::world_size]  # DDP 4: disjoint validation slices, no padding
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for i in range(0, len(mine), args.batch_size):
-        rows = torch.from_numpy(val[mine[i:i + args.batch_size, None] + np.arange(args.block_size + 1)]
-                                .astype(np.int64)).to(device)
+        rows = val[mine[i:i + args.batch_size, None] + np.arange(args.block_size + 1)]
+        rows = torch.from_numpy(rows.astype(np.int64)).to(device)
+        x, y = rows[:, :-1], rows[:, 1:]
         with autocast:
-            _, loss_sum = model(rows[:, :-1], rows[:, 1:])
-        totals += torch.stack([loss_sum.double(), totals.new_tensor(rows[:, 1:].numel())])
-    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # DDP 7/10 sums over all ranks, then one division
+            logits, _ = model(x)
+        loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum")
+        totals += torch.stack([loss_sum.double(), totals.new_tensor(y.numel())])
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # DDP 7: sums over all ranks, then one division
     model.train()
     return (totals[0] / totals[1]).item()
 
 
-def check_replicas_in_sync(model, when):  # DDP 9/10 --check-sync: compare hashes of every rank's weights
-    digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters()))  # DDP 9/10
-    digests = [None] * dist.get_world_size()  # DDP 9/10
-    dist.all_gather_object(digests, digest.hexdigest()[:12])  # DDP 9/10
-    if len(set(digests)) > 1:  # DDP 9/10
-        sys.stderr.write(f"error: --check-sync: replicas differ after {when}: {digests}\n")  # DDP 9/10
-        sys.exit(3)  # DDP 9/10
-
-
 def mean_over_ranks(value, world_size):
-    """The average of a scalar tensor over all ranks (SUM then divide: gloo has no AVG)."""
+    """The average of a scalar tensor over all ranks (SUM, then divide: gloo has no AVG)."""
     value = value.detach().clone().float()
-    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # DDP 7/10 every rank calls it, not only rank 0
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # DDP 7: every rank calls it, not only rank 0
     return value.item() / world_size
 
 
-# ----------------------------------------------------------------------------------------- checkpoints
-
-def save_checkpoint(path, raw_model, optimizer, scaler, step, args, vocab_size, rng_states):
-    """Write atomically: a temp file in the same folder, fsync, then rename over the final name."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
-             "step": step, "config": model_config(args, vocab_size), "args": vars(args), "rng": rng_states}
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half of one
-    finally:
-        if os.path.exists(tmp):  # the write failed: drop the partial file (a killed process leaves it behind)
-            os.remove(tmp)
+def check_replicas_in_sync(model, when):  # DDP: --check-sync, compare every rank's weights
+    """Exit with code 3 if the replicas' weights differ (by a hash of their bytes)."""
+    weights = b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, hashlib.sha256(weights).hexdigest()[:12])
+    if len(set(digests)) > 1:
+        sys.stderr.write(f"error: --check-sync: replicas differ after {when}: {digests}\n")
+        sys.exit(3)
 
 
-def resolve_resume(resume, save):
-    """--resume auto: continue from the --save checkpoint if one exists (after a crash, a restart runs the
-    same command again and picks up where the last checkpoint left it), else start fresh."""
-    if resume != "auto":
-        return resume
-    if not save:
-        raise InputError("--resume auto needs a --save path to look for")
-    return save if os.path.isfile(save) else None
-
-
-def rng_state(device):
-    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-
-
-def read_checkpoint(path):
-    """The checkpoint dict, loaded to the CPU with weights_only=True; any problem is an InputError."""
-    if not os.path.isfile(path):
-        raise InputError(f"checkpoint not found: {path}")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(state, dict) or not {"model", "config", "step"} <= state.keys():
-            raise ValueError("not a checkpoint of this script (no model, config and step)")
-        return state
-    except Exception as err:  # truncated, not a torch file, not a checkpoint of ours: bad input all the same
-        reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
-        raise InputError(f"cannot read checkpoint {path}: {reason}") from None
-
-
-def resume(path, raw_model, optimizer, scaler, args, vocab_size, rank, device):
-    """Restore weights, optimizer, scaler and this rank's RNG; return the step to continue from."""
-    state = read_checkpoint(path)
-    if state["config"] != model_config(args, vocab_size):
-        raise InputError(f"{path} was trained with {state['config']}, this run builds {model_config(args, vocab_size)}")
-    try:
-        raw_model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
-    except (RuntimeError, ValueError, KeyError) as err:
-        raise InputError(f"cannot resume from {path}: {type(err).__name__}: {str(err).splitlines()[0]}") from None
-    if rank < len(state["rng"]):  # the same world size gets its exact dropout streams back
-        torch.set_rng_state(state["rng"][rank]["cpu"])
-        if state["rng"][rank]["cuda"] is not None and device.type == "cuda":
-            torch.cuda.set_rng_state(state["rng"][rank]["cuda"])
-    return state["step"]
-
-
-# ------------------------------------------------------------------------------------------- sampling
-
-def sample(args):
-    """Inference: ONE plain process, no process group (generation has no gradients to average)."""
-    device = pick_device(args.device)
-    state = read_checkpoint(args.ckpt)
-    if state["config"]["vocab_size"] != 256:
-        raise InputError(f"{args.ckpt} was trained on token ids (vocab {state['config']['vocab_size']}): "
-                         "--prompt text needs a byte-level checkpoint (vocab 256)")
-    model = GPT(**state["config"]).to(device)
-    model.load_state_dict(state["model"])
-    model.eval()
-    torch.manual_seed(args.seed)
-    prompt = torch.tensor([list(args.prompt.encode("utf-8")) or [10]], device=device)
-    out = model.generate(prompt, args.max_new_tokens, args.temperature, args.top_k)
-    print(bytes(out[0].tolist()).decode("utf-8", errors="replace"), flush=True)
-
-
-# ----------------------------------------------------------------------------------------------- main
-
-def main(argv=None):
-    args = parse_args(argv)
-    if args.sample:
-        return sample(args)
-    # setup
-    device = pick_device(args.device)
-    device, rank, world_size = init_distributed(device, args.dist_timeout, args.debug)  # DDP 1/10
-    is_main = rank == 0  # DDP 3/10 rank 0 alone logs and saves
-    keep_freed_memory_on_cpu(device)
-    dtype = amp_dtype(args.amp, device)
-    autocast = torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # fp16 only; bf16 needs none
-    tokens_per_step = args.batch_size * args.block_size * args.grad_accum * world_size
-    print0(is_main, f"world size {world_size} | device {device} | amp {str(dtype or 'off').replace('torch.', '')} | "
-                    f"{tokens_per_step:,} tokens per step ({args.batch_size} x {args.block_size} x "
-                    f"{args.grad_accum} accumulation x {world_size} processes)")
-
-    # data
-    tokens, vocab_size = load_tokens(args)
-    train, val = split_tokens(tokens, args, world_size)
-    windows = Windows(train, args.block_size, args.batch_size, rank, world_size, args.seed)  # DDP 4/10 per rank
-    baseline, unit = unigram_loss(train, val, vocab_size), "byte" if vocab_size == 256 else "token"
-    print0(is_main, f"data {args.data or 'Python standard library'} | {len(train):,} train / {len(val):,} val "
-                    f"tokens | vocab {vocab_size} | {unit}-frequency baseline loss {baseline:.4f}")
-    if args.debug:  # DDP 9/10 every rank names the windows it reads; rank 0 prints the lines in rank order
-        shards = [None] * world_size  # DDP 9/10 one process writes: lines from many ranks never splice together
-        dist.all_gather_object(shards, f"[rank {rank}] {windows.per_epoch} micro-batches per epoch, first windows "
-                                       f"at tokens {windows.deal(0)[:4].tolist()}")  # DDP 9/10
-        print0(is_main, "\n".join(shards))  # DDP 9/10
-
-    # model
-    torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-    raw_model = GPT(**model_config(args, vocab_size), grad_checkpointing=args.grad_checkpointing).to(device)
-    optimizer = make_optimizer(raw_model, args, device)
-    torch.manual_seed(args.seed + rank)  # DDP 4/10 each rank its own dropout masks, as it has its own data
-    resume_from = resolve_resume(args.resume, args.save)
-    start = resume(resume_from, raw_model, optimizer, scaler, args, vocab_size, rank, device) if resume_from else 0
-    model = torch.compile(raw_model, backend=args.compile_backend) if args.compile else raw_model
-    model = DDP(model, device_ids=[device] if device.type == "cuda" else None)  # DDP 6/10 averages gradients
-    n_params = sum(p.numel() for p in raw_model.parameters())
-    resumed = f" | resumed from {resume_from} at step {start}" if resume_from else ""
-    print0(is_main, f"model {n_params:,} parameters | {args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
-                    f"context {args.block_size}{resumed}")
-
-    # train
-    if args.benchmark:
-        return benchmark(model, optimizer, scaler, windows, args, autocast, device, tokens_per_step, is_main)
-    fail_at, fail_mode = crash_step(rank)
-    val_loss = evaluate(model.module, val, args, rank, world_size, autocast)  # DDP 7/10 the plain module
-    print0(is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
-    timer, train_s, last, paces = time.perf_counter(), 0.0, start, []  # paces: seconds per step, per log line
-    for step in range(start, args.max_steps):
-        if step + 1 == fail_at and fail_mode == "crash":
-            os._exit(17)  # like a killed process: no cleanup, no goodbye to the group
-        if step + 1 == fail_at:  # "hang": alive but stuck, so never at this step's all-reduce; the other
-            time.sleep(3600)  # ranks wait there until --dist-timeout fails them, and torchrun ends the job
-        loss, grad_norm = train_step(model, optimizer, scaler, windows, step, args, autocast, device)
-        done = step + 1
-        if done % args.log_every == 0 or done == args.max_steps:
-            loss = mean_over_ranks(loss, world_size)  # DDP 7/10 the loss of all ranks' tokens
-            seconds = time.perf_counter() - timer
-            train_s, timer, steps, last = train_s + seconds, time.perf_counter(), done - last, done
-            paces.append(seconds / steps)
-            print0(is_main, log_line(done, args, loss, grad_norm.item(), seconds / steps, tokens_per_step, n_params,
-                                     device, world_size))
-        if done % args.eval_every == 0 or done == args.max_steps:
-            val_loss = evaluate(model.module, val, args, rank, world_size, autocast)  # DDP 7/10
-            print0(is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | baseline {baseline:.4f}")
-            if args.check_sync or args.debug:  # DDP 9/10
-                check_replicas_in_sync(model, f"step {done}")  # DDP 9/10
-            timer = time.perf_counter()  # evaluation is not training time
-        if args.save and (done == args.max_steps or (args.save_every and done % args.save_every == 0)):
-            checkpoint_all(args.save, raw_model, optimizer, scaler, done, args, vocab_size, device, is_main)
-
-    # summary, and a taste of what the model learned (rank 0, the plain model: no collectives)
-    trained = max(0, args.max_steps - start)
-    summary = {"steps": trained, "val_loss": val_loss, "baseline_loss": baseline, "train_s": round(train_s, 3),
-               "tokens_per_s": round(trained * tokens_per_step / train_s, 1) if train_s else 0.0}
-    step_s = statistics.median(paces[1:] or paces) if paces else 0.0  # the first log interval warms up
-    summary.update(pace(step_s, tokens_per_step))
-    print0(is_main, f"done | val loss {val_loss:.4f} ({unit}-frequency baseline {baseline:.4f}) | "
-                    f"{summary['tokens_per_s']:,.0f} tok/s over {train_s:.1f} s of training")
-    print0(is_main, "summary " + json.dumps(summary))
-    if is_main and vocab_size == 256:
-        raw_model.eval()
-        out = raw_model.generate(torch.tensor([[10]], device=device), 200, 0.8, 40)
-        print("sample:\n" + bytes(out[0].tolist()).decode("utf-8", errors="replace"), flush=True)
-
-
-def log_line(step, args, loss, grad_norm, seconds_per_step, tokens_per_step, n_params, device, world_size):
-    """step N/M | loss | lr | grad norm | ms/step | tok/s, plus MFU on CUDA (conventions.md)."""
+def log_line(step, args, loss, grad_norm, pace, tokens_per_step, n_params, device, world_size):
+    """step N/M | loss | lr | grad norm | ms/step | tok/s, and MFU on CUDA (docs/conventions.md).
+    `pace` is (steps, seconds) of the interval since the last log line."""
+    step_s = pace[1] / pace[0]
     line = (f"step {step}/{args.max_steps} | loss {loss:.4f} | lr {lr_at(step - 1, args):.2e} | "
-            f"grad norm {grad_norm:.3f} | {1000 * seconds_per_step:.1f} ms/step | "
-            f"{tokens_per_step / seconds_per_step:,.0f} tok/s")
-    if device.type == "cuda":  # model FLOPs utilisation: 6N per token plus attention (PaLM, appendix B)
+            f"grad norm {grad_norm:.3f} | {1000 * step_s:.1f} ms/step | "
+            f"{tokens_per_step / step_s:,.0f} tok/s")
+    if device.type == "cuda":  # model FLOPs utilisation: 6N per token plus attention (PaLM, app. B)
         flops_per_token = 6 * n_params + 12 * args.n_layer * args.n_embd * args.block_size
-        mfu = flops_per_token * tokens_per_step / seconds_per_step / (world_size * args.gpu_peak_tflops * 1e12)
-        line += f" | MFU {100 * mfu:.1f}%"
+        peak = world_size * args.gpu_peak_tflops * 1e12
+        line += f" | MFU {100 * flops_per_token * tokens_per_step / step_s / peak:.1f}%"
     return line
 
 
-def checkpoint_all(path, raw_model, optimizer, scaler, step, args, vocab_size, device, is_main):
-    """Every rank hands rank 0 its RNG state (a collective: all ranks call it); rank 0 writes; all wait."""
-    rng_states = [None] * dist.get_world_size()  # DDP 8/10
-    dist.all_gather_object(rng_states, rng_state(device))  # DDP 8/10 dropout streams of every rank
-    if is_main:
-        save_checkpoint(path, raw_model, optimizer, scaler, step, args, vocab_size, rng_states)
-        print(f"step {step}/{args.max_steps} | saved {path}", flush=True)
-    dist.barrier()  # DDP 8/10 save once: nobody goes on (or reads the file) before rank 0 has written it
-
-
-def crash_step(rank):
-    """Teaching aid for chapters 5 and 6 (docs/conventions.md): with DDP_FAIL_AT_STEP=N set, the process of
-    rank DDP_FAIL_RANK (default 0) dies as if killed when step N begins (DDP_FAIL_MODE=crash, the default) or
-    stops there as if stuck (DDP_FAIL_MODE=hang), on the first attempt only: torchrun counts restarts in
-    TORCHELASTIC_RESTART_COUNT, so a restarted job gets past it. Returns (N or 0, mode)."""
-    mode = os.environ.get("DDP_FAIL_MODE", "crash")
-    try:
-        step, victim = int(os.environ.get("DDP_FAIL_AT_STEP", 0)), int(os.environ.get("DDP_FAIL_RANK", 0))
-        first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
-    except ValueError:
-        raise InputError("DDP_FAIL_AT_STEP and DDP_FAIL_RANK must be whole numbers") from None
-    if mode not in ("crash", "hang"):
-        raise InputError(f"DDP_FAIL_MODE must be crash or hang, not {mode!r}")
-    return (step if rank == victim and first_attempt else 0), mode
-
-
 def pace(step_s, tokens_per_step):
-    """The summary keys benchmark_scaling.py reads (docs/conventions.md): median ms per optimizer step, and
-    the throughput of all ranks it implies."""
-    return {"step_ms": round(1000 * step_s, 3), "per_step": tokens_per_step, "throughput_unit": "tokens/s",
+    """The summary keys benchmark_scaling.py reads (docs/conventions.md): the median ms per
+    optimizer step, and the throughput of all ranks it implies."""
+    return {"step_ms": round(1000 * step_s, 3), "per_step": tokens_per_step,
+            "throughput_unit": "tokens/s",
             "throughput": round(tokens_per_step / step_s, 1) if step_s else 0.0}
 
 
@@ -651,12 +539,220 @@ def benchmark(model, optimizer, scaler, windows, args, autocast, device, tokens_
     print0(is_main, "summary " + json.dumps(result))
 
 
+# ------------------------------------------------------------------------------------ checkpoints
+
+def save_checkpoint(path, raw_model, optimizer, scaler, step, args, vocab_size, rng_states):
+    """Write atomically: a temp file in the same folder, fsync, then rename over the final name."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+             "scaler": scaler.state_dict(), "step": step, "config": model_config(args, vocab_size),
+             "args": vars(args), "rng": rng_states}
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half
+    finally:
+        if os.path.exists(tmp):  # the write failed: drop the partial file
+            os.remove(tmp)
+
+
+def rng_state(device):
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def save_once(path, raw_model, optimizer, scaler, step, args, vocab_size, device, is_main):
+    """Every rank hands rank 0 its RNG state (a collective: all ranks call it); rank 0 writes."""
+    rng_states = [None] * dist.get_world_size()  # DDP: each rank has its own dropout stream
+    dist.all_gather_object(rng_states, rng_state(device))
+    if is_main:
+        save_checkpoint(path, raw_model, optimizer, scaler, step, args, vocab_size, rng_states)
+        print(f"step {step}/{args.max_steps} | saved {path}", flush=True)
+    dist.barrier()  # DDP 8: no rank reads the file, or exits, before rank 0 has written it
+
+
+def resolve_resume(resume, save):
+    """--resume auto: continue from the --save checkpoint if it exists, else start fresh (so that a
+    restart after a crash runs the same command and goes on from the last checkpoint)."""
+    if resume != "auto":
+        return resume
+    if not save:
+        raise InputError("--resume auto needs a --save path to look for")
+    return save if os.path.isfile(save) else None
+
+
+def read_checkpoint(path):
+    """The checkpoint dict, loaded to the CPU with weights_only=True; a problem is an InputError."""
+    if not os.path.isfile(path):
+        raise InputError(f"checkpoint not found: {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or not {"model", "config", "step"} <= state.keys():
+            raise ValueError("not a checkpoint of this script (no model, config and step)")
+        return state
+    except Exception as err:  # truncated, not a torch file, not a checkpoint of ours: bad input
+        reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+        raise InputError(f"cannot read checkpoint {path}: {reason}") from None
+
+
+def resume(path, raw_model, optimizer, scaler, args, vocab_size, rank, device):
+    """Restore weights, optimizer, scaler and this rank's RNG; return the step to go on from (0
+    when there is no checkpoint to resume from)."""
+    if path is None:
+        return 0
+    state, config = read_checkpoint(path), model_config(args, vocab_size)
+    if state["config"] != config:
+        raise InputError(f"{path} was trained with {state['config']}, this run builds {config}")
+    try:
+        raw_model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+    except (RuntimeError, ValueError, KeyError) as err:
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+        raise InputError(f"cannot resume from {path}: {reason}") from None
+    if rank < len(state["rng"]):  # the same world size gets its exact dropout streams back
+        torch.set_rng_state(state["rng"][rank]["cpu"])
+        if state["rng"][rank]["cuda"] is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng"][rank]["cuda"])
+    return state["step"]
+
+
+# --------------------------------------------------------------------------------------- sampling
+
+def sample(args):
+    """Inference: ONE plain process, no process group (generation has no gradients to average)."""
+    device = pick_device(args.device)
+    state = read_checkpoint(args.ckpt)
+    if state["config"]["vocab_size"] != 256:
+        raise InputError(f"{args.ckpt} was trained on token ids (vocab "
+                         f"{state['config']['vocab_size']}): --prompt text needs a byte-level "
+                         "checkpoint (vocab 256)")
+    model = GPT(**state["config"]).to(device)
+    model.load_state_dict(state["model"])
+    model.eval()
+    torch.manual_seed(args.seed)
+    prompt = torch.tensor([list(args.prompt.encode("utf-8")) or [10]], device=device)
+    out = model.generate(prompt, args.max_new_tokens, args.temperature, args.top_k)
+    print(bytes(out[0].tolist()).decode("utf-8", errors="replace"), flush=True)
+
+
+class Stopwatch:
+    """Training seconds between log lines; evaluation and checkpoints are left out (pause/go)."""
+
+    def __init__(self):
+        self.since, self.elapsed = time.perf_counter(), 0.0
+
+    def pause(self):
+        self.elapsed += time.perf_counter() - self.since
+
+    def go(self):
+        self.since = time.perf_counter()
+
+    def lap(self):
+        """Training seconds since the last lap (or the start), and start counting again."""
+        self.pause()
+        seconds, self.elapsed = self.elapsed, 0.0
+        self.go()
+        return seconds
+
+
+def finish(args, raw_model, val_loss, baseline, paces, tokens_per_step, device, is_main):
+    """The done line, the summary line, and (rank 0, the plain model) a taste of what it learned."""
+    steps, train_s = sum(n for n, _ in paces), sum(s for _, s in paces)
+    step_s = statistics.median([s / n for n, s in paces[1:] or paces]) if paces else 0.0
+    summary = {"steps": steps, "val_loss": val_loss, "baseline_loss": baseline,
+               "train_s": round(train_s, 3),
+               "tokens_per_s": round(steps * tokens_per_step / train_s, 1) if train_s else 0.0,
+               **pace(step_s, tokens_per_step)}  # the first log interval is the warm-up
+    unit = "byte" if raw_model.tok_emb.num_embeddings == 256 else "token"
+    print0(is_main, f"done | val loss {val_loss:.4f} ({unit}-frequency baseline {baseline:.4f}) | "
+                    f"{summary['tokens_per_s']:,.0f} tok/s over {train_s:.1f} s of training")
+    print0(is_main, "summary " + json.dumps(summary))
+    if is_main and unit == "byte":
+        raw_model.eval()
+        out = raw_model.generate(torch.tensor([[10]], device=device), 200, 0.8, 40)
+        print("sample:\n" + bytes(out[0].tolist()).decode("utf-8", errors="replace"), flush=True)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.sample:
+        return sample(args)
+    # setup
+    device = pick_device(args.device)
+    device, rank, world_size = init_distributed(device, args.dist_timeout, args.debug)  # DDP 1
+    is_main = rank == 0  # DDP 3: rank 0 alone logs and saves
+    keep_freed_memory_on_cpu(device)
+    amp, autocast, scaler = mixed_precision(args, device)
+    tokens_per_step = args.batch_size * args.block_size * args.grad_accum * world_size
+    print0(is_main, f"world size {world_size} | device {device} | amp {amp} | {tokens_per_step:,} "
+                    f"tokens per step ({args.batch_size} x {args.block_size} x {args.grad_accum} "
+                    f"accumulation x {world_size} processes)")
+
+    # data
+    tokens, vocab_size = load_tokens(args)
+    train_tokens, val = split_tokens(tokens, args, world_size)
+    windows = Windows(train_tokens, args.block_size, args.batch_size, rank, world_size, args.seed)
+    baseline = unigram_loss(train_tokens, val, vocab_size)
+    unit = "byte" if vocab_size == 256 else "token"
+    print0(is_main, f"data {args.data or 'Python standard library'} | {len(train_tokens):,} train "
+                    f"/ {len(val):,} val tokens | vocab {vocab_size} | "
+                    f"{unit}-frequency baseline loss {baseline:.4f}")
+    if args.debug:
+        log_windows(windows, rank, world_size, is_main)
+
+    # model
+    raw_model, optimizer, start, resumed = build_model(args, vocab_size, scaler, rank, device)
+    model = torch.compile(raw_model, backend=args.compile_backend) if args.compile else raw_model
+    model = DDP(model, device_ids=[device] if device.type == "cuda" else None)  # DDP 6: wrap
+    n_params = sum(p.numel() for p in raw_model.parameters())
+    print0(is_main, f"model {n_params:,} parameters | {args.n_layer} layers, {args.n_head} heads, "
+                    f"{args.n_embd} wide, context {args.block_size}"
+                    + (f" | resumed from {resumed} at step {start}" if resumed else ""))
+
+    # train
+    if args.benchmark:
+        return benchmark(model, optimizer, scaler, windows, args, autocast, device,
+                         tokens_per_step, is_main)
+    val_loss = evaluate(model.module, val, args, rank, world_size, autocast)  # DDP 7: plain module
+    print0(is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
+    clock, last, paces = Stopwatch(), start, []  # paces: (steps, seconds) of each log interval
+    for step in range(start, args.max_steps):
+        loss, grad_norm = train_step(model, optimizer, scaler, windows, step, args, autocast,
+                                     device)
+        done = step + 1
+        if done % args.log_every == 0 or done == args.max_steps:
+            loss = mean_over_ranks(loss, world_size)  # DDP 7: the mean over all ranks' tokens
+            paces.append((done - last, clock.lap()))
+            last = done
+            print0(is_main, log_line(done, args, loss, grad_norm.item(), paces[-1], tokens_per_step,
+                                     n_params, device, world_size))
+        clock.pause()  # evaluation and checkpoints are not training time
+        if done % args.eval_every == 0 or done == args.max_steps:
+            val_loss = evaluate(model.module, val, args, rank, world_size, autocast)  # DDP 7
+            print0(is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | "
+                            f"baseline {baseline:.4f}")
+            if args.check_sync or args.debug:  # DDP: before any save: never save a diverged replica
+                check_replicas_in_sync(model, f"step {done}")
+        due = done == args.max_steps or (args.save_every and done % args.save_every == 0)
+        if args.save and due:
+            save_once(args.save, raw_model, optimizer, scaler, done, args, vocab_size, device,
+                      is_main)
+        clock.go()
+
+    # summary and a sample
+    finish(args, raw_model, val_loss, baseline, paces, tokens_per_step, device, is_main)
+
+
 if __name__ == "__main__":
     try:
         main()
     except InputError as err:
-        sys.stderr.write(f"error: {err}\n")  # one write: error lines from several ranks never splice
+        sys.stderr.write(f"error: {err}\n")  # one write: lines from several ranks never splice
         sys.exit(2)
-    finally:  # DDP 10/10 leave the process group on every path, error or not
-        if dist.is_initialized():  # DDP 10/10
-            dist.destroy_process_group()  # DDP 10/10
+    finally:  # DDP 9: leave the process group on every path, error or not
+        if dist.is_initialized():
+            dist.destroy_process_group()
