@@ -1,10 +1,10 @@
-"""Runs train_ddp_basic.py's real main() with one function wrapped, for tests that must look inside a
-DDP run (launched under torchrun in place of the script; nothing here is imported by the course):
+"""Runs train_ddp_basic.py's real main() with one function wrapped, for a test that must see
+which samples each rank reads. Launched under torchrun in place of the script; the course never
+imports it:
 
-    torchrun ... tests/ddp_probe.py record OUT_DIR [trainer flags]   # each rank writes OUT_DIR/rank{R}.json:
-                                                                     # the training-sample ids it read, in order
-    torchrun ... tests/ddp_probe.py desync - [trainer flags]         # rank 1 nudges one weight after each epoch,
-                                                                     # behind DDP's back
+    torchrun ... tests/probe_classifier.py OUT_DIR [trainer flags]
+
+Each rank writes OUT_DIR/rank{RANK}.json: the training-sample ids it read, in order.
 """
 import json
 import os
@@ -30,8 +30,9 @@ class Recorder(torch.utils.data.Dataset):
         return self.dataset[index]
 
 
-def record(out_dir):
-    seen, build = [], trainer.build_datasets
+if __name__ == "__main__":
+    out_dir, seen, build = sys.argv[1], [], trainer.build_datasets
+    sys.argv = [trainer.__file__] + sys.argv[2:]
 
     def build_recorded(args):
         train_set, val_set = build(args)
@@ -43,23 +44,3 @@ def record(out_dir):
     finally:
         with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
             json.dump(seen, f)
-
-
-def desync():
-    train = trainer.train_one_epoch
-
-    def train_then_nudge(model, *args):
-        totals = train(model, *args)
-        if os.environ["RANK"] == "1":
-            with torch.no_grad():
-                next(model.parameters()).view(-1)[0] += 1e-3
-        return totals
-
-    trainer.train_one_epoch = train_then_nudge
-    trainer.main()
-
-
-if __name__ == "__main__":
-    mode, out_dir = sys.argv[1], sys.argv[2]
-    sys.argv = [trainer.__file__] + sys.argv[3:]
-    record(out_dir) if mode == "record" else desync()

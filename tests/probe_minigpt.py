@@ -1,44 +1,74 @@
-"""Runs train_ddp_minigpt.py's real main() with two functions wrapped, for tests that must look inside a
-DDP run (launched under torchrun in place of the script; nothing here is imported by the course):
+"""Runs train_ddp_minigpt.py's real main() with a function wrapped, for tests that look inside a
+DDP run or make it fail from outside. Launched under torchrun in place of the script; the course
+never imports it:
 
-    torchrun ... tests/minigpt_probe.py OUT_DIR [trainer flags]
-
-Each rank writes OUT_DIR/rank{R}.json: the start offsets of every training window it read, and how many
-times DDP's gradient communication hook ran (once per bucket per all-reduce of the gradients).
+    torchrun ... tests/probe_minigpt.py record OUT_DIR [trainer flags]
+        each rank writes OUT_DIR/rank{RANK}.json: the start of every training window it read, and
+        how many times DDP's gradient communication hook ran (once per bucket per all-reduce)
+    torchrun ... tests/probe_minigpt.py crash STEP:RANK [trainer flags]
+        that rank dies as if killed (os._exit, no cleanup) when step STEP begins, on the first
+        attempt only (TORCHELASTIC_RESTART_COUNT 0), so a restarted job gets past it
+    torchrun ... tests/probe_minigpt.py hang STEP:RANK [trainer flags]
+        that rank stops at step STEP as if stuck: it never calls the step's all-reduce
+    torchrun ... tests/probe_minigpt.py desync STEP:RANK [trainer flags]
+        after step STEP that rank nudges one weight behind DDP's back
 """
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_ddp_minigpt as trainer  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
 
-seen = {"windows": [], "allreduce_calls": 0}
 
+def record(out_dir):
+    seen = {"windows": [], "allreduce_calls": 0}
 
-def counted_allreduce(state, bucket):
-    seen["allreduce_calls"] += 1
-    return allreduce_hook(state, bucket)
+    def counted_allreduce(state, bucket):
+        seen["allreduce_calls"] += 1
+        return allreduce_hook(state, bucket)
 
+    def ddp_with_counting_hook(*args, **kwargs):
+        model = trainer.torch.nn.parallel.DistributedDataParallel(*args, **kwargs)
+        model.register_comm_hook(None, counted_allreduce)
+        return model
 
-def ddp_with_counting_hook(*args, **kwargs):
-    model = trainer.torch.nn.parallel.DistributedDataParallel(*args, **kwargs)
-    model.register_comm_hook(None, counted_allreduce)
-    return model
+    def get_and_record(self, k, original=trainer.Windows.get):
+        batch = original(self, k)
+        i = k % self.per_epoch
+        seen["windows"] += self.starts[i * self.batch:(i + 1) * self.batch].tolist()
+        return batch
 
-
-def get_and_record(self, k, original=trainer.Windows.get):
-    batch = original(self, k)
-    i = k % self.per_epoch
-    seen["windows"] += self.starts[i * self.batch:(i + 1) * self.batch].tolist()
-    return batch
-
-
-if __name__ == "__main__":
-    out_dir = sys.argv[1]
-    sys.argv = [trainer.__file__] + sys.argv[2:]
     trainer.DDP, trainer.Windows.get = ddp_with_counting_hook, get_and_record
     trainer.main()
     with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
         json.dump(seen, f)
+
+
+def fault(mode, at):
+    step_at, rank = map(int, at.split(":"))
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    mine = int(os.environ["RANK"]) == rank and first_attempt
+    train_step = trainer.train_step
+
+    def faulty_step(model, optimizer, scaler, windows, step, *args):
+        if mine and step + 1 == step_at and mode == "crash":
+            os._exit(17)  # like a killed process: no cleanup, no goodbye to the group
+        if mine and step + 1 == step_at and mode == "hang":
+            time.sleep(3600)  # alive, but never at this step's all-reduce
+        result = train_step(model, optimizer, scaler, windows, step, *args)
+        if mine and step + 1 == step_at and mode == "desync":
+            with trainer.torch.no_grad():
+                next(model.parameters()).view(-1)[0] += 1e-3
+        return result
+
+    trainer.train_step = faulty_step
+    trainer.main()
+
+
+if __name__ == "__main__":
+    mode, arg = sys.argv[1], sys.argv[2]
+    sys.argv = [trainer.__file__] + sys.argv[3:]
+    record(arg) if mode == "record" else fault(mode, arg)

@@ -18,7 +18,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from conftest import REPO, command, finish, run, start, summary
+from helpers import REPO, classifier_runs, command, demo_run, finish, run, start, summary
 
 sys.path.insert(0, str(REPO))
 import benchmark_scaling as bench  # noqa: E402  (imports no torch at module level)
@@ -77,9 +77,9 @@ def test_weak_scaling_table_chart_json_and_svg_agree(launched):
     assert "10,240 (1.60x, 80%)" in (tmp_path / "s.svg").read_text()
 
 
-def test_the_real_trainers_summaries_are_what_the_benchmark_reads(runs, demo):
+def test_the_real_trainers_summaries_are_what_the_benchmark_reads():
     """The summaries of real runs (2 processes, batch 16 each; the README demo) make benchmark rows."""
-    for stdout, per_step in ((runs["d2"].stdout, 32), (demo[0].stdout, 128)):
+    for stdout, per_step in ((classifier_runs()["d2"].stdout, 32), (demo_run()[0].stdout, 128)):
         row = bench.pace_row(summary(stdout), 2, 0.0)
         assert row["per_step"] == per_step and row["unit"] == "samples/s" and row["step_ms"] > 0
         assert row["throughput"] == pytest.approx(per_step / (row["step_ms"] / 1000), rel=0.01)

@@ -1,29 +1,20 @@
-"""Every bad input to the chapter 1 and 2 scripts ends with exit code 2 and one clear line on stderr, no
-traceback and no hang: non-positive or malformed numbers, a missing, corrupted, truncated or mismatched
-checkpoint, missing or unreadable MNIST files, CUDA-only options on a CPU, more processes than samples.
+"""Every bad input to the chapter 1 and 2 scripts ends with exit code 2 and one clear line on
+stderr, no traceback and no hang: non-positive or malformed numbers, a missing, corrupted,
+truncated or mismatched checkpoint, missing or unreadable MNIST files, a CUDA device that is not
+there, the DDP script started without torchrun.
 
-Most cases call the scripts' own parse_args()/main() in this process (a launch costs seconds of torch
-import); the last tests launch real processes to prove that such an error becomes exit code 2 with one
-line, and that under torchrun it stops every worker instead of hanging."""
-import importlib
-import sys
-
+Most cases call the scripts' own parse_args()/main() in this process (a launch costs seconds of
+torch import); the last tests launch real processes to prove that such an error becomes exit code
+2 with one line, and that under torchrun it stops every worker instead of hanging."""
 import pytest
-
-from conftest import REPO, make_mnist, run, run_many
-
-SINGLE, DDP = "train_single_gpu.py", "train_ddp_basic.py"
-sys.path.insert(0, str(REPO))
-
-
-def trainer(script):
-    return importlib.import_module(script[:-3])
+from helpers import DDP, SINGLE, in_process, make_mnist, run, run_many, trainer
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("bad")
-    trainer(SINGLE).main(["--train-samples", "64", "--val-samples", "8", "--epochs", "1", "--save", str(d / "good.pt")])
+    in_process(SINGLE, ["--train-samples", 64, "--val-samples", 8, "--epochs", 1,
+                        "--save", d / "good.pt"])
     good = (d / "good.pt").read_bytes()
     (d / "truncated.pt").write_bytes(good[:len(good) // 2])
     (d / "garbage.pt").write_bytes(b"not a checkpoint\n" * 100)
@@ -38,7 +29,6 @@ def files(tmp_path_factory):
     (DDP, ["--epochs", "-1"], "argument --epochs: must be positive, got -1"),
     (SINGLE, ["--lr", "0"], "argument --lr: must be positive, got 0"),
     (DDP, ["--lr", "fast"], "argument --lr: invalid positive float value: 'fast'"),
-    (DDP, ["--dist-timeout", "0"], "argument --dist-timeout: must be positive, got 0"),
     (SINGLE, ["--train-samples", "-5"], "argument --train-samples: must be positive, got -5"),
     (SINGLE, ["--model", "vgg"], "argument --model: invalid choice: 'vgg'"),
     (DDP, ["--num-workers", "-1"], "argument --num-workers: must be at least 0, got -1"),
@@ -58,28 +48,29 @@ def test_bad_flag_values_are_refused_in_one_line(script, args, message, capsys):
     (DDP, ["--resume", "{d}/good.pt", "--model", "resnet18"],
      "{d}/good.pt holds a --model cnn, this run builds --model resnet18"),
     (SINGLE, ["--dataset", "mnist", "--data-dir", "{d}/empty"],
-     "MNIST not found: place the uncompressed files train-images-idx3-ubyte, train-labels-idx1-ubyte, "
-     "t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte in {d}/empty/MNIST/raw/"),
-    (DDP, ["--dataset", "mnist", "--data-dir", "{d}/broken"], "cannot read the MNIST files in {d}/broken/MNIST/raw/"),
-    (DDP, ["--sync-bn"], "--sync-bn needs CUDA devices"),
+     "MNIST not found: place the uncompressed files train-images-idx3-ubyte, "
+     "train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte in {d}/empty/MNIST/raw/"),
+    (DDP, ["--dataset", "mnist", "--data-dir", "{d}/broken"],
+     "cannot read the MNIST files in {d}/broken/MNIST/raw/"),
+    (DDP, ["--device", "cuda"], "--device cuda, but no CUDA device is visible"),
     (SINGLE, ["--device", "cuda"], "--device cuda, but no CUDA device is visible"),
 ])
-def test_bad_files_and_options_raise_one_line_input_errors(script, args, message, files, in_process, tmp_path):
-    module = trainer(script)
+def test_bad_files_and_options_raise_one_line_input_errors(script, args, message, files, tmp_path):
     args = [a.format(d=files) for a in args]
     args += ["--train-samples", "64", "--val-samples", "8", "--save", str(tmp_path / "x.pt")]
-    with pytest.raises(module.InputError) as err:
-        module.main(args)
+    with pytest.raises(trainer(script).InputError) as err:
+        in_process(script, args)
     assert message.format(d=files) in str(err.value) and "\n" not in str(err.value)
     assert not (tmp_path / "x.pt").exists()
 
 
 @pytest.fixture(scope="module")
 def launched(files):
-    """The real launches of this module: two plain `python` runs with a bad flag or file, side by side, and a
-    2-process torchrun job with too few samples."""
-    cases = [(SINGLE, ["--epochs", "0"]), (DDP, ["--resume", files / "missing.pt"])]
-    return cases, run_many(cases), run(DDP, ["--train-samples", "1", "--val-samples", "1"], nproc=2)
+    """The real launches of this module: two plain `python` runs, side by side (a bad flag; the DDP
+    script without torchrun), and a 2-process torchrun job given a checkpoint that is not there."""
+    cases = [(SINGLE, ["--epochs", "0"]), (DDP, [])]
+    missing = files / "missing.pt"
+    return cases, run_many(cases), run(DDP, ["--resume", missing, "--save", ""], nproc=2)
 
 
 def test_input_errors_exit_2_with_one_line_and_no_traceback(launched):
@@ -88,10 +79,11 @@ def test_input_errors_exit_2_with_one_line_and_no_traceback(launched):
         where = f"{script} {args}: exit {result.returncode}\n{result.stderr}"
         assert result.returncode == 2 and "Traceback" not in result.stderr, where
         assert len(result.stderr.strip().splitlines()) == 1 and "error: " in result.stderr, where
+    assert "not launched by torchrun" in results[1].stderr
 
 
-def test_more_processes_than_samples_fails_fast_under_torchrun(launched):
+def test_an_input_error_under_torchrun_stops_every_worker(launched):
     result = launched[2]
     assert result.returncode != 0  # torchrun reports the workers' exit code 2 and exits 1 itself
-    assert "error: 2 processes but 1 train / 1 val samples" in result.stderr
+    assert "error: checkpoint not found:" in result.stderr  # torchrun stops the other rank
     assert "exitcode  : 2" in result.stderr or "exitcode: 2" in result.stderr

@@ -7,9 +7,8 @@
 - a node whose peer never joins fails within --join-timeout, not after the default minutes;
 - a checkpoint write that fails half-way (the disk fills, the process dies) never leaves a truncated file
   under the final name: the previous checkpoint is still there, whole, in all three trainers.
-The restart of a crash reproduced by DDP_FAIL_AT_STEP is in test_minigpt.py.
+The LM's exact resume after a crash at a chosen step is in test_minigpt.py.
 """
-import importlib
 import os
 import signal
 import sys
@@ -18,10 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import (DDP, REPO, command, demo_run, descendants, finish, free_port, ok, start,
+                     trainer, weights)
 
-from conftest import DDP, REPO, command, descendants, finish, ok, start, weights
-
-sys.path.insert(0, str(REPO))
 RESTART_FIX = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch/pytorch#135712, see README chapter 5
 
 
@@ -45,14 +43,17 @@ def wait_for(path, agent, seconds=180):
         time.sleep(0.02)
 
 
-def test_sigkill_with_a_restart_resumes_to_the_uninterrupted_result(demo, tmp_path):
-    cmd = command(DDP, ["--save-every", 1, "--resume", "auto"], nproc=2, torchrun_args=["--max-restarts=1"])
+def test_sigkill_with_a_restart_resumes_to_the_uninterrupted_result(tmp_path):
+    cmd = command(DDP, ["--save-every", 1, "--resume", "auto"], nproc=2,
+                  torchrun_args=["--max-restarts=1"])
     agent = start(cmd, tmp_path, RESTART_FIX)  # the demo's flags otherwise: the same training
     wait_for(tmp_path / "checkpoints" / "classifier.pt", agent)
     os.kill(worker_of_rank(agent, 1), signal.SIGKILL)
     out = ok(finish(agent, cmd))
     assert "resumed from checkpoints/classifier.pt after epoch" in out  # the restarted group went on
-    a, b = weights(tmp_path / "checkpoints" / "classifier.pt"), weights(demo[1] / "checkpoints" / "classifier.pt")
+    demo_folder = demo_run()[1]
+    a = weights(tmp_path / "checkpoints" / "classifier.pt")
+    b = weights(demo_folder / "checkpoints" / "classifier.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -70,10 +71,7 @@ def test_sigkill_without_restarts_ends_the_job_within_60s_and_keeps_the_checkpoi
 
 
 def test_a_node_whose_peer_never_joins_fails_within_the_join_timeout(tmp_path):
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [str(REPO / "launch_multinode_ddp.sh"), "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port",
            str(port), "--join-timeout", "3", "--node-rank", "0", "--run", DDP]
     began = time.monotonic()
@@ -85,7 +83,7 @@ def test_a_node_whose_peer_never_joins_fails_within_the_join_timeout(tmp_path):
 
 @pytest.mark.parametrize("script", ["train_single_gpu.py", "train_ddp_basic.py", "train_ddp_minigpt.py"])
 def test_a_failed_checkpoint_write_leaves_the_previous_file_whole(script, tmp_path, monkeypatch):
-    module = importlib.import_module(script[:-3])
+    module = trainer(script)
     path = tmp_path / "ck.pt"
     path.write_bytes(b"the previous checkpoint")
 

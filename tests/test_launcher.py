@@ -15,14 +15,12 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-
-from conftest import REPO, environment, finish, ok, weights
+from helpers import REPO, classifier_runs, environment, finish, free_port, ok, weights
 
 LAUNCHER = str(REPO / "launch_multinode_ddp.sh")
 
@@ -34,12 +32,6 @@ def launch(*args, env=None):
 
 def commands(stdout):
     return [line for line in stdout.splitlines() if line and not line.startswith("#")]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_prints_one_identical_c10d_command_per_node():
@@ -120,10 +112,10 @@ def test_bash_syntax_and_shellcheck():
     assert result.returncode == 0, result.stdout
 
 
-def test_two_nodes_on_one_machine_train_like_one_node_with_two_processes(runs, tmp_path):
-    port = free_port()
+def test_two_nodes_on_one_machine_train_like_one_node_with_two_processes(tmp_path):
+    port, runs = free_port(), classifier_runs()
     printed = launch("--nnodes", 2, "--nproc-per-node", 1, "--master-addr", "127.0.0.1", "--master-port", port,
-                     "--join-timeout", 60, "tests/ddp_probe.py", "record", tmp_path, *runs["ddp_flags"],
+                     "--join-timeout", 60, "tests/probe_classifier.py", tmp_path, *runs["ddp_flags"],
                      "--save", tmp_path / "two_nodes.pt",
                      env={"TORCHRUN": f"{sys.executable} -m torch.distributed.run"})
     node0, node1 = commands(printed.stdout)

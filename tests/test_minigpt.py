@@ -1,63 +1,65 @@
-"""Chapter 3, train_ddp_minigpt.py, under real launches (plain `python` and `torchrun` on CPU/gloo), with a
-small model on the default corpus. These tests prove:
+"""Chapter 3, train_ddp_minigpt.py, under real launches (plain `python` and `torchrun` on
+CPU/gloo), with a small model on the default corpus. These tests prove:
 
-1. at 2 processes the ranks read disjoint, non-overlapping training windows, and with --grad-accum 2 DDP
-   all-reduces the gradients once per optimizer step (a counting comm hook), not once per micro-batch;
-2. 2 processes x batch 4 x 2 accumulation steps give the weights of 1 process x batch 16 (accumulation
-   with no_sync is exact);
-3. the validation loss falls below its starting value;
-4. a worker killed at step 6 under `torchrun --max-restarts=1` is restarted, and the run resumes from its
-   step-4 checkpoint (--resume auto) exactly: its step 5 repeats the first attempt's (dropout included);
-5. bf16 autocast runs on the CPU, the summary carries the median pace benchmark_scaling.py reads, a
-   --compile'd model's checkpoint has no `_orig_mod.` keys, and
-   `--sample` generates from that checkpoint in one plain process without torchrun;
+1. at 2 processes the ranks read disjoint, non-overlapping training windows (and --debug names
+   each rank's first windows, whole lines in rank order); with --grad-accum 2 DDP all-reduces the
+   gradients once per optimizer step (a counting comm hook), not once per micro-batch;
+2. 2 processes x batch 4 x 2 accumulation steps give the weights of 1 process x batch 16
+   (accumulation with no_sync is exact), and the validation loss falls;
+3. a worker that dies at step 6 under `torchrun --max-restarts=1` (killed by a probe in tests/,
+   not by the trainer) is restarted, and the run resumes from its step-4 checkpoint exactly: its
+   step 5 repeats the first attempt's (dropout included);
+4. bf16 autocast runs on the CPU, the summary carries the median pace benchmark_scaling.py reads,
+   a --compile'd model's checkpoint has no `_orig_mod.` keys, and `--sample` generates from that
+   checkpoint in one plain process without torchrun;
+5. the model returns the mean loss per token, as GPT code people copy from does;
 6. --grad-checkpointing recomputes blocks in backward and yields the plain model's gradients.
-Bad inputs are in test_minigpt_inputs.py.
+Bad inputs are in test_minigpt_inputs.py; --check-sync and timeouts in test_debugging.py.
 """
+import contextlib
+import io
 import json
 import re
-import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
+from helpers import GPT, TINY_GPT, in_process, ok, run, summary, trainer, weights
 
-from conftest import REPO, ok, run, summary, weights
-
-sys.path.insert(0, str(REPO))
-import train_ddp_minigpt as gpt  # noqa: E402
-
-GPT = "train_ddp_minigpt.py"
-TINY = ["--n-layer", 2, "--n-head", 2, "--n-embd", 32, "--block-size", 32, "--eval-windows", 32, "--log-every", 1,
-        "--lr", 1e-2, "--warmup-steps", 2]
+gpt = trainer(GPT)
 
 
 def steps_logged(out):
     """{step: the whole training log line} for every `step N/M | loss ...` line."""
-    return {int(m.group(1)): line for line in out.splitlines() if (m := re.match(r"step (\d+)/\d+ \| loss ", line))}
+    return {int(m.group(1)): line for line in out.splitlines()
+            if (m := re.match(r"step (\d+)/\d+ \| loss ", line))}
 
 
 def val_losses(out):
     return [float(m.group(1)) for m in re.finditer(r"^step \d+/\d+ \| val loss (\d+\.\d+)", out, re.M)]
 
 
-def test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact(tmp_path, in_process):
-    flags = TINY + ["--max-steps", 6, "--dropout", 0, "--eval-every", 3]
-    result = run("tests/minigpt_probe.py", [tmp_path, *flags, "--batch-size", 4, "--grad-accum", 2,
-                                            "--save", tmp_path / "ddp.pt"], nproc=2)
-    out = ok(result)
+def test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact(tmp_path):
+    flags = TINY_GPT + ["--max-steps", 6, "--dropout", 0, "--eval-every", 3]
+    out = ok(run("tests/probe_minigpt.py", ["record", tmp_path, *flags, "--batch-size", 4,
+                                            "--grad-accum", 2, "--debug",
+                                            "--save", tmp_path / "ddp.pt"], nproc=2))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for seen in ranks:
         assert len(seen["windows"]) == 6 * 2 * 4  # steps x micro-batches x batch
-        assert seen["allreduce_calls"] == 6  # one bucket (a tiny model), all-reduced once per optimizer step
+        assert seen["allreduce_calls"] == 6  # one bucket (a tiny model), once per optimizer step
     both = ranks[0]["windows"] + ranks[1]["windows"]
     assert len(set(both)) == len(both)  # no window read twice, by one rank or by both
     starts = sorted(both)
-    assert min(b - a for a, b in zip(starts, starts[1:])) >= 33  # windows of 33 tokens never overlap
+    assert min(b - a for a, b in zip(starts, starts[1:])) >= 33  # 33-token windows never overlap
+    logged = re.findall(r"^\[rank (\d)\] \d+ micro-batches per epoch, first windows at tokens "
+                        r"\[([\d, ]+)\]$", out, re.M)
+    assert logged == [(str(r), ", ".join(map(str, ranks[r]["windows"][:4]))) for r in (0, 1)]
     losses = val_losses(out)
-    assert len(losses) == 3 and losses[-1] < losses[0] - 0.5  # evaluated at steps 0, 3, 6; it learns
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.5  # evaluated at steps 0, 3, 6
 
-    # the reference: one process, batch 16, in this test process (a group of one; no launch to wait for)
-    single = in_process(GPT, [*flags, "--batch-size", 16, "--grad-accum", 1, "--save", tmp_path / "one.pt"])
+    # the reference: one process, batch 16, in this test process (no launch to wait for)
+    single = in_process(GPT, [*flags, "--batch-size", 16, "--save", tmp_path / "one.pt"])
     assert "world size 1 |" in single
     a, b = weights(tmp_path / "ddp.pt"), weights(tmp_path / "one.pt")
     for key in a:
@@ -65,14 +67,15 @@ def test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact(tmp_p
 
 
 def test_a_crashed_worker_is_restarted_and_resumes_exactly(tmp_path):
-    """torchrun --max-restarts=1: rank 1 dies as step 6 begins (DDP_FAIL_AT_STEP, first attempt only);
-    torchrun restarts both workers, --resume auto picks up the step-4 checkpoint, and the restarted run's
-    step 5 is the first attempt's step 5 to the printed digit (loss, lr, grad norm): weights, optimizer,
-    data position and every rank's dropout stream came back exactly."""
-    flags = TINY + ["--max-steps", 8, "--save-every", 4, "--dropout", 0.1, "--batch-size", 4, "--grad-accum", 2]
-    out = ok(run(GPT, [*flags, "--save", tmp_path / "ck.pt", "--resume", "auto"], nproc=2,
+    """torchrun --max-restarts=1: rank 1 dies as step 6 begins (first attempt only); torchrun
+    restarts both workers, --resume auto picks up the step-4 checkpoint, and the restarted run's
+    step 5 is the first attempt's step 5 to the printed digit (loss, lr, grad norm): weights,
+    optimizer, data position and every rank's dropout stream came back exactly."""
+    flags = TINY_GPT + ["--max-steps", 8, "--save-every", 4, "--dropout", 0.1, "--batch-size", 4,
+                        "--grad-accum", 2, "--save", tmp_path / "ck.pt", "--resume", "auto"]
+    out = ok(run("tests/probe_minigpt.py", ["crash", "6:1", *flags], nproc=2,
                  torchrun_args=["--max-restarts=1"],
-                 env={"DDP_FAIL_AT_STEP": "6", "DDP_FAIL_RANK": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}))
+                 env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}))
     first, _, second = out.partition(f"resumed from {tmp_path / 'ck.pt'} at step 4")
     assert second, out  # the restart resumed from the step-4 checkpoint
     before, after = steps_logged(first), steps_logged(second)
@@ -81,36 +84,48 @@ def test_a_crashed_worker_is_restarted_and_resumes_exactly(tmp_path):
     assert torch.load(tmp_path / "ck.pt", weights_only=True)["step"] == 8
 
 
-def test_bf16_on_cpu_compile_free_keys_and_sampling_without_torchrun(tmp_path, in_process):
-    out = ok(run(GPT, [*TINY, "--max-steps", 3, "--amp", "bf16", "--compile", "--compile-backend", "eager",
-                       "--save", tmp_path / "bf16.pt"]))
+def test_bf16_on_cpu_compile_free_keys_and_sampling_without_torchrun(tmp_path):
+    out = ok(run(GPT, [*TINY_GPT, "--max-steps", 3, "--amp", "bf16", "--compile",
+                       "--compile-backend", "eager", "--save", tmp_path / "bf16.pt"]))
     result = summary(out)
     assert "amp bfloat16" in out and result["steps"] == 3
-    assert result["per_step"] == 16 * 32 and result["throughput_unit"] == "tokens/s"  # what benchmark_scaling reads
-    assert result["throughput"] == pytest.approx(result["per_step"] / (result["step_ms"] / 1000), rel=0.01)
-    with torch.autocast("cpu", dtype=gpt.amp_dtype("bf16", torch.device("cpu"))):  # what main() wraps steps in
-        logits, _ = gpt.GPT(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=16, dropout=0.0)(
-            torch.zeros(1, 8, dtype=torch.long))
+    assert result["per_step"] == 16 * 32 and result["throughput_unit"] == "tokens/s"
+    assert result["throughput"] == pytest.approx(result["per_step"] / (result["step_ms"] / 1000),
+                                                 rel=0.01)
+    with torch.autocast("cpu", dtype=gpt.amp_dtype("bf16", torch.device("cpu"))):  # as main() does
+        logits, _ = gpt.GPT(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=16,
+                            dropout=0.0)(torch.zeros(1, 8, dtype=torch.long))
     assert logits.dtype == torch.bfloat16  # the matrix products really ran in bf16
     plain = set(gpt.GPT(**torch.load(tmp_path / "bf16.pt", weights_only=True)["config"]).state_dict())
     keys = set(weights(tmp_path / "bf16.pt"))
     assert keys == plain and not any("_orig_mod" in k or "module." in k for k in keys)
-    import torch.distributed as dist
-    text = in_process(GPT, ["--sample", "--ckpt", tmp_path / "bf16.pt", "--prompt", "def ", "--max-new-tokens", 40])
-    assert text.startswith("def ") and len(text.encode()) > 40
-    assert not dist.is_initialized()  # no process group, no torchrun: one plain process
+    printed = io.StringIO()  # sampling: straight through main(), with no torchrun variables set
+    with contextlib.redirect_stdout(printed):
+        gpt.main(["--sample", "--ckpt", str(tmp_path / "bf16.pt"), "--prompt", "def ",
+                  "--max-new-tokens", "40"])
+    assert printed.getvalue().startswith("def ") and len(printed.getvalue().encode()) > 40
+    assert not torch.distributed.is_initialized()  # it made no process group: one plain process
+
+
+def test_the_model_returns_the_mean_loss_per_token():
+    torch.manual_seed(0)
+    model = gpt.GPT(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=0.0)
+    x = torch.randint(0, 256, (3, 17))
+    logits, loss = model(x[:, :-1], x[:, 1:])
+    assert loss.dim() == 0 and 4.5 < loss.item() < 6.5  # about ln 256 = 5.5 for a fresh model
+    torch.testing.assert_close(loss, F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()))
 
 
 def test_grad_checkpointing_gives_the_same_gradients_with_less_stored():
-    """--grad-checkpointing recomputes each block in backward instead of keeping its activations: the
-    gradients must be those of the plain model (in this process; dropout 0, so both passes are deterministic)."""
+    """--grad-checkpointing recomputes each block in backward instead of keeping its activations:
+    the gradients must be those of the plain model (dropout 0: both passes are deterministic)."""
     grads, block_runs = [], []
     for checkpointing in (False, True):
         torch.manual_seed(0)
         model = gpt.GPT(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0,
                         grad_checkpointing=checkpointing)
-        runs = []
-        model.blocks[0].register_forward_pre_hook(lambda *_, runs=runs: runs.append(1))  # pre: recompute may stop early
+        runs = []  # a pre-hook: the recompute may stop early, before the block's end
+        model.blocks[0].register_forward_pre_hook(lambda *_, runs=runs: runs.append(1))
         x = torch.randint(0, 256, (4, 17))
         _, loss = model(x[:, :-1], x[:, 1:])
         loss.backward()

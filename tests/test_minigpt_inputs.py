@@ -1,21 +1,16 @@
-"""Every bad input to train_ddp_minigpt.py ends with exit code 2 and one clear line: a missing, empty or
-too-short data file, a .bin file without --vocab-size, with an odd byte count or with token ids >= the
-vocabulary, impossible model or AMP settings, a missing, corrupt or mismatched checkpoint for --resume or
---sample, and malformed teaching-aid variables (DDP_FAIL_*). Most cases call the script's own main() in this
-process (a launch costs seconds of torch import); one test launches it to prove that such an error becomes
-exit code 2 and one line."""
-import importlib
-import sys
-
+"""Every bad input to train_ddp_minigpt.py ends with exit code 2 and one clear line: a missing,
+empty or too-short data file, a .bin file without --vocab-size, with an odd byte count or with
+token ids >= the vocabulary, impossible model, timeout or AMP settings, a missing, corrupt or
+mismatched checkpoint for --resume or --sample. Most cases call the script's own main() in this
+process (a launch costs seconds of torch import); one test launches it to prove that such an error
+becomes exit code 2 and one line."""
 import numpy as np
 import pytest
-import torch.distributed as dist
+from helpers import GPT, in_process, run_many, trainer
 
-from conftest import REPO, run_many
-
-sys.path.insert(0, str(REPO))
-gpt = importlib.import_module("train_ddp_minigpt")
-TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--max-steps", "1", "--save", ""]
+gpt = trainer(GPT)
+TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+        "--max-steps", "1", "--save", ""]
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +21,7 @@ def files(tmp_path_factory):
     (d / "text.txt").write_text("def f(x):\n    return x + 1\n" * 400)
     np.array([1, 2, 3, 70000 % 65536, 9] * 400, dtype=np.uint16).tofile(d / "ids.bin")
     (d / "odd.bin").write_bytes(b"\x01\x00\x02")
-    gpt.main([*TINY, "--data", str(d / "text.txt"), "--save", str(d / "good.pt")])
-    dist.destroy_process_group()
+    in_process(GPT, [*TINY, "--data", d / "text.txt", "--save", d / "good.pt"])
     good = (d / "good.pt").read_bytes()
     (d / "truncated.pt").write_bytes(good[:len(good) // 3])
     return d
@@ -38,17 +32,20 @@ def files(tmp_path_factory):
     (["--data", "{d}/empty.txt"], "{d}/empty.txt has 0 tokens: too short for 1 process(es)"),
     (["--data", "{d}/short.txt"], "{d}/short.txt has 60 tokens: too short"),
     (["--data", "{d}/ids.bin"], "{d}/ids.bin holds token ids: give --vocab-size"),
-    (["--data", "{d}/ids.bin", "--vocab-size", "1000"], "{d}/ids.bin holds token id 4464, not below --vocab-size 1000"),
+    (["--data", "{d}/ids.bin", "--vocab-size", "1000"],
+     "{d}/ids.bin holds token id 4464, not below --vocab-size 1000"),
     (["--data", "{d}/odd.bin", "--vocab-size", "10"], "{d}/odd.bin has an odd number of bytes"),
     (["--data", "{d}/text.txt", "--amp", "fp16"], "--amp fp16 needs a CUDA device"),
-    (["--data", "{d}/text.txt", "--resume", "{d}/truncated.pt"], "cannot read checkpoint {d}/truncated.pt: "),
-    (["--data", "{d}/text.txt", "--resume", "{d}/good.pt", "--n-embd", "32"], "{d}/good.pt was trained with {{"),
+    (["--data", "{d}/text.txt", "--resume", "{d}/truncated.pt"],
+     "cannot read checkpoint {d}/truncated.pt: "),
+    (["--data", "{d}/text.txt", "--resume", "{d}/good.pt", "--n-embd", "32"],
+     "{d}/good.pt was trained with {{"),
     (["--sample", "--ckpt", "{d}/nothing.pt"], "checkpoint not found: {d}/nothing.pt"),
     (["--data", "{d}/text.txt", "--device", "cuda"], "--device cuda, but no CUDA device is visible"),
 ])
-def test_bad_data_and_checkpoints_raise_one_line_input_errors(args, message, files, in_process):
+def test_bad_data_and_checkpoints_raise_one_line_input_errors(args, message, files):
     with pytest.raises(gpt.InputError) as err:
-        gpt.main([*TINY, *[a.format(d=files) for a in args]])
+        in_process(GPT, [*TINY, *[a.format(d=files) for a in args]])
     assert message.format(d=files) in str(err.value) and "\n" not in str(err.value)
 
 
@@ -56,6 +53,7 @@ def test_bad_data_and_checkpoints_raise_one_line_input_errors(args, message, fil
     (["--n-embd", "30", "--n-head", "4"], "--n-head 4 must divide --n-embd 30"),
     (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
     (["--grad-accum", "0"], "argument --grad-accum: must be positive, got 0"),
+    (["--dist-timeout", "0"], "argument --dist-timeout: must be positive, got 0"),
     (["--sample"], "--sample needs --ckpt PATH"),
     (["--amp", "fp8"], "argument --amp: invalid choice: 'fp8'"),
 ])
@@ -67,23 +65,10 @@ def test_bad_flags_are_refused_in_one_line(args, message, capsys):
 
 
 def test_input_errors_exit_2_with_one_line_and_no_traceback(files):
-    cases = [("train_ddp_minigpt.py", [*TINY, "--data", files / "ids.bin"]),
-             ("train_ddp_minigpt.py", ["--sample", "--ckpt", files / "truncated.pt"])]
+    cases = [(GPT, [*TINY, "--data", files / "ids.bin"]),
+             (GPT, ["--sample", "--ckpt", files / "truncated.pt"])]
     for (_, args), result in zip(cases, run_many(cases)):
         where = f"{args}: exit {result.returncode}\n{result.stderr}"
         assert result.returncode == 2 and "Traceback" not in result.stderr, where
-        assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error: "), where
-
-
-@pytest.mark.parametrize("env, message", [
-    ({"DDP_FAIL_AT_STEP": "three"}, "DDP_FAIL_AT_STEP and DDP_FAIL_RANK must be whole numbers"),
-    ({"DDP_FAIL_AT_STEP": "3", "DDP_FAIL_MODE": "freeze"}, "DDP_FAIL_MODE must be crash or hang, not 'freeze'"),
-])
-def test_bad_teaching_aid_variables_are_input_errors(env, message, monkeypatch):
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    with pytest.raises(gpt.InputError, match=message):
-        gpt.crash_step(0)
-    monkeypatch.setenv("DDP_FAIL_MODE", "hang")
-    monkeypatch.setenv("DDP_FAIL_AT_STEP", "3")
-    assert gpt.crash_step(0) == (3, "hang") and gpt.crash_step(1) == (0, "hang")  # only DDP_FAIL_RANK (0) stops
+        assert len(result.stderr.strip().splitlines()) == 1, where
+        assert result.stderr.startswith("error: "), where

@@ -1,0 +1,228 @@
+"""What the tests share: launching the course's scripts as a user would (plain `python`, or real
+`torchrun` on CPU/gloo with one thread per process, loopback-only rendezvous and a hard time limit),
+running a trainer's main() inside the test process, one small configuration per trainer, and the
+chapter 2 runs that several test modules compare against (run once per test session, cached).
+
+Tests import what they use from here by name; there is no conftest.py.
+"""
+import contextlib
+import functools
+import importlib
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TIME_LIMIT = int(os.environ.get("COURSE_TEST_TIME_LIMIT", 240))  # seconds; longer is a hang: fail
+SINGLE, DDP, GPT = "train_single_gpu.py", "train_ddp_basic.py", "train_ddp_minigpt.py"
+
+# one small configuration per trainer (flags as strings, as a user types them)
+SMALL = ["--train-samples", "512", "--val-samples", "101", "--seed", "3"]  # 101: no world size divides it
+TINY_GPT = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
+            "--eval-windows", "32", "--log-every", "1", "--lr", "1e-2", "--warmup-steps", "2"]
+
+sys.path.insert(0, str(REPO))  # the trainers are importable: `trainer(GPT).GPT`, `.parse_args`...
+
+
+def trainer(script):
+    """The module of a course script, imported from the repository root."""
+    return importlib.import_module(script[:-3])
+
+
+# ----------------------------------------------------------------------------------------- launches
+
+def command(script, args=(), nproc=None, torchrun_args=()):
+    """`python script args` if nproc is None, else `torchrun --standalone --nproc_per_node=N ...`.
+    --standalone rendezvouses on localhost at a free port: concurrent launches never collide."""
+    script = str(REPO / script) if not os.path.isabs(script) else script
+    if nproc is None:
+        return [sys.executable, script, *map(str, args)]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", *torchrun_args, script, *map(str, args)]
+
+
+def environment(extra=None):
+    """This environment without torchrun's variables, one thread per process, unbuffered output."""
+    torchrun_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                     "TORCHELASTIC_RUN_ID")
+    env = {k: v for k, v in os.environ.items() if k not in torchrun_vars}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra or {}))
+    return env
+
+
+def start(cmd, cwd, env=None):
+    return subprocess.Popen(cmd, cwd=cwd, env=environment(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def descendants(pid):
+    """The PIDs of every process below pid (torchrun's workers may sit in sessions of their own)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it exited meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def finish(proc, cmd, time_limit=TIME_LIMIT):
+    """Wait for a started launch; past the time limit, kill its whole tree and fail the test."""
+    try:
+        out, err = proc.communicate(timeout=time_limit)
+    except subprocess.TimeoutExpired:
+        for pid in [proc.pid, *descendants(proc.pid)]:  # a worker left alive would hold the pipes
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {time_limit}s: {' '.join(cmd)}\n{out}\n{err}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def run(script, args=(), nproc=None, cwd=None, env=None, torchrun_args=()):
+    """Run one launch to the end and return its CompletedProcess (returncode, stdout, stderr)."""
+    cmd = command(script, args, nproc, torchrun_args)
+    return finish(start(cmd, cwd or REPO, env), cmd)
+
+
+def run_many(launches, cwd=None, at_once=2):
+    """One-process launches, `at_once` side by side (the machine has two cores); each is
+    (script, args). Returns their CompletedProcesses in the order given."""
+    cmds = [command(script, args) for script, args in launches]
+    results = []
+    for i in range(0, len(cmds), at_once):
+        procs = [(start(cmd, cwd or REPO), cmd) for cmd in cmds[i:i + at_once]]
+        results += [finish(proc, cmd) for proc, cmd in procs]
+    return results
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------ outputs
+
+def ok(result):
+    """Assert a launch succeeded, showing its output if not; return its stdout."""
+    assert result.returncode == 0, \
+        f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    return result.stdout
+
+
+def summary(stdout):
+    """The machine-readable `summary {json}` line every trainer prints once at the end."""
+    lines = [line for line in stdout.splitlines() if line.startswith("summary ")]
+    assert len(lines) == 1, f"expected one summary line, got {len(lines)}:\n{stdout}"
+    return json.loads(lines[0][len("summary "):])
+
+
+def weights(path):
+    import torch
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+# -------------------------------------------------------------------------------------- in process
+
+@contextlib.contextmanager
+def one_process_group():
+    """The environment torchrun gives a world of one (loopback, a free port) and one thread, as in
+    the launched runs (OMP_NUM_THREADS=1: the same float sums); afterwards, all as it was."""
+    import torch
+    import torch.distributed as dist
+    saved, threads = dict(os.environ), torch.get_num_threads()
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
+        torch.set_num_threads(threads)
+
+
+def in_process(script, args):
+    """Run a trainer's main(args) in this process, as one process of a torchrun world of one (no
+    launch, no torch import to wait for), and return what it printed. Errors propagate."""
+    printed = io.StringIO()
+    with one_process_group(), contextlib.redirect_stdout(printed):
+        trainer(script).main([str(a) for a in args])
+    return printed.getvalue()
+
+
+# ----------------------------------------------------------------------------------------- data
+
+def write_idx(path, array):
+    """An MNIST-format (IDX) file: magic 0x08 (ubyte) + ndim, big-endian sizes, then the bytes."""
+    import numpy as np
+    header = bytes([0, 0, 8, array.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in array.shape)
+    path.write_bytes(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
+
+
+def make_mnist(root, n_train=60, n_val=20):
+    """Tiny random MNIST files in root/MNIST/raw/, in the real format; returns that folder."""
+    import numpy as np
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", n_train), ("t10k", n_val)):
+        write_idx(raw / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)))
+        write_idx(raw / f"{prefix}-labels-idx1-ubyte", rng.integers(0, 10, n))
+    return raw
+
+
+# --------------------------------------------------------------- shared chapter 2 runs (cached)
+
+def scratch(name):
+    """A fresh folder for this test session's shared runs, removed when the session ends."""
+    import atexit
+    folder = Path(tempfile.mkdtemp(prefix=f"course-{name}-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+@functools.cache
+def demo_run():
+    """The README's demo, `torchrun --standalone --nproc_per_node=2 train_ddp_basic.py`, run once
+    from an empty folder: (its CompletedProcess, that folder)."""
+    folder = scratch("demo")
+    return run(DDP, nproc=2, cwd=folder), folder
+
+
+@functools.cache
+def classifier_runs():
+    """Small chapter 1-2 runs that the equivalence, resume, world-size, benchmark and two-node
+    tests compare against, run once: {name: CompletedProcess, "dir": their folder, "ddp_flags"}."""
+    d = scratch("runs")
+    single, ddp = SMALL + ["--batch-size", "32"], SMALL + ["--batch-size", "16"]  # global batch 32
+    in_process(SINGLE, single + ["--epochs", "1", "--save", d / "s1.pt"])  # to resume from
+    # the single-process script under torchrun ignores torchrun's variables and runs as usual
+    cmd = command(SINGLE, single + ["--epochs", 2, "--resume", d / "s1.pt", "--save", d / "s1r.pt"],
+                  nproc=1)
+    resumed = start(cmd, REPO)
+    r = {"s2": run(SINGLE, single + ["--epochs", 2, "--save", d / "s2.pt"])}
+    r["s1_resumed"] = finish(resumed, cmd)
+    r["d2"] = run(DDP, ddp + ["--epochs", 2, "--save", d / "d2.pt"], nproc=2)
+    r["w3_eval"] = run(DDP, ddp + ["--eval-only", "--resume", d / "s2.pt"], nproc=3)
+    for result in r.values():
+        ok(result)
+    return {**r, "dir": d, "ddp_flags": ddp + ["--epochs", "2"]}
