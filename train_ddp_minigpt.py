@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import ctypes
 import datetime
+import gc  # DDP 9
 import glob
 import hashlib
 import json
@@ -37,8 +38,29 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # DDP 6
 from torch.utils.checkpoint import checkpoint
 
 
-class InputError(Exception):
-    """Bad input from the user: reported as one line and exit code 2, never a traceback."""
+class Stop(Exception):
+    """A run that cannot go on: one line on stderr and exit code `code`, never a traceback."""
+    code = 1
+
+
+class InputError(Stop):
+    """Bad input from the user: a flag, a file, a checkpoint."""
+    code = 2
+
+
+class OutOfSync(Stop):
+    """--check-sync found replicas whose weights differ."""
+    code = 3
+
+
+class Diverged(Stop):
+    """A step whose loss or gradient norm is not finite: not applied, the run stops."""
+    code = 4
+
+
+class SaveFailed(Stop):
+    """A checkpoint that could not be written; the previous one is left as it was."""
+    code = 5
 
 
 class Parser(argparse.ArgumentParser):
@@ -441,8 +463,8 @@ def lr_at(step, args):
 
 
 def train_step(model, optimizer, scaler, windows, step, args, autocast, device):
-    """One optimizer step over --grad-accum micro-batches. Returns the mean loss per token (a device
-    tensor: no host sync here) and the gradient norm before clipping."""
+    """One optimizer step over --grad-accum micro-batches. Returns the mean loss per token over all
+    ranks and the gradient norm before clipping (both device tensors)."""
     loss_sum = torch.zeros((), device=device)
     for micro in range(args.grad_accum):
         x, y = windows.get(step * args.grad_accum + micro)
@@ -459,10 +481,12 @@ def train_step(model, optimizer, scaler, windows, step, args, autocast, device):
         group["lr"] = lr_at(step, args)
     scaler.unscale_(optimizer)  # fp16: true gradients before clipping (no-op if the scaler is off)
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
+    loss = mean_over_ranks(loss_sum)  # DDP 7: every rank gets the same mean, so the same verdict
+    stop_if_diverged(step, loss, grad_norm, scaler, args)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm
+    return loss, grad_norm
 
 
 @torch.no_grad()
@@ -487,21 +511,33 @@ def evaluate(model, val, args, rank, world_size, autocast):
     return (totals[0] / totals[1]).item()
 
 
-def mean_over_ranks(value, world_size):
+def mean_over_ranks(value):
     """The average of a scalar tensor over all ranks (SUM, then divide: gloo has no AVG)."""
     value = value.detach().clone().float()
     dist.all_reduce(value, op=dist.ReduceOp.SUM)  # DDP 7: every rank calls it, not only rank 0
-    return value.item() / world_size
+    return value / dist.get_world_size()
+
+
+def stop_if_diverged(step, loss, grad_norm, scaler, args):
+    """Raise Diverged, before the optimizer applies it, if a step's loss or gradient norm is not
+    finite. Both are the same on every rank (all-reduced), so every rank stops at this step. With
+    fp16 a non-finite gradient is the GradScaler's to skip; only a non-finite loss stops the run."""
+    loss, grad_norm = loss.item(), grad_norm.item()  # a host sync per step: the price of the check
+    if math.isfinite(loss) and (math.isfinite(grad_norm) or scaler.is_enabled()):
+        return
+    fp16 = ", or --amp bf16 instead of fp16" if scaler.is_enabled() else ""
+    raise Diverged(f"step {step + 1}/{args.max_steps}: loss {loss:.4g}, grad norm {grad_norm:.4g}: "
+                   f"not finite, step not applied; try a lower --lr (now {args.lr:g}), a --clip "
+                   f"(now {args.clip:g}){fp16}")
 
 
 def check_replicas_in_sync(model, when):  # DDP: --check-sync, compare every rank's weights
-    """Exit with code 3 if the replicas' weights differ (by a hash of their bytes)."""
+    """Raise OutOfSync (exit code 3) if the replicas' weights differ (by a hash of their bytes)."""
     weights = b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, hashlib.sha256(weights).hexdigest()[:12])
-    if len(set(digests)) > 1:
-        sys.stderr.write(f"error: --check-sync: replicas differ after {when}: {digests}\n")
-        sys.exit(3)
+    if len(set(digests)) > 1:  # every rank sees the same digests: all of them stop
+        raise OutOfSync(f"--check-sync: replicas differ after {when}: {digests}")
 
 
 def log_line(step, args, loss, grad_norm, pace, tokens_per_step, n_params, device, world_size):
@@ -536,24 +572,35 @@ def benchmark(model, optimizer, scaler, windows, args, autocast, device, tokens_
         times.append(time.perf_counter() - start)
     result = {**pace(statistics.median(times[5:]), tokens_per_step), "timed_steps": args.max_steps}
     print0(is_main, f"benchmark | {result['step_ms']} ms/step | {result['throughput']:,.0f} tok/s")
-    print0(is_main, "summary " + json.dumps(result))
+    print0(is_main, summary_line(result))
 
 
 # ------------------------------------------------------------------------------------ checkpoints
 
+def all_finite(state_dict):
+    """True if every floating-point tensor of a state dict is free of NaN and infinity."""
+    return all(bool(torch.isfinite(t).all()) for t in state_dict.values() if t.is_floating_point())
+
+
 def save_checkpoint(path, raw_model, optimizer, scaler, step, args, vocab_size, rng_states):
-    """Write atomically: a temp file in the same folder, fsync, then rename over the final name."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    """Write atomically: a temp file in the same folder, fsync, then rename over the final name.
+    Non-finite weights are never written; any failure leaves the previous file as it was."""
+    if not all_finite(raw_model.state_dict()):
+        raise SaveFailed(f"not saving {path} at step {step}: the weights are not finite")
     state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
              "scaler": scaler.state_dict(), "step": step, "config": model_config(args, vocab_size),
              "args": vars(args), "rng": rng_states}
     tmp = f"{path}.tmp{os.getpid()}"
     try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(tmp, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half
+    except (OSError, RuntimeError) as err:  # disk full, no permission, a folder at `path`...
+        reason = getattr(err, "strerror", None) or str(err).strip().splitlines()[0]
+        raise SaveFailed(f"cannot save {path}: {reason}") from None
     finally:
         if os.path.exists(tmp):  # the write failed: drop the partial file
             os.remove(tmp)
@@ -565,13 +612,22 @@ def rng_state(device):
 
 
 def save_once(path, raw_model, optimizer, scaler, step, args, vocab_size, device, is_main):
-    """Every rank hands rank 0 its RNG state (a collective: all ranks call it); rank 0 writes."""
+    """Every rank hands rank 0 its RNG state (a collective: all ranks call it); rank 0 writes. A
+    failed save raises SaveFailed on every rank, once rank 0 has told the rest."""
     rng_states = [None] * dist.get_world_size()  # DDP: each rank has its own dropout stream
     dist.all_gather_object(rng_states, rng_state(device))
+    error = None
     if is_main:
-        save_checkpoint(path, raw_model, optimizer, scaler, step, args, vocab_size, rng_states)
-        print(f"step {step}/{args.max_steps} | saved {path}", flush=True)
-    dist.barrier()  # DDP 8: no rank reads the file, or exits, before rank 0 has written it
+        try:
+            save_checkpoint(path, raw_model, optimizer, scaler, step, args, vocab_size, rng_states)
+            print(f"step {step}/{args.max_steps} | saved {path}", flush=True)
+        except SaveFailed as err:
+            error = err
+    outcome = [error]  # DDP 8: every rank waits for rank 0's save, and learns how it went
+    dist.broadcast_object_list(outcome, src=0)
+    error = outcome[0]
+    if error is not None:
+        raise error
 
 
 def resolve_resume(resume, save):
@@ -592,10 +648,12 @@ def read_checkpoint(path):
         state = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(state, dict) or not {"model", "config", "step"} <= state.keys():
             raise ValueError("not a checkpoint of this script (no model, config and step)")
-        return state
     except Exception as err:  # truncated, not a torch file, not a checkpoint of ours: bad input
         reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
         raise InputError(f"cannot read checkpoint {path}: {reason}") from None
+    if not all_finite(state["model"]):
+        raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
+    return state
 
 
 def resume(path, raw_model, optimizer, scaler, args, vocab_size, rank, device):
@@ -659,6 +717,13 @@ class Stopwatch:
         return seconds
 
 
+def summary_line(summary):
+    """`summary {...}` in strict JSON: a value that is not finite is written as null."""
+    finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+              for k, v in summary.items()}
+    return "summary " + json.dumps(finite, allow_nan=False)
+
+
 def finish(args, raw_model, val_loss, baseline, paces, tokens_per_step, device, is_main):
     """The done line, the summary line, and (rank 0, the plain model) a taste of what it learned."""
     steps, train_s = sum(n for n, _ in paces), sum(s for _, s in paces)
@@ -670,7 +735,7 @@ def finish(args, raw_model, val_loss, baseline, paces, tokens_per_step, device, 
     unit = "byte" if raw_model.tok_emb.num_embeddings == 256 else "token"
     print0(is_main, f"done | val loss {val_loss:.4f} ({unit}-frequency baseline {baseline:.4f}) | "
                     f"{summary['tokens_per_s']:,.0f} tok/s over {train_s:.1f} s of training")
-    print0(is_main, "summary " + json.dumps(summary))
+    print0(is_main, summary_line(summary))
     if is_main and unit == "byte":
         raw_model.eval()
         out = raw_model.generate(torch.tensor([[10]], device=device), 200, 0.8, 40)
@@ -725,11 +790,10 @@ def main(argv=None):
                                      device)
         done = step + 1
         if done % args.log_every == 0 or done == args.max_steps:
-            loss = mean_over_ranks(loss, world_size)  # DDP 7: the mean over all ranks' tokens
             paces.append((done - last, clock.lap()))
             last = done
-            print0(is_main, log_line(done, args, loss, grad_norm.item(), paces[-1], tokens_per_step,
-                                     n_params, device, world_size))
+            print0(is_main, log_line(done, args, loss.item(), grad_norm.item(), paces[-1],
+                                     tokens_per_step, n_params, device, world_size))
         clock.pause()  # evaluation and checkpoints are not training time
         if done % args.eval_every == 0 or done == args.max_steps:
             val_loss = evaluate(model.module, val, args, rank, world_size, autocast)  # DDP 7
@@ -748,11 +812,14 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    code = 0
     try:
         main()
-    except InputError as err:
+    except Stop as err:  # handled here, so the traceback (and the model it holds) is freed at once
         sys.stderr.write(f"error: {err}\n")  # one write: lines from several ranks never splice
-        sys.exit(2)
+        code = err.code
     finally:  # DDP 9: leave the process group on every path, error or not
+        gc.collect()  # free what a failed run left (its DDP model holds the group) before leaving
         if dist.is_initialized():
             dist.destroy_process_group()
+    sys.exit(code)

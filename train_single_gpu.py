@@ -10,6 +10,7 @@ is downloaded; `--dataset mnist --data-dir data` reads the real MNIST files from
 """
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -21,8 +22,24 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 
-class InputError(Exception):
-    """Bad input from the user: reported as one line and exit code 2, never a traceback."""
+class Stop(Exception):
+    """A run that cannot go on: one line on stderr and exit code `code`, never a traceback."""
+    code = 1
+
+
+class InputError(Stop):
+    """Bad input from the user: a flag, a file, a checkpoint."""
+    code = 2
+
+
+class Diverged(Stop):
+    """A step whose gradient norm is not finite: not applied, the run stops."""
+    code = 4
+
+
+class SaveFailed(Stop):
+    """A checkpoint that could not be written; the previous one is left as it was."""
+    code = 5
 
 
 class Parser(argparse.ArgumentParser):
@@ -158,18 +175,30 @@ def build_model(name):
     return model
 
 
-def train_one_epoch(model, loader, optimizer, device, step_times):
+def stop_if_diverged(grad_norm, loss, epoch, step, optimizer):
+    """Raise Diverged, before the optimizer applies the step, if the gradient norm is not finite (a
+    non-finite loss makes it so too). Under DDP every rank holds the same all-reduced gradients, so
+    every rank stops at the same step and none is left waiting in a collective."""
+    if not torch.isfinite(grad_norm):
+        raise Diverged(f"epoch {epoch + 1} step {step}: loss {loss.item():.4g}, gradient norm "
+                       f"{grad_norm.item():.4g}: not finite, step not applied; try a lower --lr "
+                       f"(now {optimizer.param_groups[0]['lr']:g})")
+
+
+def train_one_epoch(model, loader, optimizer, device, step_times, epoch):
     """One pass over the loader. Returns float64 sums [loss sum, correct, samples] and appends each
     step's seconds (data loading included) to step_times."""
     model.train()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     tick = time.perf_counter()
-    for images, labels in loader:
+    for step, (images, labels) in enumerate(loader, start=1):
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         logits = model(images)
         loss = F.cross_entropy(logits, labels)  # the mean over this batch
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), float("inf"))  # measures only
+        stop_if_diverged(grad_norm, loss, epoch, step, optimizer)
         optimizer.step()
         n, correct = labels.new_tensor(len(labels)), (logits.argmax(1) == labels).sum()
         totals += torch.stack([loss.detach() * n, correct, n])
@@ -194,30 +223,48 @@ def evaluate(model, loader, device):
     return totals
 
 
+def all_finite(state_dict):
+    """True if every floating-point tensor of a state dict is free of NaN and infinity."""
+    return all(bool(torch.isfinite(t).all()) for t in state_dict.values() if t.is_floating_point())
+
+
 def save_checkpoint(path, model, optimizer, epoch, args):
-    """Write atomically: a temp file in the same folder, fsync, then rename over the final name."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    """Write atomically: a temp file in the same folder, fsync, then rename over the final name.
+    Non-finite weights are never written; any failure leaves the previous file as it was."""
+    if not all_finite(model.state_dict()):
+        raise SaveFailed(f"not saving {path} after epoch {epoch}: the weights are not finite")
     device = next(model.parameters()).device
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
              "args": vars(args), "rng": {"cpu": torch.get_rng_state(), "cuda": cuda_rng}}
     tmp = f"{path}.tmp{os.getpid()}"
     try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(tmp, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half
+    except (OSError, RuntimeError) as err:  # disk full, no permission, a folder at `path`...
+        reason = getattr(err, "strerror", None) or str(err).strip().splitlines()[0]
+        raise SaveFailed(f"cannot save {path}: {reason}") from None
     finally:
         if os.path.exists(tmp):  # the write failed: drop the partial file
             os.remove(tmp)
 
 
 def save_once(path, model, optimizer, epoch, args, is_main):
-    """The checkpoint after `epoch` epochs, written by the process that saves ('' path: none)."""
+    """The checkpoint after `epoch` epochs, written by the process that saves ('' path: none).
+    A failed save raises SaveFailed in every process (under DDP, once rank 0 has told the rest)."""
+    error = None
     if is_main and path:
-        save_checkpoint(path, model, optimizer, epoch, args)
-        print(f"saved {path} after epoch {epoch}", flush=True)
+        try:
+            save_checkpoint(path, model, optimizer, epoch, args)
+            print(f"saved {path} after epoch {epoch}", flush=True)
+        except SaveFailed as err:
+            error = err
+    if error is not None:
+        raise error
 
 
 def load_checkpoint(path, model, optimizer, args):
@@ -229,6 +276,8 @@ def load_checkpoint(path, model, optimizer, args):
         if state["args"]["model"] != args.model:
             raise InputError(f"{path} holds a --model {state['args']['model']}, "
                              f"this run builds --model {args.model}")
+        if not all_finite(state["model"]):
+            raise InputError(f"{path} holds weights that are not finite: resume from another")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["cpu"])
@@ -263,6 +312,13 @@ def loss_and_accuracy(totals):
     """[loss sum, correct, samples] -> (mean loss, accuracy, samples)."""
     loss_sum, correct, n = totals.tolist()
     return loss_sum / n, correct / n, int(n)
+
+
+def summary_line(summary):
+    """`summary {...}` in strict JSON: a value that is not finite is written as null."""
+    finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+              for k, v in summary.items()}
+    return "summary " + json.dumps(finite, allow_nan=False)
 
 
 def main(argv=None):
@@ -301,7 +357,7 @@ def main(argv=None):
     for epoch in range(start_epoch, start_epoch if args.eval_only else args.epochs):
         sampler.generator.manual_seed(args.seed + epoch)  # a new order each epoch, seeded
         start = time.perf_counter()
-        totals = train_one_epoch(model, train_loader, optimizer, device, step_times)
+        totals = train_one_epoch(model, train_loader, optimizer, device, step_times, epoch)
         train_loss, _, n = loss_and_accuracy(totals)
         train_s = time.perf_counter() - start
         samples, seconds = samples + n, seconds + train_s
@@ -322,7 +378,7 @@ def main(argv=None):
                "throughput": round(global_batch / step_s, 1) if step_s else 0.0}
     print0(is_main, f"done | val loss {val_loss:.4f} | val acc {100 * val_acc:.2f}% | "
                     f"{summary['samples_per_s']:,.0f} samples/s over {seconds:.1f} s of training")
-    print0(is_main, "summary " + json.dumps(summary))
+    print0(is_main, summary_line(summary))
 
     # save
     if not args.eval_only:
@@ -330,8 +386,10 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    code = 0
     try:
         main()
-    except InputError as err:
+    except Stop as err:  # handled here, so the traceback (and the model it holds) is freed at once
         sys.stderr.write(f"error: {err}\n")  # one write: lines from several ranks never splice
-        sys.exit(2)
+        code = err.code
+    sys.exit(code)

@@ -12,7 +12,12 @@ never imports it:
         that rank stops at step STEP as if stuck: it never calls the step's all-reduce
     torchrun ... tests/probe_minigpt.py desync STEP:RANK [trainer flags]
         after step STEP that rank nudges one weight behind DDP's back
+    torchrun ... tests/probe_minigpt.py nospace N [trainer flags]
+        the disk is full from the N-th checkpoint write on: its fsync fails with ENOSPC
+
+Errors end the probe as they end the script: one line and the script's exit code (run_main).
 """
+import errno
 import json
 import os
 import sys
@@ -21,6 +26,21 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_ddp_minigpt as trainer  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
+
+
+def run_main():
+    """The script's own `if __name__ == "__main__":` block, around the wrapped module's main()."""
+    code = 0
+    try:
+        trainer.main()
+    except trainer.Stop as err:
+        sys.stderr.write(f"error: {err}\n")
+        code = err.code
+    finally:
+        trainer.gc.collect()
+        if trainer.dist.is_initialized():
+            trainer.dist.destroy_process_group()
+    sys.exit(code)
 
 
 def record(out_dir):
@@ -42,9 +62,11 @@ def record(out_dir):
         return batch
 
     trainer.DDP, trainer.Windows.get = ddp_with_counting_hook, get_and_record
-    trainer.main()
-    with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
-        json.dump(seen, f)
+    try:
+        run_main()
+    finally:
+        with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
+            json.dump(seen, f)
 
 
 def fault(mode, at):
@@ -65,10 +87,28 @@ def fault(mode, at):
         return result
 
     trainer.train_step = faulty_step
-    trainer.main()
+    run_main()
+
+
+def no_space(from_write):
+    writes, fsync = [], os.fsync
+
+    def fsync_on_a_full_disk(fd):  # the checkpoint's bytes cannot reach the disk
+        writes.append(fd)
+        if len(writes) >= int(from_write):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return fsync(fd)
+
+    trainer.os.fsync = fsync_on_a_full_disk
+    run_main()
 
 
 if __name__ == "__main__":
     mode, arg = sys.argv[1], sys.argv[2]
     sys.argv = [trainer.__file__] + sys.argv[3:]
-    record(arg) if mode == "record" else fault(mode, arg)
+    if mode == "record":
+        record(arg)
+    elif mode == "nospace":
+        no_space(arg)
+    else:
+        fault(mode, arg)

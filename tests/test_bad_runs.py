@@ -1,0 +1,158 @@
+"""Chapter 5, a run that goes wrong loses nothing: every trainer under real torchrun launches at 2
+processes on CPU/gloo (and in process for what needs no launch). These tests prove:
+
+1. a step whose gradient norm or loss is not finite (forced by a learning rate far too high) is not
+   applied: every rank stops at that same step with the same one-line error, torchrun reports exit
+   code 4, and the good checkpoint already at --save stays byte for byte what it was;
+2. a save that fails (the disk fills up, or --save names a folder) stops every rank with one line
+   naming the path and the reason and exit code 5, no rank waits at the save, the previous
+   checkpoint is intact, finite and loads, and no temporary file is left behind;
+3. --resume of a checkpoint holding non-finite weights is refused in one line (exit code 2), and a
+   checkpoint is never written from non-finite weights;
+4. the `summary` line is strict JSON whatever the values: NaN and infinity are written as null.
+A write that fails half-way (the partial file removed) is in test_faults.py.
+"""
+import json
+import math
+import re
+
+import pytest
+import torch
+from helpers import (DDP, GPT, SINGLE, SMALL, TINY_GPT, command, finish, in_process, ok, run,
+                     start, trainer)
+
+PROBE = "tests/probe_minigpt.py"
+
+
+def error_lines(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("error: ")]
+
+
+def stopped_on_every_rank(result, code, message):
+    """Both ranks wrote the same one-line error matching `message`; torchrun reports `code`."""
+    assert result.returncode != 0, result.stdout
+    assert f"exitcode  : {code}" in result.stderr, result.stderr[-3000:]
+    lines = error_lines(result.stderr)
+    assert len(lines) == 2 and lines[0] == lines[1], lines  # the same verdict, the same step
+    assert re.search(message, lines[0]), lines[0]
+    assert not re.search(r'File ".*(train_|probe_)\w+\.py"', result.stderr)  # no traceback from us
+    return lines[0]
+
+
+def only_the_checkpoint(folder, name):
+    assert sorted(p.name for p in folder.iterdir()) == [name]  # no temporary file left behind
+
+
+def test_the_classifier_stops_at_a_non_finite_step_and_keeps_the_good_checkpoint(tmp_path):
+    good = tmp_path / "ck.pt"
+    in_process(SINGLE, SMALL + ["--epochs", 1, "--save", good])  # the same format in both chapters
+    before = good.read_bytes()
+    cmd = command(DDP, SMALL + ["--lr", "1e20", "--epochs", 2, "--save-every", 1, "--save", good],
+                  nproc=2)
+    result = finish(start(cmd, tmp_path), cmd)
+    stopped_on_every_rank(result, 4, r"^error: epoch 1 step \d+: loss \S+, gradient norm (nan|inf): "
+                                     r"not finite, step not applied; try a lower --lr \(now 1e\+20\)")
+    assert "epoch 1/2 | train loss" not in result.stdout  # no epoch finished, no summary
+    assert good.read_bytes() == before
+    only_the_checkpoint(tmp_path, "ck.pt")
+
+
+def test_the_lm_stops_at_a_non_finite_step_and_keeps_the_last_good_checkpoint(tmp_path):
+    path = tmp_path / "ck.pt"
+    in_process(GPT, TINY_GPT + ["--max-steps", 4, "--save", path])
+    flags = TINY_GPT + ["--max-steps", 8, "--save-every", 1, "--save", path, "--resume", "auto"]
+    cmd = command(GPT, flags + ["--lr", "1e4"], nproc=2)  # resumed with a learning rate far too high
+    result = finish(start(cmd, tmp_path), cmd)
+    line = stopped_on_every_rank(result, 4, r"^error: step (\d+)/8: loss \S+, grad norm \S+: not "
+                                            r"finite, step not applied; try a lower --lr \(now "
+                                            r"10000\), a --clip \(now 1\)$")
+    step = int(re.search(r"step (\d+)/8", line).group(1))
+    assert step >= 5 and f"step {step}/8 | loss" not in result.stdout  # that step was not applied
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    assert state["step"] == step - 1  # the last applied step's checkpoint, never the bad one
+    assert trainer(GPT).all_finite(state["model"])
+    only_the_checkpoint(tmp_path, "ck.pt")
+
+
+def test_a_full_disk_stops_every_rank_with_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    path = tmp_path / "ck.pt"
+    cmd = command(PROBE, ["nospace", 2, *TINY_GPT, "--max-steps", 6, "--save-every", 2,
+                          "--save", path], nproc=2)  # the 1st save works, the 2nd finds a full disk
+    result = finish(start(cmd, tmp_path), cmd)
+    stopped_on_every_rank(result, 5, f"^error: cannot save {re.escape(str(path))}: "
+                                     r"No space left on device$")
+    assert "step 2/6 | saved" in result.stdout and "step 5/6" not in result.stdout
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    assert state["step"] == 2 and trainer(GPT).all_finite(state["model"])
+    only_the_checkpoint(tmp_path, "ck.pt")
+
+
+def test_a_save_path_that_is_a_folder_stops_every_rank_with_one_line(tmp_path):
+    (tmp_path / "ck.pt").mkdir()
+    result = run(DDP, SMALL + ["--epochs", 1, "--save", "ck.pt"], nproc=2, cwd=tmp_path)
+    stopped_on_every_rank(result, 5, r"^error: cannot save ck\.pt: Is a directory$")
+    assert "done | val loss" in result.stdout  # training finished; only the save failed
+    only_the_checkpoint(tmp_path, "ck.pt")
+    assert not any((tmp_path / "ck.pt").iterdir())
+
+
+def test_chapter_1_reports_a_failed_save_in_one_line(tmp_path):
+    (tmp_path / "ck.pt").mkdir()
+    result = run(SINGLE, SMALL + ["--epochs", 1, "--save", "ck.pt"], cwd=tmp_path)
+    assert result.returncode == 5 and result.stderr == "error: cannot save ck.pt: Is a directory\n"
+
+
+def poisoned(path, key):
+    """A copy of the checkpoint at `path` with one weight set to NaN."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    state["model"][key].view(-1)[0] = float("nan")
+    bad = path.with_name("nan.pt")
+    torch.save(state, bad)
+    return bad
+
+
+def test_the_lm_refuses_to_resume_from_non_finite_weights(tmp_path):
+    good = tmp_path / "ck.pt"
+    in_process(GPT, TINY_GPT + ["--max-steps", 2, "--save", good])
+    bad = poisoned(good, "tok_emb.weight")
+    result = run(GPT, TINY_GPT + ["--max-steps", 4, "--resume", bad, "--save", ""], nproc=2)
+    assert result.returncode != 0 and "exitcode  : 2" in result.stderr
+    assert error_lines(result.stderr) == [f"error: {bad} holds weights that are not finite: use "
+                                          "an earlier checkpoint"] * 2
+    sampled = run(GPT, ["--sample", "--ckpt", bad])
+    assert sampled.returncode == 2 and "holds weights that are not finite" in sampled.stderr
+
+
+@pytest.mark.parametrize("script", [SINGLE, DDP])
+def test_the_classifiers_refuse_to_resume_from_non_finite_weights(script, tmp_path):
+    good = tmp_path / "ck.pt"
+    in_process(SINGLE, SMALL + ["--epochs", 1, "--save", good])
+    bad = poisoned(good, "0.weight")
+    with pytest.raises(trainer(script).InputError, match="holds weights that are not finite"):
+        in_process(script, SMALL + ["--epochs", 2, "--resume", bad])
+
+
+@pytest.mark.parametrize("script", [SINGLE, DDP, GPT])
+def test_no_checkpoint_is_written_from_non_finite_weights(script, tmp_path):
+    module, path = trainer(script), tmp_path / "ck.pt"
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.no_grad():
+        model.weight[0, 0] = float("inf")
+    with pytest.raises(module.SaveFailed, match="the weights are not finite"):
+        if script == GPT:
+            scaler = torch.amp.GradScaler("cpu", enabled=False)
+            module.save_checkpoint(str(path), model, optimizer, scaler, 3, module.parse_args([]),
+                                   256, [])
+        else:
+            module.save_checkpoint(str(path), model, optimizer, 3, module.parse_args([]))
+    assert not path.exists() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("script", [SINGLE, DDP, GPT])
+def test_the_summary_line_is_strict_json_whatever_the_values(script):
+    line = trainer(script).summary_line({"val_loss": math.nan, "throughput": math.inf, "steps": 3,
+                                         "train_s": 1.5})
+    assert line.startswith("summary ")
+    parsed = json.loads(line[len("summary "):], parse_constant=pytest.fail)  # NaN literals fail
+    assert parsed == {"val_loss": None, "throughput": None, "steps": 3, "train_s": 1.5}
