@@ -102,22 +102,26 @@ def print0(is_main, message):
         print(message, flush=True)
 
 
-def pick_device(name):
-    """'auto' means the GPU if this machine has one, else the CPU."""
+def pick_device(name, index=0):
+    """'auto' means the GPU if this machine has one, else the CPU; `index` picks the GPU."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda, but no CUDA device is visible (try --device cpu)")
-    return torch.device(name)
+    if name == "cuda" and index >= torch.cuda.device_count():  # more processes than GPUs here
+        raise InputError(f"GPU {index} asked for, but {torch.cuda.device_count()} visible: start "
+                         "at most one process per GPU (--nproc_per_node)")
+    return torch.device(name, index) if name == "cuda" else torch.device(name)
 
 
 def init_distributed(device):  # DDP 1: join the process group that torchrun describes
     if "RANK" not in os.environ:
         raise InputError("not launched by torchrun: see the commands at the top of this script")
     if device.type == "cuda":  # DDP 2: one GPU per process, picked by LOCAL_RANK, before CUDA work
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        device = pick_device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            device_id=device if device.type == "cuda" else None)  # binds NCCL
     return device, dist.get_rank(), dist.get_world_size()
 
 
@@ -318,7 +322,9 @@ def resolve_resume(resume, save):
         return resume
     if not save:
         raise InputError("--resume auto needs a --save path to look for")
-    return save if os.path.isfile(save) else None
+    found = [os.path.isfile(save)]  # DDP 8: rank 0 looks, every rank follows (docs/multinode.md)
+    dist.broadcast_object_list(found, src=0)
+    return save if found[0] else None
 
 
 def median_step_seconds(step_times, warmup=5):
@@ -357,10 +363,10 @@ def main(argv=None):
                     f"batch {args.batch_size}")
     sampler = DistributedSampler(train_set, seed=args.seed)  # DDP 4: each rank its own share
     val_set = Subset(val_set, range(rank, len(val_set), world_size))  # disjoint: no padding
-    pin = device.type == "cuda"
-    train_loader = DataLoader(train_set, args.batch_size, sampler=sampler,
-                              num_workers=args.num_workers, pin_memory=pin)
-    val_loader = DataLoader(val_set, args.batch_size, num_workers=args.num_workers, pin_memory=pin)
+    workers = {"num_workers": args.num_workers, "pin_memory": device.type == "cuda",
+               "persistent_workers": args.num_workers > 0}  # workers start once, not every epoch
+    train_loader = DataLoader(train_set, args.batch_size, sampler=sampler, **workers)
+    val_loader = DataLoader(val_set, args.batch_size, **workers)
 
     # model
     model = build_model(args.model).to(device)

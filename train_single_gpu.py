@@ -98,13 +98,16 @@ def print0(is_main, message):
         print(message, flush=True)
 
 
-def pick_device(name):
-    """'auto' means the GPU if this machine has one, else the CPU."""
+def pick_device(name, index=0):
+    """'auto' means the GPU if this machine has one, else the CPU; `index` picks the GPU."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda, but no CUDA device is visible (try --device cpu)")
-    return torch.device(name)
+    if name == "cuda" and index >= torch.cuda.device_count():  # more processes than GPUs here
+        raise InputError(f"GPU {index} asked for, but {torch.cuda.device_count()} visible: start "
+                         "at most one process per GPU (--nproc_per_node)")
+    return torch.device(name, index) if name == "cuda" else torch.device(name)
 
 
 def synthetic_images(n, seed):
@@ -335,10 +338,10 @@ def main(argv=None):
     print0(is_main, f"data {args.dataset} | {len(train_set)} train / {len(val_set)} val samples | "
                     f"batch {args.batch_size}")
     sampler = RandomSampler(train_set, generator=torch.Generator())
-    pin = device.type == "cuda"
-    train_loader = DataLoader(train_set, args.batch_size, sampler=sampler,
-                              num_workers=args.num_workers, pin_memory=pin)
-    val_loader = DataLoader(val_set, args.batch_size, num_workers=args.num_workers, pin_memory=pin)
+    workers = {"num_workers": args.num_workers, "pin_memory": device.type == "cuda",
+               "persistent_workers": args.num_workers > 0}  # workers start once, not every epoch
+    train_loader = DataLoader(train_set, args.batch_size, sampler=sampler, **workers)
+    val_loader = DataLoader(val_set, args.batch_size, **workers)
 
     # model
     model = build_model(args.model).to(device)
