@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import statistics
 import sys
 import sysconfig
@@ -83,10 +84,11 @@ def positive(kind, zero_ok=False):
 def parse_args(argv=None):
     p = Parser(description=__doc__.split("\n\n")[0])
     a = p.add_argument_group("data").add_argument
-    a("--data", metavar="FILE",
-      help="a text file (its bytes are the tokens) or a .bin of uint16 token ids "
-           "(default: the Python standard library)")
-    a("--vocab-size", type=positive(int), metavar="N", help="a .bin file's ids are below N")
+    a("--data", metavar="PATH",
+      help="a text file (its bytes are the tokens), a .bin of uint16 token ids, or a nanoGPT "
+           "folder: train.bin, val.bin, meta.pkl (default: the Python standard library)")
+    a("--vocab-size", type=positive(int), metavar="N",
+      help="the ids of a .bin (or a folder without meta.pkl) are below N")
     a("--val-fraction", type=float, default=0.1, metavar="F",
       help="the tail of the data held out for validation (default: 0.1)")
     a = p.add_argument_group("model").add_argument
@@ -145,14 +147,16 @@ def parse_args(argv=None):
       help="also save every N steps, 0 = only at the end (default: 0)")
     a("--resume", metavar="PATH",
       help="go on from this checkpoint; 'auto': from --save if it exists")
-    a("--gpu-peak-tflops", type=positive(float), default=312.0, metavar="T",
-      help="the GPU's peak TFLOPS, for MFU (default: 312, an A100 in bf16)")
+    a("--gpu-peak-tflops", type=positive(float), metavar="T",
+      help="one GPU's peak TFLOPS for MFU (default: from the GPU's name and --amp, for A100, "
+           "H100, H200, L4, L40S, A10, V100, T4, RTX 3090/4090)")
     a("--benchmark", action="store_true",
       help="time --max-steps steps after 5 warm-up steps; no evaluation, no checkpoint")
     a = p.add_argument_group("sampling (one process, no torchrun)").add_argument
     a("--sample", action="store_true", help="generate text from --ckpt instead of training")
     a("--ckpt", metavar="PATH", help="the checkpoint to sample from")
-    a("--prompt", default="\n", metavar="TEXT", help="text to start from (default: a newline)")
+    a("--prompt", default="\n", metavar="TEXT",
+      help="text to start from, not empty (default: a newline)")
     a("--max-new-tokens", type=positive(int), default=300, metavar="N",
       help="tokens to generate (default: 300)")
     a("--temperature", type=positive(float), default=0.8, metavar="T",
@@ -166,6 +170,8 @@ def parse_args(argv=None):
         p.error("--dropout must be in [0, 1) and --val-fraction in (0, 1)")
     if args.sample and not args.ckpt:
         p.error("--sample needs --ckpt PATH")
+    if not args.prompt:
+        p.error("--prompt must not be empty")
     return args
 
 
@@ -177,31 +183,36 @@ def print0(is_main, message):
         print(message, flush=True)
 
 
-def pick_device(name):
-    """'auto' means the GPU if this machine has one, else the CPU."""
+def pick_device(name, index=0):
+    """'auto' means the GPU if this machine has one, else the CPU; `index` picks the GPU."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda, but no CUDA device is visible (try --device cpu)")
-    return torch.device(name)
+    if name == "cuda" and index >= torch.cuda.device_count():  # more processes than GPUs here
+        raise InputError(f"GPU {index} asked for, but {torch.cuda.device_count()} visible: start "
+                         "at most one process per GPU (--nproc_per_node)")
+    return torch.device(name, index) if name == "cuda" else torch.device(name)
 
 
 def init_distributed(device, timeout_s, debug):  # DDP 1: join the process group
     """Join the group torchrun describes; plain `python` makes a group of one. Returns this
     process's device, its rank and the world size."""
     if device.type == "cuda":  # DDP 2: one GPU per process, picked by LOCAL_RANK, before CUDA work
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        device = pick_device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    bound = {"device_id": device} if device.type == "cuda" else {}  # NCCL: bind the group to it
     timeout = datetime.timedelta(seconds=timeout_s)
     if debug:  # DDP: before the group starts; DETAIL checks every collective (not on gloo: docs/)
         dist.set_debug_level(dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO)
     if "RANK" in os.environ:  # launched by torchrun
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **bound)
     else:  # DDP: plain `python`, a group of one over an in-memory store
         print("not launched by torchrun: running as a one-process group (world size 1)", flush=True)
         store = dist.HashStore()
-        dist.init_process_group(backend, timeout=timeout, store=store, rank=0, world_size=1)
+        dist.init_process_group(backend, timeout=timeout, store=store, rank=0, world_size=1,
+                                **bound)
     return device, dist.get_rank(), dist.get_world_size()
 
 
@@ -221,15 +232,17 @@ def keep_freed_memory_on_cpu(device):
 
 def amp_dtype(choice, device):
     """The autocast dtype, or None for fp32. bf16 has fp32's range: no loss scaling. fp16 needs a
-    GradScaler."""
+    GradScaler. Only native bf16 counts: V100s and T4s emulate it, slower than fp16."""
+    native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
     if choice == "auto":
         if device.type != "cuda":
             return None
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if native_bf16 else torch.float16
     if choice == "fp16" and device.type != "cuda":
         raise InputError("--amp fp16 needs a CUDA device; on a CPU use --amp bf16 or --amp off")
-    if choice == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise InputError("--amp bf16: this GPU has no bf16 support; use --amp fp16")
+    if choice == "bf16" and device.type == "cuda" and not native_bf16:
+        raise InputError("--amp bf16: this GPU has no native bf16 (only slow emulation); "
+                         "use --amp fp16")
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[choice]
 
 
@@ -257,27 +270,79 @@ def load_tokens(args, default_bytes=2_000_000):
     if args.vocab_size is None:
         raise InputError(f"{args.data} holds token ids: give --vocab-size "
                          "(e.g. 50304 for GPT-2's BPE)")
-    size = os.path.getsize(args.data)
+    return read_ids(args.data, args.vocab_size, "--vocab-size"), args.vocab_size
+
+
+def read_meta(path):
+    """nanoGPT's meta.pkl ({"vocab_size", "itos", "stoi"}), read without running it. A pickle can
+    call any function while it loads; this unpickler refuses every class and function, so only
+    plain data can load, and only dicts, lists, strings and ints are accepted."""
+    class PlainData(pickle.Unpickler):
+        def find_class(self, module, name):
+            raise pickle.UnpicklingError(f"it asks for {module}.{name}, not plain data")
+
+    def plain(x):  # dicts, lists, strings and ints, all the way down
+        if isinstance(x, dict):
+            return all(plain(k) and plain(v) for k, v in x.items())
+        if isinstance(x, list):
+            return all(plain(v) for v in x)
+        return isinstance(x, (str, int))
+    try:
+        with open(path, "rb") as f:
+            meta = PlainData(f).load()
+    except Exception as err:  # refused, truncated, not a pickle
+        raise InputError(f"cannot read {path}: {type(err).__name__}: {err}") from None
+    size, itos = (meta.get("vocab_size"), meta.get("itos")) if isinstance(meta, dict) else (0, 0)
+    ids_to_text = isinstance(itos, dict) and all(isinstance(v, str) for v in itos.values())
+    if not (plain(meta) and ids_to_text and type(size) is int and set(itos) == set(range(size))):
+        raise InputError(f"{path} is not a nanoGPT meta.pkl of plain dicts, strings and ints, with "
+                         "itos naming each id below vocab_size")
+    return size, itos
+
+
+def load_folder(args):
+    """A nanoGPT data folder: train.bin and val.bin of uint16 ids, and for character-level sets a
+    meta.pkl with the vocabulary. Returns train, val, vocab size, and itos (id -> text) or None."""
+    paths = [os.path.join(args.data, name) for name in ("train.bin", "val.bin", "meta.pkl")]
+    missing = [p for p in paths[:2] if not os.path.isfile(p)]
+    if missing:
+        raise InputError(f"{args.data} is a folder but holds no {' and no '.join(missing)}")
+    vocab_size, itos = read_meta(paths[2]) if os.path.isfile(paths[2]) else (args.vocab_size, None)
+    if vocab_size is None:
+        raise InputError(f"{args.data} has no meta.pkl: give --vocab-size (e.g. 50304 for GPT-2)")
+    train, val = (read_ids(p, vocab_size, "its meta.pkl" if itos else "--vocab-size")
+                  for p in paths[:2])
+    return train, val, vocab_size, itos
+
+
+def read_ids(path, vocab_size, source):
+    """A .bin of uint16 token ids, memory-mapped; every id must be below vocab_size."""
+    size = os.path.getsize(path)
     if size % 2:
-        raise InputError(f"{args.data} has an odd number of bytes: not a file of uint16 token ids")
-    tokens = np.memmap(args.data, dtype=np.uint16, mode="r") if size else np.zeros(0, np.uint16)
-    if len(tokens) and int(tokens.max()) >= args.vocab_size:
-        raise InputError(f"{args.data} holds token id {int(tokens.max())}, "
-                         f"not below --vocab-size {args.vocab_size}")
-    return tokens, args.vocab_size
+        raise InputError(f"{path} has an odd number of bytes: not a file of uint16 token ids")
+    tokens = np.memmap(path, dtype=np.uint16, mode="r") if size else np.zeros(0, np.uint16)
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        raise InputError(f"{path} holds token id {int(tokens.max())}, not below the vocabulary "
+                         f"size {vocab_size} ({source})")
+    return tokens
 
 
-def split_tokens(tokens, args, world_size):
-    """Train on the head, validate on the tail; refuse data too short to give every rank a batch."""
-    n_val = int(len(tokens) * args.val_fraction)
-    train, val = tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]
+def load_data(args, world_size):
+    """Training and validation tokens, the vocabulary size and itos (id -> text, or None). A file
+    is split: training on the head, validation on the tail. Refuses data too short for a batch."""
+    if args.data is not None and os.path.isdir(args.data):
+        train, val, vocab_size, itos = load_folder(args)
+    else:
+        tokens, vocab_size = load_tokens(args)
+        n_val, itos = int(len(tokens) * args.val_fraction), None
+        train, val = tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]
     need = world_size * args.batch_size * (args.block_size + 1)
     if len(train) < need + args.block_size or len(val) < args.block_size + 1:
-        raise InputError(f"{args.data or 'the default corpus'} has {len(tokens)} tokens: too short "
-                         f"for {world_size} process(es) x --batch-size {args.batch_size} x "
-                         f"--block-size {args.block_size} (+{args.val_fraction:.0%} validation); "
-                         "give more data or smaller sizes")
-    return train, val
+        raise InputError(f"{args.data or 'the default corpus'} has {len(train):,} training and "
+                         f"{len(val):,} validation tokens: too few for {world_size} process(es) x "
+                         f"--batch-size {args.batch_size} x --block-size {args.block_size}; give "
+                         "more data or smaller sizes")
+    return train, val, vocab_size, itos
 
 
 class Windows:
@@ -438,8 +503,23 @@ def build_model(args, vocab_size, scaler, rank, device):
     optimizer = make_optimizer(raw_model, args, device)
     torch.manual_seed(args.seed + rank)  # DDP: each rank its own dropout masks, as its own data
     path = resolve_resume(args.resume, args.save)
-    start = resume(path, raw_model, optimizer, scaler, args, vocab_size, rank, device)
-    return raw_model, optimizer, start, path
+    start, error = None, None
+    try:
+        start = resume(path, raw_model, optimizer, scaler, args, vocab_size, rank, device)
+    except InputError as err:  # told to every rank below, so that none waits for this one
+        error = str(err)
+    return raw_model, optimizer, agree_on_start(start, error, path), path
+
+
+def compile_and_wrap(raw_model, args, device):
+    """torch.compile the model if --compile, then wrap it in DDP (compile first: the model's code is
+    compiled, DDP's communication hooks stay outside it)."""
+    model = raw_model
+    if args.compile:
+        if args.grad_checkpointing:  # DDP: DDP's graph splitting cannot split checkpointed blocks
+            torch._dynamo.config.optimize_ddp = False  # (pytorch#104674): one bucket instead
+        model = torch.compile(raw_model, backend=args.compile_backend)
+    return DDP(model, device_ids=[device] if device.type == "cuda" else None)  # DDP 6: wrap
 
 
 # --------------------------------------------------------------------------------------- training
@@ -468,6 +548,8 @@ def train_step(model, optimizer, scaler, windows, step, args, autocast, device):
     loss_sum = torch.zeros((), device=device)
     for micro in range(args.grad_accum):
         x, y = windows.get(step * args.grad_accum + micro)
+        if device.type == "cuda":  # page-locked memory: the copy below can overlap GPU work
+            x, y = x.pin_memory(), y.pin_memory()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         last = micro == args.grad_accum - 1
         # DDP: all-reduce once per optimizer step; the other micro-batches accumulate locally
@@ -540,17 +622,44 @@ def check_replicas_in_sync(model, when):  # DDP: --check-sync, compare every ran
         raise OutOfSync(f"--check-sync: replicas differ after {when}: {digests}")
 
 
-def log_line(step, args, loss, grad_norm, pace, tokens_per_step, n_params, device, world_size):
+def peak_tflops(gpu_name, amp):
+    """The dense peak TFLOPS of a common GPU (vendor datasheets, no sparsity) for the autocast dtype
+    ("off": fp32 without TF32), or None for a GPU not in the table."""
+    table = [  # name fragment, 16-bit tensor cores, fp32; the longer fragment first
+        ("H100 PCIe", 756, 51), ("H100", 989, 67), ("H200", 989, 67), ("A100", 312, 19.5),
+        ("L40S", 362, 91.6), ("L4", 121, 30.3), ("A10", 125, 31.2), ("V100", 125, 15.7),
+        ("T4", 65, 8.1), ("4090", 165, 82.6), ("3090", 71, 35.6)]
+    for fragment, half, single in table:
+        if fragment in gpu_name:
+            return single if amp == "off" else half
+    return None
+
+
+def mfu_work(args, raw_model, tokens_per_step, world_size, device, amp):
+    """FLOPs per optimizer step over the job's peak FLOP/s, so MFU = this / seconds per step; and
+    which peak was used (None when there is none: a CPU, or a GPU not in peak_tflops' table).
+    FLOPs as nanoGPT counts them: 6N per token plus attention, N without position embeddings."""
+    if device.type != "cuda":
+        return None, None
+    name = torch.cuda.get_device_name(device)
+    peak = args.gpu_peak_tflops or peak_tflops(name, amp)
+    if peak is None:
+        return None, f"MFU: {name} is not in the table; give --gpu-peak-tflops"
+    n = sum(p.numel() for p in raw_model.parameters()) - raw_model.pos_emb.weight.numel()
+    flops_per_token = 6 * n + 12 * args.n_layer * args.n_embd * args.block_size
+    return (flops_per_token * tokens_per_step / (world_size * peak * 1e12),
+            f"MFU against {peak:g} TFLOPS per GPU ({name}, {'fp32' if amp == 'off' else amp})")
+
+
+def log_line(step, args, loss, grad_norm, pace, tokens_per_step, mfu):
     """step N/M | loss | lr | grad norm | ms/step | tok/s, and MFU on CUDA (docs/conventions.md).
-    `pace` is (steps, seconds) of the interval since the last log line."""
+    `pace` is (steps, seconds) of the interval since the last log line; `mfu` from mfu_work."""
     step_s = pace[1] / pace[0]
     line = (f"step {step}/{args.max_steps} | loss {loss:.4f} | lr {lr_at(step - 1, args):.2e} | "
             f"grad norm {grad_norm:.3f} | {1000 * step_s:.1f} ms/step | "
             f"{tokens_per_step / step_s:,.0f} tok/s")
-    if device.type == "cuda":  # model FLOPs utilisation: 6N per token plus attention (PaLM, app. B)
-        flops_per_token = 6 * n_params + 12 * args.n_layer * args.n_embd * args.block_size
-        peak = world_size * args.gpu_peak_tflops * 1e12
-        line += f" | MFU {100 * flops_per_token * tokens_per_step / step_s / peak:.1f}%"
+    if mfu is not None:  # model FLOPs utilisation
+        line += f" | MFU {100 * mfu / step_s:.1f}%"
     return line
 
 
@@ -632,12 +741,33 @@ def save_once(path, raw_model, optimizer, scaler, step, args, vocab_size, device
 
 def resolve_resume(resume, save):
     """--resume auto: continue from the --save checkpoint if it exists, else start fresh (so that a
-    restart after a crash runs the same command and goes on from the last checkpoint)."""
+    restart after a crash runs the same command and goes on from the last checkpoint). Rank 0
+    looks and tells the rest: ranks that looked on their own could disagree across nodes."""
     if resume != "auto":
         return resume
     if not save:
         raise InputError("--resume auto needs a --save path to look for")
-    return save if os.path.isfile(save) else None
+    found = [os.path.isfile(save)]
+    dist.broadcast_object_list(found, src=0)  # DDP: rank 0 decides for every rank
+    return save if found[0] else None
+
+
+def agree_on_start(start, error, path):
+    """Every rank resumed from the same step, or all stop with the same line (a rank on a node that
+    cannot see the checkpoint, or sees another file: checkpoints need a shared filesystem)."""
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, (start, error))  # DDP: a collective, so no rank hangs
+    failed = [(rank, problem) for rank, (_, problem) in enumerate(outcomes) if problem]
+    if failed and len(failed) == len(outcomes) and len({p for _, p in failed}) == 1:
+        raise InputError(failed[0][1])  # the same problem everywhere: the checkpoint itself
+    if failed:
+        raise InputError(f"rank {failed[0][0]}: {failed[0][1]} (every rank reads --resume: on "
+                         "several nodes it must be on a filesystem they share, docs/multinode.md)")
+    steps = [step for step, _ in outcomes]
+    if len(set(steps)) > 1:
+        raise InputError(f"the ranks read {path} at different steps {steps}: on several nodes it "
+                         "must be one file on a filesystem they share (docs/multinode.md)")
+    return start
 
 
 def read_checkpoint(path):
@@ -664,13 +794,17 @@ def resume(path, raw_model, optimizer, scaler, args, vocab_size, rank, device):
     state, config = read_checkpoint(path), model_config(args, vocab_size)
     if state["config"] != config:
         raise InputError(f"{path} was trained with {state['config']}, this run builds {config}")
+    fused = [group.get("fused") for group in optimizer.param_groups]
     try:
         raw_model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
+        if scaler.is_enabled() and state["scaler"]:  # an fp16 run goes on with its loss scale; a
+            scaler.load_state_dict(state["scaler"])  # bf16/fp32 checkpoint starts a fresh one
     except (RuntimeError, ValueError, KeyError) as err:
         reason = f"{type(err).__name__}: {str(err).splitlines()[0]}"
         raise InputError(f"cannot resume from {path}: {reason}") from None
+    for group, was in zip(optimizer.param_groups, fused):  # a CPU checkpoint on a GPU: keep the
+        group["fused"] = was  # fused AdamW this run built (loading restores the saved flag)
     if rank < len(state["rng"]):  # the same world size gets its exact dropout streams back
         torch.set_rng_state(state["rng"][rank]["cpu"])
         if state["rng"][rank]["cuda"] is not None and device.type == "cuda":
@@ -684,17 +818,36 @@ def sample(args):
     """Inference: ONE plain process, no process group (generation has no gradients to average)."""
     device = pick_device(args.device)
     state = read_checkpoint(args.ckpt)
-    if state["config"]["vocab_size"] != 256:
+    itos = state["args"].get("itos")
+    if state["config"]["vocab_size"] != 256 and itos is None:
         raise InputError(f"{args.ckpt} was trained on token ids (vocab "
-                         f"{state['config']['vocab_size']}): --prompt text needs a byte-level "
-                         "checkpoint (vocab 256)")
+                         f"{state['config']['vocab_size']}) without a meta.pkl: --prompt text "
+                         "needs a byte-level checkpoint or a nanoGPT folder's vocabulary")
     model = GPT(**state["config"]).to(device)
     model.load_state_dict(state["model"])
     model.eval()
     torch.manual_seed(args.seed)
-    prompt = torch.tensor([list(args.prompt.encode("utf-8")) or [10]], device=device)
+    prompt = torch.tensor([encode(args.prompt, itos)], device=device)
     out = model.generate(prompt, args.max_new_tokens, args.temperature, args.top_k)
-    print(bytes(out[0].tolist()).decode("utf-8", errors="replace"), flush=True)
+    print(decode(out[0].tolist(), itos), flush=True)
+
+
+def encode(text, itos):
+    """Token ids of text: its UTF-8 bytes, or through a nanoGPT vocabulary (itos: id -> text)."""
+    if itos is None:
+        return list(text.encode("utf-8"))
+    stoi = {piece: i for i, piece in itos.items()}
+    unknown = sorted({c for c in text if c not in stoi})
+    if unknown:
+        raise InputError(f"--prompt has characters the vocabulary lacks: {unknown}")
+    return [stoi[c] for c in text]
+
+
+def decode(ids, itos):
+    """Text of token ids: UTF-8 bytes (a broken character shows as U+FFFD), or through itos."""
+    if itos is None:
+        return bytes(ids).decode("utf-8", errors="replace")
+    return "".join(itos[i] for i in ids)
 
 
 class Stopwatch:
@@ -736,10 +889,11 @@ def finish(args, raw_model, val_loss, baseline, paces, tokens_per_step, device, 
     print0(is_main, f"done | val loss {val_loss:.4f} ({unit}-frequency baseline {baseline:.4f}) | "
                     f"{summary['tokens_per_s']:,.0f} tok/s over {train_s:.1f} s of training")
     print0(is_main, summary_line(summary))
-    if is_main and unit == "byte":
+    if is_main and (unit == "byte" or args.itos):  # text it can show: bytes, or a vocabulary
         raw_model.eval()
-        out = raw_model.generate(torch.tensor([[10]], device=device), 200, 0.8, 40)
-        print("sample:\n" + bytes(out[0].tolist()).decode("utf-8", errors="replace"), flush=True)
+        start = 10 if unit == "byte" else min(args.itos)  # a newline, or the first piece
+        out = raw_model.generate(torch.tensor([[start]], device=device), 200, 0.8, 40)
+        print("sample:\n" + decode(out[0].tolist(), args.itos), flush=True)
 
 
 def main(argv=None):
@@ -758,8 +912,7 @@ def main(argv=None):
                     f"accumulation x {world_size} processes)")
 
     # data
-    tokens, vocab_size = load_tokens(args)
-    train_tokens, val = split_tokens(tokens, args, world_size)
+    train_tokens, val, vocab_size, args.itos = load_data(args, world_size)  # args: saved with it
     windows = Windows(train_tokens, args.block_size, args.batch_size, rank, world_size, args.seed)
     baseline = unigram_loss(train_tokens, val, vocab_size)
     unit = "byte" if vocab_size == 256 else "token"
@@ -771,12 +924,14 @@ def main(argv=None):
 
     # model
     raw_model, optimizer, start, resumed = build_model(args, vocab_size, scaler, rank, device)
-    model = torch.compile(raw_model, backend=args.compile_backend) if args.compile else raw_model
-    model = DDP(model, device_ids=[device] if device.type == "cuda" else None)  # DDP 6: wrap
+    model = compile_and_wrap(raw_model, args, device)  # DDP 6
     n_params = sum(p.numel() for p in raw_model.parameters())
     print0(is_main, f"model {n_params:,} parameters | {args.n_layer} layers, {args.n_head} heads, "
                     f"{args.n_embd} wide, context {args.block_size}"
                     + (f" | resumed from {resumed} at step {start}" if resumed else ""))
+    mfu, peak = mfu_work(args, raw_model, tokens_per_step, world_size, device, amp)
+    if peak:
+        print0(is_main, peak)
 
     # train
     if args.benchmark:
@@ -793,7 +948,7 @@ def main(argv=None):
             paces.append((done - last, clock.lap()))
             last = done
             print0(is_main, log_line(done, args, loss.item(), grad_norm.item(), paces[-1],
-                                     tokens_per_step, n_params, device, world_size))
+                                     tokens_per_step, mfu))
         clock.pause()  # evaluation and checkpoints are not training time
         if done % args.eval_every == 0 or done == args.max_steps:
             val_loss = evaluate(model.module, val, args, rank, world_size, autocast)  # DDP 7
