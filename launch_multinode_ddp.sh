@@ -19,10 +19,10 @@ Usage: launch_multinode_ddp.sh [options] SCRIPT [SCRIPT ARGS...]
 Prints the exact torchrun command for every node of a multi-node DDP job (c10d rendezvous), ready to
 paste, or with --run replaces itself (exec) with this node's command, so signals reach torchrun.
 
-  --nnodes N           machines in the job              (SLURM: $SLURM_JOB_NUM_NODES)
+  --nnodes N           machines in the job              (SLURM: the step's, else the job's node count)
   --nproc-per-node N   processes per machine, one per GPU (default: 1; SLURM: $SLURM_GPUS_ON_NODE)
-  --master-addr HOST   node 0's address, reachable from every node (SLURM: first host of the job)
-  --master-port PORT   a free TCP port on that host, 1-65535 (default: 29500)
+  --master-addr HOST   node 0's address, reachable from every node (SLURM: first host of the step)
+  --master-port PORT   a free TCP port on that host, 1-65535 (default: 29500; SLURM: from the job id)
   --node-rank N        this machine's index, 0 .. nnodes-1, for --run (SLURM: $SLURM_NODEID); only
                        logged: with c10d every node runs the same command and gets its ranks at join
   --rdzv-id ID         the job's name, the same on every node (default: $SLURM_JOB_ID, else ddp-HOST-PORT)
@@ -62,7 +62,7 @@ whole() {  # whole NAME VALUE MIN: VALUE must be an integer >= MIN
   if ! [[ $2 =~ ^[0-9]{1,9}$ ]] || (( 10#$2 < $3 )); then die "$1 must be a whole number >= $3, got '$2'"; fi
 }
 
-nnodes="" nproc="" addr="" port=29500 node_rank="" rdzv_id="" join_timeout=300 max_restarts=0 run=0
+nnodes="" nproc="" addr="" port="" node_rank="" rdzv_id="" join_timeout=300 max_restarts=0 run=0
 while (( $# )); do
   case $1 in
     -h|--help) usage; echo; explain; exit 0 ;;
@@ -86,17 +86,25 @@ script=$1; shift
 [[ -f $script ]] || die "script not found: $script"
 
 # Inside a SLURM allocation, what was not given comes from SLURM, read on each node (srun runs this
-# script once per node, so SLURM_NODEID is that node's own index).
+# script once per node, so SLURM_NODEID is that node's own index). An `srun -N k` step may use part of
+# the allocation: its own node count and list (SLURM_STEP_*) come before the job's.
 if [[ -n ${SLURM_JOB_ID:-} ]]; then
-  nnodes=${nnodes:-${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-}}}
+  nnodes=${nnodes:-${SLURM_STEP_NUM_NODES:-${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-}}}}
   node_rank=${node_rank:-${SLURM_NODEID:-}}
   nproc=${nproc:-${SLURM_GPUS_ON_NODE:-}}
   rdzv_id=${rdzv_id:-slurm-$SLURM_JOB_ID}
+  if [[ $SLURM_JOB_ID =~ ^[0-9]+$ ]]; then  # two jobs sharing a head node get two ports
+    port=${port:-$(( 20000 + 10#$SLURM_JOB_ID % 10000 ))}
+  fi
   if [[ -z $addr ]]; then
     command -v scontrol >/dev/null || die "SLURM_JOB_ID is set but scontrol is not on PATH: give --master-addr"
-    addr=$(scontrol show hostnames "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set}" | head -n 1)
+    nodelist=${SLURM_STEP_NODELIST:-${SLURM_JOB_NODELIST:-}}
+    [[ -n $nodelist ]] || die "neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST is set: give --master-addr"
+    hosts=$(scontrol show hostnames "$nodelist") || die "scontrol show hostnames '$nodelist' failed"
+    addr=${hosts%%$'\n'*}  # the first host (no `| head -n 1`: under pipefail it can kill scontrol)
   fi
 fi
+port=${port:-29500}
 
 [[ -n $nnodes ]] || die "--nnodes is required (or run inside a SLURM allocation)"
 whole --nnodes "$nnodes" 1
