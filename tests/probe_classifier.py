@@ -1,10 +1,14 @@
-"""Runs train_ddp_basic.py's real main() with one function wrapped, for a test that must see
-which samples each rank reads. Launched under torchrun in place of the script; the course never
-imports it:
+"""Runs train_ddp_basic.py's real main() with one function wrapped, for tests that must see which
+samples each rank reads, or give one rank a different view of the disk. Launched under torchrun in
+place of the script; the course never imports it:
 
-    torchrun ... tests/probe_classifier.py OUT_DIR [trainer flags]
+    torchrun ... tests/probe_classifier.py record OUT_DIR [trainer flags]
+        each rank writes OUT_DIR/rank{RANK}.json: the training-sample ids it read, in order
+    torchrun ... tests/probe_classifier.py hide RANK [trainer flags]
+        on that rank no file exists (os.path.isfile is False), as on a node that does not share
+        the others' filesystem
 
-Each rank writes OUT_DIR/rank{RANK}.json: the training-sample ids it read, in order.
+Errors end the probe as they end the script: one line and the script's exit code (run_main).
 """
 import json
 import os
@@ -30,9 +34,23 @@ class Recorder(torch.utils.data.Dataset):
         return self.dataset[index]
 
 
-if __name__ == "__main__":
-    out_dir, seen, build = sys.argv[1], [], trainer.build_datasets
-    sys.argv = [trainer.__file__] + sys.argv[2:]
+def run_main():
+    """The script's own `if __name__ == "__main__":` block, around the wrapped module's main()."""
+    code = 0
+    try:
+        trainer.main()
+    except trainer.Stop as err:
+        sys.stderr.write(f"error: {err}\n")
+        code = err.code
+    finally:
+        trainer.gc.collect()
+        if trainer.dist.is_initialized():
+            trainer.dist.destroy_process_group()
+    sys.exit(code)
+
+
+def record(out_dir):
+    seen, build = [], trainer.build_datasets
 
     def build_recorded(args):
         train_set, val_set = build(args)
@@ -40,7 +58,19 @@ if __name__ == "__main__":
 
     trainer.build_datasets = build_recorded
     try:
-        trainer.main()
+        run_main()
     finally:
         with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
             json.dump(seen, f)
+
+
+def hide(rank):
+    if int(os.environ["RANK"]) == int(rank):
+        trainer.os.path.isfile = lambda path: False
+    run_main()
+
+
+if __name__ == "__main__":
+    mode, arg = sys.argv[1], sys.argv[2]
+    sys.argv = [trainer.__file__] + sys.argv[3:]
+    record(arg) if mode == "record" else hide(arg)

@@ -14,6 +14,9 @@ never imports it:
         after step STEP that rank nudges one weight behind DDP's back
     torchrun ... tests/probe_minigpt.py nospace N [trainer flags]
         the disk is full from the N-th checkpoint write on: its fsync fails with ENOSPC
+    torchrun ... tests/probe_minigpt.py hide RANK [trainer flags]
+        on that rank no file exists (os.path.isfile is False), as on a node that does not share
+        the others' filesystem
 
 Errors end the probe as they end the script: one line and the script's exit code (run_main).
 """
@@ -108,6 +111,10 @@ if __name__ == "__main__":
     sys.argv = [trainer.__file__] + sys.argv[3:]
     if mode == "record":
         record(arg)
+    elif mode == "hide":
+        if int(os.environ["RANK"]) == int(arg):
+            trainer.os.path.isfile = lambda path: False
+        run_main()
     elif mode == "nospace":
         no_space(arg)
     else:

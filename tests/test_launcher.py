@@ -61,11 +61,26 @@ def test_slurm_gives_nodes_rank_and_head_node_and_run_execs(tmp_path):
     printed = launch("train_ddp_basic.py", env=slurm)
     assert printed.returncode == 0, printed.stderr
     line = commands(printed.stdout)[0]
-    for part in ["--nnodes=3", "--nproc-per-node=4", "--rdzv-endpoint=gpu07:29500", "--rdzv-id=slurm-4242"]:
-        assert part in line
+    for part in ["--nnodes=3", "--nproc-per-node=4", "--rdzv-endpoint=gpu07:24242", "--rdzv-id=slurm-4242"]:
+        assert part in line  # the port from the job id: two jobs on one head node do not collide
     ran = launch("--run", "train_ddp_basic.py", "--epochs", 1, env={**slurm, "TORCHRUN": "echo torchrun"})
     assert ran.returncode == 0 and "node 2 of 3" in ran.stderr  # SLURM_NODEID, read on this node
     assert ran.stdout.strip() == line + " --epochs 1"  # exec'd: echo printed the very command
+
+
+def test_an_srun_step_on_part_of_the_allocation_uses_the_steps_nodes(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text(  # a long node list: the first host must not cost a SIGPIPE
+        '#!/bin/sh\n[ "$3" = "gpu[08-09]" ] || exit 1\necho gpu08\nseq 1 100000 | sed s/^/n/\n')
+    (fake / "scontrol").chmod(0o755)
+    slurm = {"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "3",
+             "SLURM_JOB_NODELIST": "gpu[07-09]", "SLURM_STEP_NUM_NODES": "2",
+             "SLURM_STEP_NODELIST": "gpu[08-09]", "SLURM_NODEID": "1"}
+    printed = launch("--master-port", 29511, "train_ddp_basic.py", env=slurm)
+    assert printed.returncode == 0, printed.stderr
+    line = commands(printed.stdout)[0]
+    assert "--nnodes=2" in line and "--rdzv-endpoint=gpu08:29511" in line  # the given port wins
 
 
 def test_help_and_explain_name_the_troubleshooting_switches():
@@ -115,7 +130,7 @@ def test_bash_syntax_and_shellcheck():
 def test_two_nodes_on_one_machine_train_like_one_node_with_two_processes(tmp_path):
     port, runs = free_port(), classifier_runs()
     printed = launch("--nnodes", 2, "--nproc-per-node", 1, "--master-addr", "127.0.0.1", "--master-port", port,
-                     "--join-timeout", 60, "tests/probe_classifier.py", tmp_path, *runs["ddp_flags"],
+                     "--join-timeout", 60, "tests/probe_classifier.py", "record", tmp_path, *runs["ddp_flags"],
                      "--save", tmp_path / "two_nodes.pt",
                      env={"TORCHRUN": f"{sys.executable} -m torch.distributed.run"})
     node0, node1 = commands(printed.stdout)

@@ -29,11 +29,11 @@ def files(tmp_path_factory):
 
 @pytest.mark.parametrize("args,message", [
     (["--data", "{d}/missing.txt"], "data file not found: {d}/missing.txt"),
-    (["--data", "{d}/empty.txt"], "{d}/empty.txt has 0 tokens: too short for 1 process(es)"),
-    (["--data", "{d}/short.txt"], "{d}/short.txt has 60 tokens: too short"),
+    (["--data", "{d}/empty.txt"], "{d}/empty.txt has 0 training and 0 validation tokens: too few for 1 process(es)"),
+    (["--data", "{d}/short.txt"], "{d}/short.txt has 54 training and 6 validation tokens: too few"),
     (["--data", "{d}/ids.bin"], "{d}/ids.bin holds token ids: give --vocab-size"),
     (["--data", "{d}/ids.bin", "--vocab-size", "1000"],
-     "{d}/ids.bin holds token id 4464, not below --vocab-size 1000"),
+     "{d}/ids.bin holds token id 4464, not below the vocabulary size 1000 (--vocab-size)"),
     (["--data", "{d}/odd.bin", "--vocab-size", "10"], "{d}/odd.bin has an odd number of bytes"),
     (["--data", "{d}/text.txt", "--amp", "fp16"], "--amp fp16 needs a CUDA device"),
     (["--data", "{d}/text.txt", "--resume", "{d}/truncated.pt"],

@@ -1,0 +1,144 @@
+"""The GPU and cluster paths, checked on CPU wherever a CPU can show them (the GPU runs themselves are
+in test_gpu.py, which skips itself without CUDA). These tests prove:
+
+1. --resume on several nodes, under real torchrun: rank 0 decides whether `--resume auto` finds a
+   checkpoint and every rank follows, in both DDP trainers (a rank that sees no file does not start
+   fresh on its own; a rank told to resume that cannot read the file fails in one line, exit code
+   2); in the LM every rank then stops with one line naming the rank that could not read it;
+2. --amp auto picks fp16, and --amp bf16 is refused, on a GPU that only emulates bf16 (V100, T4);
+3. more processes than GPUs is one line and exit code 2 in every trainer, not "invalid device
+   ordinal";
+4. MFU's peak comes from the GPU's name and the autocast dtype (A100 fp32 is 16x below bf16, an
+   H100 3x above an A100), --gpu-peak-tflops overrides it, nothing is claimed for unknown GPUs,
+   and the FLOPs leave out position embeddings, as nanoGPT counts them;
+5. the logged ms/step leaves out evaluation time even when --eval-every is not a multiple of
+   --log-every;
+6. resuming keeps the fused AdamW this run built, and a bf16 or fp32 checkpoint resumes under fp16
+   (a fresh GradScaler) instead of being refused;
+7. --compile with --grad-checkpointing trains under DDP (DDP's graph splitting is turned off for that
+   combination: some torch 2.x releases raise "DDPOptimizer backend: Found a higher order op"
+   without it; the torch this suite installs trains either way, so this guards the combination).
+"""
+import re
+import time
+
+import pytest
+import torch
+from helpers import (DDP, GPT, SINGLE, SMALL, TINY_GPT, command, finish, in_process, ok, run,
+                     start, trainer)
+
+gpt = trainer(GPT)
+
+
+def test_the_lm_resumes_only_when_rank_0_finds_the_checkpoint_and_every_rank_follows(tmp_path):
+    path = tmp_path / "ck.pt"
+    in_process(GPT, TINY_GPT + ["--max-steps", 2, "--save", path])
+    flags = [*TINY_GPT, "--max-steps", 4, "--save", path]
+    hidden_on_0 = run("tests/probe_minigpt.py", ["hide", 0, *flags, "--resume", "auto"], nproc=2)
+    out = ok(hidden_on_0)  # rank 1 sees the file, but follows rank 0: a fresh start on every rank
+    assert "step 0/4 | val loss" in out and "resumed from" not in out
+    hidden_on_1 = run("tests/probe_minigpt.py", ["hide", 1, *flags, "--resume", path], nproc=2)
+    assert hidden_on_1.returncode != 0 and "exitcode  : 2" in hidden_on_1.stderr
+    lines = [line for line in hidden_on_1.stderr.splitlines() if line.startswith("error: ")]
+    assert lines == [f"error: rank 1: checkpoint not found: {path} (every rank reads --resume: "
+                     "on several nodes it must be on a filesystem they share, "
+                     "docs/multinode.md)"] * 2
+
+
+def test_the_classifier_follows_rank_0s_decision_to_resume(tmp_path):
+    path = tmp_path / "ck.pt"
+    in_process(SINGLE, SMALL + ["--epochs", 1, "--save", path])
+    flags = [*SMALL, "--epochs", 2, "--save", path, "--resume", "auto"]
+    out = ok(run("tests/probe_classifier.py", ["hide", 0, *flags], nproc=2))
+    assert "epoch 0/2 | val loss" in out and "resumed from" not in out  # fresh on both ranks
+    result = run("tests/probe_classifier.py", ["hide", 1, *flags], nproc=2)  # rank 0 finds it: all
+    assert result.returncode != 0 and "exitcode  : 2" in result.stderr  # resume, and rank 1 cannot
+    assert f"error: checkpoint not found: {path}\n" in result.stderr  # (torchrun stops the job)
+
+
+@pytest.fixture
+def emulated_bf16_gpu(monkeypatch):
+    """A CUDA device that, like a V100 or T4, runs bf16 only by emulation."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True:
+                        including_emulation)
+    return torch.device("cuda", 0)
+
+
+def test_amp_auto_is_fp16_and_bf16_is_refused_where_bf16_is_emulated(emulated_bf16_gpu):
+    assert gpt.amp_dtype("auto", emulated_bf16_gpu) == torch.float16
+    with pytest.raises(gpt.InputError, match="no native bf16"):
+        gpt.amp_dtype("bf16", emulated_bf16_gpu)
+    assert gpt.amp_dtype("auto", torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("script", [SINGLE, DDP, GPT])
+def test_more_processes_than_gpus_is_one_line(script, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    module = trainer(script)
+    assert module.pick_device("cuda", 1) == torch.device("cuda", 1)
+    with pytest.raises(module.InputError, match=r"^GPU 2 asked for, but 2 visible: start at most "
+                                                r"one process per GPU \(--nproc_per_node\)$"):
+        module.pick_device("cuda", 2)
+
+
+def test_mfu_peak_from_the_gpu_name_and_dtype():
+    assert gpt.peak_tflops("NVIDIA A100-SXM4-80GB", "bfloat16") == 312
+    assert gpt.peak_tflops("NVIDIA A100-SXM4-80GB", "off") == 19.5  # fp32: 16x lower
+    assert gpt.peak_tflops("NVIDIA H100 80GB HBM3", "bfloat16") == 989  # about 3x an A100
+    assert gpt.peak_tflops("NVIDIA H100 PCIe", "float16") == 756
+    assert gpt.peak_tflops("NVIDIA A10", "bfloat16") == 125  # not an A100
+    assert gpt.peak_tflops("NVIDIA L4", "bfloat16") == 121 and gpt.peak_tflops("NVIDIA L40S",
+                                                                               "bfloat16") == 362
+    assert gpt.peak_tflops("Tesla T4", "float16") == 65
+    assert gpt.peak_tflops("NVIDIA GeForce RTX 4090", "off") == 82.6
+    assert gpt.peak_tflops("Some Future GPU", "bfloat16") is None
+
+
+def test_mfu_counts_flops_without_position_embeddings_and_takes_the_override(monkeypatch):
+    args = gpt.parse_args(["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size",
+                           "16", "--gpu-peak-tflops", "100"])
+    model = gpt.GPT(256, 16, 2, 2, 32, 0.0)
+    assert gpt.mfu_work(args, model, 1000, 1, torch.device("cpu"), "off") == (None, None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    work, note = gpt.mfu_work(args, model, 1000, 2, torch.device("cuda", 0), "bfloat16")
+    n = sum(p.numel() for p in model.parameters()) - 16 * 32  # no position embeddings
+    assert work == pytest.approx((6 * n + 12 * 2 * 32 * 16) * 1000 / (2 * 100e12))
+    assert note == "MFU against 100 TFLOPS per GPU (Some Future GPU, bfloat16)"
+    args.gpu_peak_tflops = None
+    assert gpt.mfu_work(args, model, 1000, 2, torch.device("cuda", 0), "bfloat16") == (
+        None, "MFU: Some Future GPU is not in the table; give --gpu-peak-tflops")
+
+
+def test_logged_step_time_leaves_out_evaluation(monkeypatch):
+    evaluate = gpt.evaluate
+
+    def slow_evaluate(*args):
+        time.sleep(0.5)
+        return evaluate(*args)
+
+    monkeypatch.setattr(gpt, "evaluate", slow_evaluate)
+    out = in_process(GPT, TINY_GPT + ["--max-steps", 6, "--log-every", 3, "--eval-every", 2,
+                                      "--save", ""])
+    step_ms = [float(m) for m in re.findall(r"\| ([\d.]+) ms/step \|", out)]
+    assert len(step_ms) == 2 and max(step_ms) < 150, out  # a step here takes a few ms; 0.5 s evals
+
+
+def test_resume_keeps_fused_adamw_and_switches_amp_to_fp16(tmp_path):
+    path = tmp_path / "ck.pt"
+    in_process(GPT, TINY_GPT + ["--max-steps", 2, "--amp", "bf16", "--save", path])  # no scaler
+    args = gpt.parse_args([str(a) for a in TINY_GPT + ["--max-steps", 4]])
+    model = gpt.GPT(**gpt.model_config(args, 256))
+    groups = [[p for p in model.parameters() if p.dim() >= 2],  # make_optimizer's two groups
+              [p for p in model.parameters() if p.dim() < 2]]
+    optimizer = torch.optim.AdamW([{"params": g} for g in groups], fused=True)  # as on a GPU
+    scaler = torch.amp.GradScaler("cpu", enabled=True)  # as --amp fp16 builds it
+    step = gpt.resume(str(path), model, optimizer, scaler, args, 256, 0, torch.device("cpu"))
+    assert step == 2 and all(group["fused"] for group in optimizer.param_groups)
+    assert scaler.get_scale() == 2.0 ** 16  # a fresh loss scale
+
+
+def test_compile_with_grad_checkpointing_trains_under_ddp(tmp_path):
+    out = ok(run(GPT, TINY_GPT + ["--max-steps", 2, "--compile", "--compile-backend", "aot_eager",
+                                  "--grad-checkpointing", "--save", ""], nproc=2))
+    assert "step 2/2 | loss" in out

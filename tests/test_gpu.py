@@ -1,0 +1,75 @@
+"""What only a GPU can show: every trainer on CUDA under torchrun with NCCL. Skipped, with the reason,
+where CUDA is absent (the CPU suite covers the same logic on gloo); on a GPU machine
+`python -m pytest tests/test_gpu.py` runs just these. Each launch uses min(2, GPUs) processes, so the
+module also runs on a single GPU. These tests prove, on NCCL:
+
+1. chapter 2's demo learns (val acc >= 90%), logs each line once and saves one checkpoint; its
+   weights equal one process with the whole global batch (float32 rounding, cuDNN's nondeterminism
+   allowed for); validation metrics are the same at world size 1 and N; `--model resnet18` trains;
+2. the LM trains in bf16 (if the GPU has native bf16) and fp16: the fp16 checkpoint holds the
+   GradScaler's state and resumes; MFU is logged against the GPU's own peak, in a sane range;
+3. `--compile` (inductor) trains, with and without --grad-checkpointing;
+4. `benchmark_scaling.py --collectives` gives correct results and bandwidths on NCCL.
+"""
+import re
+
+import pytest
+import torch
+from helpers import DDP, GPT, SINGLE, SMALL, TINY_GPT, ok, run, summary, weights
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU: NCCL, autocast fp16 and inductor on GPUs")
+NPROC = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 0
+LM = TINY_GPT + ["--device", "cuda"]
+
+
+def test_chapter_2_on_nccl_learns_logs_once_saves_once_and_equals_one_process(tmp_path):
+    out = ok(run(DDP, ["--device", "cuda", "--save", tmp_path / "d.pt"], nproc=NPROC))
+    assert summary(out)["val_acc"] >= 0.90
+    assert sum(line.startswith("done |") for line in out.splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.pt"]
+    flags = SMALL + ["--device", "cuda", "--epochs", 1]
+    ok(run(DDP, flags + ["--batch-size", 32 // NPROC, "--save", tmp_path / "n.pt"], nproc=NPROC))
+    ok(run(SINGLE, flags + ["--batch-size", 32, "--save", tmp_path / "one.pt"]))
+    a, b = weights(tmp_path / "n.pt"), weights(tmp_path / "one.pt")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
+    evals = [summary(ok(run(DDP, SMALL + ["--device", "cuda", "--eval-only", "--resume",
+                                          tmp_path / "one.pt"], nproc=n)))
+             for n in sorted({1, NPROC})]
+    assert all(e["val_samples"] == 101 and e["val_acc"] == evals[0]["val_acc"] for e in evals)
+
+
+def test_resnet18_trains_on_nccl(tmp_path):
+    out = ok(run(DDP, SMALL + ["--device", "cuda", "--model", "resnet18", "--epochs", 1,
+                               "--save", ""], nproc=NPROC))
+    assert summary(out)["val_loss"] < 2.3
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_the_lm_in_mixed_precision_logs_mfu_and_resumes(amp, tmp_path):
+    if amp == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        pytest.skip("this GPU has no native bf16")
+    ckpt = tmp_path / "lm.pt"
+    out = ok(run(GPT, LM + ["--amp", amp, "--max-steps", 4, "--save", ckpt], nproc=NPROC))
+    assert re.search(r"MFU against [\d.]+ TFLOPS per GPU", out) or "not in the table" in out
+    for mfu in map(float, re.findall(r"\| MFU ([\d.]+)%", out)):
+        assert 0 < mfu < 100  # a tiny model: far below the peak, never above it
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    assert bool(state["scaler"]) == (amp == "fp16")  # the GradScaler's scale and growth tracker
+    resumed = ok(run(GPT, LM + ["--amp", amp, "--max-steps", 6, "--resume", ckpt, "--save", ""],
+                     nproc=NPROC))
+    assert "resumed from" in resumed and "step 6/6 | loss" in resumed
+
+
+@pytest.mark.parametrize("checkpointing", [[], ["--grad-checkpointing"]])
+def test_the_lm_compiles_with_inductor(checkpointing):
+    out = ok(run(GPT, LM + ["--compile", "--max-steps", 3, "--save", "", *checkpointing],
+                 nproc=NPROC))
+    assert "step 3/3 | loss" in out
+
+
+def test_collectives_on_nccl(tmp_path):
+    out = ok(run("benchmark_scaling.py", ["--device", "cuda", "--collectives", "--nproc", NPROC,
+                                          "--max-bytes", "1M", "--iters", 3]))
+    assert "all_reduce" in out and "broadcast" in out
