@@ -140,6 +140,24 @@ def weights(path):
 
 # -------------------------------------------------------------------------------------- in process
 
+def run_as_script(module):
+    """What a trainer's `if __name__ == "__main__":` block does, around module.main(): for the probes,
+    which run a trainer with a function wrapped and must end as the script would (one error line and
+    the script's exit code for its errors, the process group left)."""
+    code = 0
+    try:
+        module.main()
+    except module.Stop as err:
+        sys.stderr.write(f"error: {err}\n")
+        code = err.code
+    finally:
+        module.gc.collect()
+        if module.dist.is_initialized():
+            module.dist.destroy_process_group()
+    sys.exit(code)
+
+
+
 @contextlib.contextmanager
 def one_process_group():
     """The environment torchrun gives a world of one (loopback, a free port) and one thread, as in

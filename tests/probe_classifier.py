@@ -8,7 +8,8 @@ place of the script; the course never imports it:
         on that rank no file exists (os.path.isfile is False), as on a node that does not share
         the others' filesystem
 
-Errors end the probe as they end the script: one line and the script's exit code (run_main).
+Errors end the probe as they end the script: one line and the script's exit code
+(helpers.run_as_script).
 """
 import json
 import os
@@ -18,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_ddp_basic as trainer  # noqa: E402
+from helpers import run_as_script  # noqa: E402
 
 
 class Recorder(torch.utils.data.Dataset):
@@ -34,21 +36,6 @@ class Recorder(torch.utils.data.Dataset):
         return self.dataset[index]
 
 
-def run_main():
-    """The script's own `if __name__ == "__main__":` block, around the wrapped module's main()."""
-    code = 0
-    try:
-        trainer.main()
-    except trainer.Stop as err:
-        sys.stderr.write(f"error: {err}\n")
-        code = err.code
-    finally:
-        trainer.gc.collect()
-        if trainer.dist.is_initialized():
-            trainer.dist.destroy_process_group()
-    sys.exit(code)
-
-
 def record(out_dir):
     seen, build = [], trainer.build_datasets
 
@@ -58,7 +45,7 @@ def record(out_dir):
 
     trainer.build_datasets = build_recorded
     try:
-        run_main()
+        run_as_script(trainer)
     finally:
         with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
             json.dump(seen, f)
@@ -67,7 +54,7 @@ def record(out_dir):
 def hide(rank):
     if int(os.environ["RANK"]) == int(rank):
         trainer.os.path.isfile = lambda path: False
-    run_main()
+    run_as_script(trainer)
 
 
 if __name__ == "__main__":

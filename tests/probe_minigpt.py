@@ -18,7 +18,8 @@ never imports it:
         on that rank no file exists (os.path.isfile is False), as on a node that does not share
         the others' filesystem
 
-Errors end the probe as they end the script: one line and the script's exit code (run_main).
+Errors end the probe as they end the script: one line and the script's exit code
+(helpers.run_as_script).
 """
 import errno
 import json
@@ -28,22 +29,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_ddp_minigpt as trainer  # noqa: E402
+from helpers import run_as_script  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
-
-
-def run_main():
-    """The script's own `if __name__ == "__main__":` block, around the wrapped module's main()."""
-    code = 0
-    try:
-        trainer.main()
-    except trainer.Stop as err:
-        sys.stderr.write(f"error: {err}\n")
-        code = err.code
-    finally:
-        trainer.gc.collect()
-        if trainer.dist.is_initialized():
-            trainer.dist.destroy_process_group()
-    sys.exit(code)
 
 
 def record(out_dir):
@@ -66,7 +53,7 @@ def record(out_dir):
 
     trainer.DDP, trainer.Windows.get = ddp_with_counting_hook, get_and_record
     try:
-        run_main()
+        run_as_script(trainer)
     finally:
         with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
             json.dump(seen, f)
@@ -90,7 +77,7 @@ def fault(mode, at):
         return result
 
     trainer.train_step = faulty_step
-    run_main()
+    run_as_script(trainer)
 
 
 def no_space(from_write):
@@ -103,7 +90,7 @@ def no_space(from_write):
         return fsync(fd)
 
     trainer.os.fsync = fsync_on_a_full_disk
-    run_main()
+    run_as_script(trainer)
 
 
 if __name__ == "__main__":
@@ -114,7 +101,7 @@ if __name__ == "__main__":
     elif mode == "hide":
         if int(os.environ["RANK"]) == int(arg):
             trainer.os.path.isfile = lambda path: False
-        run_main()
+        run_as_script(trainer)
     elif mode == "nospace":
         no_space(arg)
     else:
