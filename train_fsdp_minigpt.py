@@ -1,0 +1,1064 @@
+"""Chapter 7: the chapter-3 GPT trainer under FSDP (FSDP2's fully_shard) instead of DDP. Each rank
+keeps only its shard of the weights, gradients and AdamW state, gathers each block's weights for
+its forward and backward, and reduce-scatters the gradients. Same math as DDP, less memory.
+
+    python train_fsdp_minigpt.py                                      # 1 process, no torchrun
+    torchrun --standalone --nproc_per_node=2 train_fsdp_minigpt.py    # 2 processes: CPU or 2 GPUs
+    torchrun --standalone --nproc_per_node=gpu train_fsdp_minigpt.py  # one process per GPU here
+    ./launch_multinode_ddp.sh --nnodes 2 --nproc-per-node 8 --master-addr N0 train_fsdp_minigpt.py
+    python train_ddp_minigpt.py --sample --ckpt checkpoints/minigpt_fsdp.pt --prompt "def main("
+
+`diff train_ddp_minigpt.py train_fsdp_minigpt.py` shows every line FSDP changes, tagged `# FSDP k`.
+Checkpoints are folders of shards (torch.distributed.checkpoint) that resume at any world size;
+--export writes one plain file in chapter 3's format, for sampling in one process.
+"""
+import argparse
+import ctypes
+import datetime
+import gc  # DDP 9
+import glob
+import json
+import math
+import os
+import pickle
+import shutil  # FSDP 6
+import statistics
+import sys
+import sysconfig
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist  # DDP 1
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.distributed.checkpoint as dcp  # FSDP 6
+from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # FSDP 6
+                                                     get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # FSDP 1
+from torch.utils.checkpoint import checkpoint
+
+
+class Stop(Exception):
+    """A run that cannot go on: one line on stderr and exit code `code`, never a traceback."""
+    code = 1
+
+
+class InputError(Stop):
+    """Bad input from the user: a flag, a file, a checkpoint."""
+    code = 2
+
+
+class Diverged(Stop):
+    """A step whose loss or gradient norm is not finite: not applied, the run stops."""
+    code = 4
+
+
+class SaveFailed(Stop):
+    """A checkpoint that could not be written; the previous one is left as it was."""
+    code = 5
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2, instead of argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive(kind, zero_ok=False):
+    """An argparse type: a number of `kind` above zero, or at least zero if zero_ok."""
+    def parse(text):
+        value = kind(text)
+        if value < 0 or (value == 0 and not zero_ok):
+            bound = "at least 0" if zero_ok else "positive"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+    parse.__name__ = f"positive {kind.__name__}"  # argparse names it: "invalid positive int value"
+    return parse
+
+
+def parse_args(argv=None):
+    p = Parser(description=__doc__.split("\n\n")[0])
+    a = p.add_argument_group("data").add_argument
+    a("--data", metavar="PATH",
+      help="a text file (its bytes are the tokens), a .bin of uint16 token ids, or a nanoGPT "
+           "folder: train.bin, val.bin, meta.pkl (default: the Python standard library)")
+    a("--vocab-size", type=positive(int), metavar="N",
+      help="the ids of a .bin (or a folder without meta.pkl) are below N")
+    a("--val-fraction", type=float, default=0.1, metavar="F",
+      help="the tail of the data held out for validation (default: 0.1)")
+    a = p.add_argument_group("model").add_argument
+    a("--n-layer", type=positive(int), default=4, metavar="N",
+      help="transformer blocks (default: 4)")
+    a("--n-head", type=positive(int), default=4, metavar="N",
+      help="attention heads, must divide --n-embd (default: 4)")
+    a("--n-embd", type=positive(int), default=128, metavar="N",
+      help="width of the residual stream (default: 128)")
+    a("--block-size", type=positive(int), default=128, metavar="T",
+      help="context length in tokens (default: 128)")
+    a("--dropout", type=float, default=0.0, metavar="P", help="dropout probability (default: 0.0)")
+    a("--grad-checkpointing", action="store_true",
+      help="recompute each block's activations in backward: less memory, more time")
+    a("--compile", action="store_true", help="torch.compile the model (default: off)")
+    a("--compile-backend", default="inductor", metavar="NAME",
+      help="torch.compile backend (default: inductor)")
+    a = p.add_argument_group("training").add_argument
+    a("--batch-size", type=positive(int), default=16, metavar="B",
+      help="sequences per micro-step, per process (default: 16)")
+    a("--grad-accum", type=positive(int), default=1, metavar="K",
+      help="micro-steps per optimizer step (default: 1)")
+    a("--max-steps", type=positive(int), default=300, metavar="N",
+      help="optimizer steps (default: 300)")
+    a("--lr", type=positive(float), default=3e-3, help="peak learning rate (default: 0.003)")
+    a("--min-lr", type=positive(float, zero_ok=True), default=3e-4, metavar="LR",
+      help="where the cosine ends (default: 0.0003)")
+    a("--warmup-steps", type=positive(int, zero_ok=True), default=30, metavar="N",
+      help="steps of linear warmup (default: 30)")
+    a("--weight-decay", type=positive(float, zero_ok=True), default=0.1, metavar="W",
+      help="AdamW's, on matrices only (default: 0.1)")
+    a("--clip", type=positive(float, zero_ok=True), default=1.0, metavar="NORM",
+      help="clip the gradient norm to NORM, 0 = off (default: 1.0)")
+    a("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
+      help="autocast dtype; auto: bf16 (or fp16) on GPUs, off on CPUs (default: auto)")
+    a("--seed", type=int, default=0, help="seeds the weights, data order, dropout (default: 0)")
+    a("--device", choices=["auto", "cpu", "cuda"], default="auto",
+      help="auto = cuda if there is one, else cpu (default: auto)")
+    a = p.add_argument_group("distributed: timeouts and debugging (chapters 5 and 6)").add_argument
+    a("--dist-timeout", type=positive(float), default=300, metavar="S",
+      help="seconds a collective waits for a peer before the job fails (default: 300)")
+    a("--reshard-after-forward", choices=["yes", "no"], default="yes",  # FSDP 1
+      help="yes: free the gathered weights after each block's forward, gather them again for "
+           "backward (ZeRO-3, least memory); no: keep them until backward (ZeRO-2-like, fewer "
+           "all-gathers) (default: yes)")
+    a("--debug", action="store_true", help="TORCH_DISTRIBUTED_DEBUG and each rank's data windows")
+    a = p.add_argument_group("evaluation, logging, checkpoints").add_argument
+    a("--eval-every", type=positive(int), default=100, metavar="N",
+      help="steps between evaluations (default: 100)")
+    a("--eval-windows", type=positive(int), default=128, metavar="N",
+      help="validation sequences per evaluation (default: 128)")
+    a("--log-every", type=positive(int), default=10, metavar="N",
+      help="steps between log lines (default: 10)")
+    a("--save", default="checkpoints/minigpt_fsdp", metavar="DIR",  # FSDP 6
+      help="checkpoint folder written at the end, '' for none (default: %(default)s)")
+    a("--export", default="checkpoints/minigpt_fsdp.pt", metavar="PATH",  # FSDP 7
+      help="one plain file of the final weights, chapter 3's format, '' for none "
+           "(default: %(default)s)")
+    a("--save-every", type=positive(int, zero_ok=True), default=0, metavar="N",
+      help="also save every N steps, 0 = only at the end (default: 0)")
+    a("--resume", metavar="DIR",  # FSDP 6
+      help="go on from this checkpoint folder; 'auto': from --save if it holds one")
+    a("--gpu-peak-tflops", type=positive(float), metavar="T",
+      help="one GPU's peak TFLOPS for MFU (default: from the GPU's name and --amp, for A100, "
+           "H100, H200, L4, L40S, A10, V100, T4, RTX 3090/4090)")
+    a("--benchmark", action="store_true",
+      help="time --max-steps steps after 5 warm-up steps; no evaluation, no checkpoint")
+    a = p.add_argument_group("sampling (one process, no torchrun)").add_argument
+    a("--sample", action="store_true", help="generate text from --ckpt instead of training")
+    a("--ckpt", metavar="PATH", help="the checkpoint to sample from")
+    a("--prompt", default="\n", metavar="TEXT",
+      help="text to start from, not empty (default: a newline)")
+    a("--max-new-tokens", type=positive(int), default=300, metavar="N",
+      help="tokens to generate (default: 300)")
+    a("--temperature", type=positive(float), default=0.8, metavar="T",
+      help="below 1: safer choices, above 1: wilder ones (default: 0.8)")
+    a("--top-k", type=positive(int, zero_ok=True), default=40, metavar="K",
+      help="draw from the K likeliest tokens, 0 = from all (default: 40)")
+    args = p.parse_args(argv)
+    if args.n_embd % args.n_head:
+        p.error(f"--n-head {args.n_head} must divide --n-embd {args.n_embd}")
+    if not 0 <= args.dropout < 1 or not 0 < args.val_fraction < 1:
+        p.error("--dropout must be in [0, 1) and --val-fraction in (0, 1)")
+    if args.sample and not args.ckpt:
+        p.error("--sample needs --ckpt PATH")
+    if not args.prompt:
+        p.error("--prompt must not be empty")
+    return args
+
+
+# ------------------------------------------------------------------------------------------ setup
+
+def print0(is_main, message):
+    """Print a log line if this process is the one that logs; flush, so it shows at once."""
+    if is_main:
+        print(message, flush=True)
+
+
+def pick_device(name, index=0):
+    """'auto' means the GPU if this machine has one, else the CPU; `index` picks the GPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda, but no CUDA device is visible (try --device cpu)")
+    if name == "cuda" and index >= torch.cuda.device_count():  # more processes than GPUs here
+        raise InputError(f"GPU {index} asked for, but {torch.cuda.device_count()} visible: start "
+                         "at most one process per GPU (--nproc_per_node)")
+    return torch.device(name, index) if name == "cuda" else torch.device(name)
+
+
+def init_distributed(device, timeout_s, debug):  # DDP 1: join the process group
+    """Join the group torchrun describes; plain `python` makes a group of one. Returns this
+    process's device, its rank and the world size."""
+    if device.type == "cuda":  # DDP 2: one GPU per process, picked by LOCAL_RANK, before CUDA work
+        device = pick_device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    bound = {"device_id": device} if device.type == "cuda" else {}  # NCCL: bind the group to it
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if debug:  # DDP: before the group starts; DETAIL checks every collective (not on gloo: docs/)
+        dist.set_debug_level(dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO)
+    if "RANK" in os.environ:  # launched by torchrun
+        dist.init_process_group(backend, timeout=timeout, **bound)
+    else:  # DDP: plain `python`, a group of one over an in-memory store
+        print("not launched by torchrun: running as a one-process group (world size 1)", flush=True)
+        store = dist.HashStore()
+        dist.init_process_group(backend, timeout=timeout, store=store, rank=0, world_size=1,
+                                **bound)
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def keep_freed_memory_on_cpu(device):
+    """On Linux CPUs (glibc), keep freed memory in the process. Each step frees and allocates tens
+    of MB (the logits); by default glibc hands such blocks back to the OS at once, and the next
+    step pays page faults to map them again (10-30% of a step, measured: docs/performance.md)."""
+    if device.type != "cpu":
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc (macOS, musl, Windows): nothing to tune
+    libc.mallopt(-4, 0)  # M_MMAP_MAX = 0: serve large blocks from the heap, not fresh mmaps
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD = 1 GiB: keep that much freed heap for reuse
+
+
+def amp_dtype(choice, device):
+    """The autocast dtype, or None for fp32. bf16 has fp32's range: no loss scaling. fp16 needs a
+    GradScaler. Only native bf16 counts: V100s and T4s emulate it, slower than fp16."""
+    native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    if choice == "auto":
+        if device.type != "cuda":
+            return None
+        return torch.bfloat16 if native_bf16 else torch.float16
+    if choice == "fp16" and device.type != "cuda":
+        raise InputError("--amp fp16 needs a CUDA device; on a CPU use --amp bf16 or --amp off")
+    if choice == "bf16" and device.type == "cuda" and not native_bf16:
+        raise InputError("--amp bf16: this GPU has no native bf16 (only slow emulation); "
+                         "use --amp fp16")
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[choice]
+
+
+def mixed_precision(args, device):  # FSDP 1: FSDP's policy casts the weights, not autocast
+    """(the dtype's name, an autocast context, a GradScaler, FSDP's policy): bf16 compute on the
+    gathered weights, fp32 gradient reduction, fp32 shards, no GradScaler."""
+    dtype = amp_dtype(args.amp, device)
+    if dtype == torch.float16 and args.amp == "auto":  # FSDP 1: fp16 would need loss scaling
+        dtype = None  # a GPU without native bf16: fp32 here
+    if dtype == torch.float16:
+        raise InputError("--amp fp16: this FSDP trainer runs bf16 or fp32 (fp16 would need loss "
+                         "scaling of sharded gradients); use --amp bf16, or train_ddp_minigpt.py")
+    autocast = torch.autocast(device.type, enabled=False)  # FSDP 1: the policy casts instead
+    scaler = torch.amp.GradScaler(device.type, enabled=False)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    return str(dtype or "off").replace("torch.", ""), autocast, scaler, policy
+
+
+# ------------------------------------------------------------------------------------------- data
+
+def load_tokens(args, default_bytes=2_000_000):
+    """All tokens as a 1-D numpy array, and the vocabulary size. A text file's bytes are its
+    tokens; a .bin file is memory-mapped, so a corpus of many GB costs no RAM until it is read."""
+    if args.data is None:
+        files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+        raw = b"".join(open(f, "rb").read() for f in files)[:default_bytes]
+        return np.frombuffer(raw, dtype=np.uint8), 256
+    if not os.path.isfile(args.data):
+        raise InputError(f"data file not found: {args.data}")
+    if not args.data.endswith(".bin"):
+        return np.fromfile(args.data, dtype=np.uint8), 256
+    if args.vocab_size is None:
+        raise InputError(f"{args.data} holds token ids: give --vocab-size "
+                         "(e.g. 50304 for GPT-2's BPE)")
+    return read_ids(args.data, args.vocab_size, "--vocab-size"), args.vocab_size
+
+
+def read_meta(path):
+    """nanoGPT's meta.pkl ({"vocab_size", "itos", "stoi"}), read without running it. A pickle can
+    call any function while it loads; this unpickler refuses every class and function, so only
+    plain data can load, and only dicts, lists, strings and ints are accepted."""
+    class PlainData(pickle.Unpickler):
+        def find_class(self, module, name):
+            raise pickle.UnpicklingError(f"it asks for {module}.{name}, not plain data")
+
+    def plain(x):  # dicts, lists, strings and ints, all the way down
+        if isinstance(x, dict):
+            return all(plain(k) and plain(v) for k, v in x.items())
+        if isinstance(x, list):
+            return all(plain(v) for v in x)
+        return isinstance(x, (str, int))
+    try:
+        with open(path, "rb") as f:
+            meta = PlainData(f).load()
+    except Exception as err:  # refused, truncated, not a pickle
+        raise InputError(f"cannot read {path}: {type(err).__name__}: {err}") from None
+    size, itos = (meta.get("vocab_size"), meta.get("itos")) if isinstance(meta, dict) else (0, 0)
+    ids_to_text = isinstance(itos, dict) and all(isinstance(v, str) for v in itos.values())
+    if not (plain(meta) and ids_to_text and type(size) is int and set(itos) == set(range(size))):
+        raise InputError(f"{path} is not a nanoGPT meta.pkl of plain dicts, strings and ints, with "
+                         "itos naming each id below vocab_size")
+    return size, itos
+
+
+def load_folder(args):
+    """A nanoGPT data folder: train.bin and val.bin of uint16 ids, and for character-level sets a
+    meta.pkl with the vocabulary. Returns train, val, vocab size, and itos (id -> text) or None."""
+    paths = [os.path.join(args.data, name) for name in ("train.bin", "val.bin", "meta.pkl")]
+    missing = [p for p in paths[:2] if not os.path.isfile(p)]
+    if missing:
+        raise InputError(f"{args.data} is a folder but holds no {' and no '.join(missing)}")
+    vocab_size, itos = read_meta(paths[2]) if os.path.isfile(paths[2]) else (args.vocab_size, None)
+    if vocab_size is None:
+        raise InputError(f"{args.data} has no meta.pkl: give --vocab-size (e.g. 50304 for GPT-2)")
+    train, val = (read_ids(p, vocab_size, "its meta.pkl" if itos else "--vocab-size")
+                  for p in paths[:2])
+    return train, val, vocab_size, itos
+
+
+def read_ids(path, vocab_size, source):
+    """A .bin of uint16 token ids, memory-mapped; every id must be below vocab_size."""
+    size = os.path.getsize(path)
+    if size % 2:
+        raise InputError(f"{path} has an odd number of bytes: not a file of uint16 token ids")
+    tokens = np.memmap(path, dtype=np.uint16, mode="r") if size else np.zeros(0, np.uint16)
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        raise InputError(f"{path} holds token id {int(tokens.max())}, not below the vocabulary "
+                         f"size {vocab_size} ({source})")
+    return tokens
+
+
+def load_data(args, world_size):
+    """Training and validation tokens, the vocabulary size and itos (id -> text, or None). A file
+    is split: training on the head, validation on the tail. Refuses data too short for a batch."""
+    if args.data is not None and os.path.isdir(args.data):
+        train, val, vocab_size, itos = load_folder(args)
+    else:
+        tokens, vocab_size = load_tokens(args)
+        n_val, itos = int(len(tokens) * args.val_fraction), None
+        train, val = tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]
+    need = world_size * args.batch_size * (args.block_size + 1)
+    if len(train) < need + args.block_size or len(val) < args.block_size + 1:
+        raise InputError(f"{args.data or 'the default corpus'} has {len(train):,} training and "
+                         f"{len(val):,} validation tokens: too few for {world_size} process(es) x "
+                         f"--batch-size {args.batch_size} x --block-size {args.block_size}; give "
+                         "more data or smaller sizes")
+    return train, val, vocab_size, itos
+
+
+class Windows:
+    """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
+    block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
+    ranks round-robin, like DistributedSampler: ranks read different windows, and an epoch reads
+    each token once. Micro-batch k is a function of k alone, so a resumed run reads what the
+    uninterrupted one would have."""
+
+    def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
+        self.tokens, self.block, self.batch = tokens, block_size, batch_size
+        self.rank, self.world, self.seed = rank, world_size, seed
+        per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size  # at any offset
+        self.per_epoch = per_rank // batch_size  # micro-batches per rank per epoch
+        self.span = np.arange(block_size + 1)
+        self.epoch, self.starts = None, None
+
+    def deal(self, epoch):
+        """The start of every window this rank reads in `epoch`, in order."""
+        g = torch.Generator().manual_seed(self.seed + epoch)  # DDP 5: a new order each epoch
+        offset = int(torch.randint(0, self.block + 1, (1,), generator=g))
+        count = self.per_epoch * self.batch * self.world
+        order = torch.randperm((len(self.tokens) - offset) // (self.block + 1), generator=g)[:count]
+        return (offset + order * (self.block + 1))[self.rank::self.world].numpy()  # DDP 4: shard
+
+    def get(self, k):
+        """Micro-batch k of this rank: inputs and targets (inputs shifted by one), (B, T) each."""
+        epoch, i = divmod(k, self.per_epoch)
+        if epoch != self.epoch:
+            self.epoch, self.starts = epoch, self.deal(epoch)
+        rows = self.tokens[self.starts[i * self.batch:(i + 1) * self.batch, None] + self.span]
+        rows = torch.from_numpy(rows.astype(np.int64))
+        return rows[:, :-1], rows[:, 1:]
+
+
+def unigram_loss(train, val, vocab_size):
+    """Cross-entropy (nats/token) on the validation tokens of predicting each token by its frequency
+    in the training tokens: the loss to beat, for a model that ignores context."""
+    counts = np.bincount(train, minlength=vocab_size) + 1.0  # +1: no token has probability 0
+    return float(-np.log(counts / counts.sum())[val].mean())
+
+
+def log_windows(windows, rank, world_size, is_main):  # DDP: --debug, which windows each rank reads
+    """Every rank describes its data; rank 0 prints the lines in rank order, so that lines from
+    several processes never splice into each other."""
+    line = (f"[rank {rank}] {windows.per_epoch} micro-batches per epoch, "
+            f"first windows at tokens {windows.deal(0)[:4].tolist()}")
+    lines = [None] * world_size
+    dist.all_gather_object(lines, line)  # a collective: every rank calls it
+    print0(is_main, "\n".join(lines))
+
+
+# ------------------------------------------------------------------------------------------ model
+
+def causal_attention(q, k, v):
+    """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
+    attention on GPUs); is_causal builds no mask. No dropout on the attention weights: on a CPU it
+    forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
+    bf16 CPU backward kernel is 3x slower than the fp32 one (measured: docs/performance.md)."""
+    if q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with torch.autocast("cpu", enabled=False):
+        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    return y.to(q.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, heads, T, head size)
+        y = causal_attention(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attention(norm(x)), then x + MLP(norm(x))."""
+
+    def __init__(self, n_embd, n_head, dropout):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
+                                 nn.Linear(4 * n_embd, n_embd))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd, dropout,
+                 grad_checkpointing=False):
+        super().__init__()
+        self.block_size, self.grad_checkpointing = block_size, grad_checkpointing
+        self.tok_emb = nn.Embedding(vocab_size, n_embd)
+        self.pos_emb = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # weight tying: one matrix embeds and un-embeds
+        self.apply(self.init_weights)
+        for name, p in self.named_parameters():  # GPT-2: residual branches shrink with depth
+            if name.endswith(("attn.proj.weight", "mlp.2.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx, targets=None):
+        """Logits (B, T, vocab), and the mean cross-entropy per token if targets are given."""
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+        for block in self.blocks:
+            if self.grad_checkpointing and self.training:  # keep block inputs; recompute the rest
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature, top_k):
+        """Append max_new_tokens tokens to idx (1, T), each drawn from the model's prediction."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.block_size:])[0][:, -1] / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            idx = torch.cat([idx, torch.multinomial(logits.softmax(-1), 1)], dim=1)
+        return idx
+
+
+def model_config(args, vocab_size):
+    return {"vocab_size": vocab_size, "block_size": args.block_size, "n_layer": args.n_layer,
+            "n_head": args.n_head, "n_embd": args.n_embd, "dropout": args.dropout}
+
+
+def build_model(args, vocab_size, scaler, policy, rank, device):  # FSDP 1: shards, FSDP 6: resume
+    """The sharded model and its optimizer, fresh or from --resume; and the step to go on from."""
+    torch.manual_seed(args.seed)  # the same initial weights on every rank, then each keeps a shard
+    config = model_config(args, vocab_size)
+    raw_model = GPT(**config, grad_checkpointing=args.grad_checkpointing).to(device)
+    shard(raw_model, args, policy)  # FSDP 1: before the optimizer, which must see the shards
+    optimizer = make_optimizer(raw_model, args, device)
+    torch.manual_seed(args.seed + rank)  # DDP: each rank its own dropout masks, as its own data
+    path = resolve_resume(args.resume, args.save)
+    state, error = None, None  # FSDP 6: read the step file, agree, and only then load the shards
+    try:
+        state = read_step(path, args, vocab_size) if path else None  # FSDP 6
+    except InputError as err:  # told to every rank below, so that none waits for this one
+        error = str(err)
+    start = agree_on_start(state["step"] if state else 0, error, path)  # FSDP 6
+    if state:  # FSDP 6: only now, on every rank at once: loading the shards is a collective
+        resume(path, state, raw_model, optimizer, scaler, rank, device)
+    return raw_model, optimizer, start, path
+
+
+def shard(model, args, policy):  # FSDP 1: shard every block, then the rest (embeddings, head)
+    """fully_shard turns each block's parameters into DTensors split across the ranks (dim 0): a
+    block's weights are all-gathered just before its forward and its gradients reduce-scattered
+    after its backward, so at most a block or two exist in full at a time."""
+    reshard = args.reshard_after_forward == "yes"
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
+
+
+def compile_model(model, args):
+    """torch.compile the sharded model if --compile."""
+    return torch.compile(model, backend=args.compile_backend) if args.compile else model
+
+
+def memory_line(model):  # FSDP 5: what each rank holds, against DDP's full copy
+    """Bytes of weights + gradients + AdamW's two moments (fp32: 4 copies) held by this rank."""
+    mine = sum(p.to_local().numel() for p in model.parameters())
+    full = sum(p.numel() for p in model.parameters())
+    return (f"memory per rank: weights, gradients and AdamW state {16 * mine / 2**20:.2f} MiB "
+            f"({mine:,} of {full:,} parameters; DDP: {16 * full / 2**20:.2f} MiB); every "
+            "parameter is sharded, the embeddings too")
+
+
+# --------------------------------------------------------------------------------------- training
+
+def make_optimizer(model, args, device):
+    """AdamW; weight decay on matrices (embeddings, linear weights) only, never biases or norms."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
+def lr_at(step, args):
+    """Linear warmup to --lr over --warmup-steps, then a cosine down to --min-lr at --max-steps."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))  # from 1 down to 0
+    return args.min_lr + cosine * (args.lr - args.min_lr)
+
+
+def train_step(model, optimizer, scaler, windows, step, args, autocast, device):
+    """One optimizer step over --grad-accum micro-batches. Returns the mean loss per token over all
+    ranks and the gradient norm before clipping (both device tensors)."""
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(args.grad_accum):
+        x, y = windows.get(step * args.grad_accum + micro)
+        if device.type == "cuda":  # page-locked memory: the copy below can overlap GPU work
+            x, y = x.pin_memory(), y.pin_memory()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        last = micro == args.grad_accum - 1
+        model.set_requires_gradient_sync(last)  # FSDP 2: reduce-scatter on the last micro-batch
+        with autocast:
+            _, loss = model(x, y)
+        loss = loss / args.grad_accum  # every micro-batch has as many tokens: mean of means
+        scaler.scale(loss).backward()
+        loss_sum += loss.detach()
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, args)
+    scaler.unscale_(optimizer)  # fp16: true gradients before clipping (no-op if the scaler is off)
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
+    grad_norm = grad_norm.full_tensor()  # FSDP 3: the norm of all shards, the same on every rank
+    loss = mean_over_ranks(loss_sum)  # DDP 7: every rank gets the same mean, so the same verdict
+    stop_if_diverged(step, loss, grad_norm, scaler, args)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm
+
+
+@torch.no_grad()
+def evaluate(model, val, args, rank, world_size, autocast):
+    """Mean loss per token over the first --eval-windows non-overlapping validation windows, each
+    rank taking a disjoint slice: loss sums and token counts are all-reduced: the mean is exact."""
+    model.eval()
+    device = next(model.parameters()).device
+    starts = np.arange(0, len(val) - args.block_size, args.block_size + 1)[:args.eval_windows]
+    mine = starts[rank::world_size]  # DDP 4: disjoint validation slices, no padding
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    forwards = len(starts[0::world_size])  # FSDP 4: every rank runs as many forwards as rank 0:
+    for i in range(0, forwards, args.batch_size):  # each forward all-gathers, with every rank
+        chunk = mine[i:i + args.batch_size] if i < len(mine) else starts[:1]  # (counted as 0)
+        rows = val[chunk[:, None] + np.arange(args.block_size + 1)]
+        rows = torch.from_numpy(rows.astype(np.int64)).to(device)
+        x, y = rows[:, :-1], rows[:, 1:]
+        with autocast:
+            logits, _ = model(x)
+        loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum")
+        if i < len(mine):  # FSDP 4
+            totals += torch.stack([loss_sum.double(), totals.new_tensor(y.numel())])
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # DDP 7: sums over all ranks, then one division
+    model.train()
+    return (totals[0] / totals[1]).item()
+
+
+def mean_over_ranks(value):
+    """The average of a scalar tensor over all ranks (SUM, then divide: gloo has no AVG)."""
+    value = value.detach().clone().float()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # DDP 7: every rank calls it, not only rank 0
+    return value / dist.get_world_size()
+
+
+def stop_if_diverged(step, loss, grad_norm, scaler, args):
+    """Raise Diverged, before the optimizer applies it, if a step's loss or gradient norm is not
+    finite. Both are the same on every rank (all-reduced), so every rank stops at this step. With
+    fp16 a non-finite gradient is the GradScaler's to skip; only a non-finite loss stops the run."""
+    loss, grad_norm = loss.item(), grad_norm.item()  # a host sync per step: the price of the check
+    if math.isfinite(loss) and (math.isfinite(grad_norm) or scaler.is_enabled()):
+        return
+    fp16 = ", or --amp bf16 instead of fp16" if scaler.is_enabled() else ""
+    raise Diverged(f"step {step + 1}/{args.max_steps}: loss {loss:.4g}, grad norm {grad_norm:.4g}: "
+                   f"not finite, step not applied; try a lower --lr (now {args.lr:g}), a --clip "
+                   f"(now {args.clip:g}){fp16}")
+
+
+def peak_tflops(gpu_name, amp):
+    """The dense peak TFLOPS of a common GPU (vendor datasheets, no sparsity) for the autocast dtype
+    ("off": fp32 without TF32), or None for a GPU not in the table."""
+    table = [  # name fragment, 16-bit tensor cores, fp32; the longer fragment first
+        ("H100 PCIe", 756, 51), ("H100", 989, 67), ("H200", 989, 67), ("A100", 312, 19.5),
+        ("L40S", 362, 91.6), ("L4", 121, 30.3), ("A10", 125, 31.2), ("V100", 125, 15.7),
+        ("T4", 65, 8.1), ("4090", 165, 82.6), ("3090", 71, 35.6)]
+    for fragment, half, single in table:
+        if fragment in gpu_name:
+            return single if amp == "off" else half
+    return None
+
+
+def mfu_work(args, raw_model, tokens_per_step, world_size, device, amp):
+    """FLOPs per optimizer step over the job's peak FLOP/s, so MFU = this / seconds per step; and
+    which peak was used (None when there is none: a CPU, or a GPU not in peak_tflops' table).
+    FLOPs as nanoGPT counts them: 6N per token plus attention, N without position embeddings."""
+    if device.type != "cuda":
+        return None, None
+    name = torch.cuda.get_device_name(device)
+    peak = args.gpu_peak_tflops or peak_tflops(name, amp)
+    if peak is None:
+        return None, f"MFU: {name} is not in the table; give --gpu-peak-tflops"
+    n = sum(p.numel() for p in raw_model.parameters()) - raw_model.pos_emb.weight.numel()
+    flops_per_token = 6 * n + 12 * args.n_layer * args.n_embd * args.block_size
+    return (flops_per_token * tokens_per_step / (world_size * peak * 1e12),
+            f"MFU against {peak:g} TFLOPS per GPU ({name}, {'fp32' if amp == 'off' else amp})")
+
+
+def log_line(step, args, loss, grad_norm, pace, tokens_per_step, mfu):
+    """step N/M | loss | lr | grad norm | ms/step | tok/s, and MFU on CUDA (docs/conventions.md).
+    `pace` is (steps, seconds) of the interval since the last log line; `mfu` from mfu_work."""
+    step_s = pace[1] / pace[0]
+    line = (f"step {step}/{args.max_steps} | loss {loss:.4f} | lr {lr_at(step - 1, args):.2e} | "
+            f"grad norm {grad_norm:.3f} | {1000 * step_s:.1f} ms/step | "
+            f"{tokens_per_step / step_s:,.0f} tok/s")
+    if mfu is not None:  # model FLOPs utilisation
+        line += f" | MFU {100 * mfu / step_s:.1f}%"
+    return line
+
+
+def pace(step_s, tokens_per_step):
+    """The summary keys benchmark_scaling.py reads (docs/conventions.md): the median ms per
+    optimizer step, and the throughput of all ranks it implies."""
+    return {"step_ms": round(1000 * step_s, 3), "per_step": tokens_per_step,
+            "throughput_unit": "tokens/s",
+            "throughput": round(tokens_per_step / step_s, 1) if step_s else 0.0}
+
+
+def benchmark(model, optimizer, scaler, windows, args, autocast, device, tokens_per_step, is_main):
+    """--benchmark: 5 warm-up steps, then --max-steps timed ones; median ms/step and tokens/s."""
+    times = []
+    for step in range(5 + args.max_steps):
+        start = time.perf_counter()
+        loss, _ = train_step(model, optimizer, scaler, windows, step, args, autocast, device)
+        loss.item()  # wait for the device: the step is over
+        times.append(time.perf_counter() - start)
+    result = {**pace(statistics.median(times[5:]), tokens_per_step), "timed_steps": args.max_steps}
+    print0(is_main, f"benchmark | {result['step_ms']} ms/step | {result['throughput']:,.0f} tok/s")
+    print0(is_main, summary_line(result))
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+
+def all_finite(state_dict):
+    """True if every floating-point tensor of a state dict is free of NaN and infinity."""
+    return all(bool(torch.isfinite(t).all()) for t in state_dict.values() if t.is_floating_point())
+
+
+def write_file(path, state):  # FSDP 6: the atomic write, for step files and the export
+    """Write atomically: a temp file in the same folder, fsync, then rename over the final name.
+    Non-finite weights are never written; any failure leaves the previous file as it was."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half
+    except (OSError, RuntimeError) as err:  # disk full, no permission, a folder at `path`...
+        reason = getattr(err, "strerror", None) or str(err).strip().splitlines()[0]
+        raise SaveFailed(f"cannot save {path}: {reason}") from None
+    finally:
+        if os.path.exists(tmp):  # the write failed: drop the partial file
+            os.remove(tmp)
+
+
+def shards_finite(model):  # FSDP 6
+    """True on every rank if every rank's shards are free of NaN and infinity (a collective)."""
+    mine = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
+    flag = torch.tensor([float(mine)], device=next(model.parameters()).device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def rng_state(device):
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def save_once(  # FSDP 6: every rank writes its shards, then rank 0 a step file
+        path, raw_model, optimizer, scaler, step, args, vocab_size, device, is_main):
+    """Every rank writes its own shards of the weights and of AdamW's state into
+    DIR/step-N/ (torch.distributed.checkpoint: nothing is gathered), then rank 0 writes the rest
+    (step, flags, scaler, every rank's RNG) to DIR/step-N.pt, atomically, and drops older steps.
+    A step counts only once its .pt exists, so a save killed half-way is never resumed from."""
+    rng_states = [None] * dist.get_world_size()  # DDP: each rank has its own dropout stream
+    dist.all_gather_object(rng_states, rng_state(device))
+    shards, error = os.path.join(path, f"step-{step:06d}"), None  # FSDP 6
+    if not shards_finite(raw_model):
+        raise SaveFailed(f"not saving {shards} at step {step}: the weights are not finite")
+    model_state, optim_state = get_state_dict(raw_model, optimizer)
+    try:
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=shards)
+    except Exception as err:  # raised on every rank: DCP gathers each rank's outcome
+        error = SaveFailed(f"cannot save {shards}: {str(err).strip().splitlines()[0]}")
+    if is_main and error is None:
+        try:
+            write_file(shards + ".pt", {  # FSDP 6: the step is complete once this file exists
+                "step": step, "config": model_config(args, vocab_size),
+                "scaler": scaler.state_dict(), "args": vars(args), "rng": rng_states})
+            print(f"step {step}/{args.max_steps} | saved {shards}", flush=True)
+            for old in sorted(glob.glob(os.path.join(path, "step-*.pt")))[:-1]:
+                os.remove(old)  # the older step is no longer complete, then no longer there
+                shutil.rmtree(old[:-3], ignore_errors=True)
+        except SaveFailed as err:
+            error = err
+    if is_main and error is not None:  # FSDP 6: no half-written step left behind
+        shutil.rmtree(shards, ignore_errors=True)
+    outcome = [error]  # DDP 8: every rank waits for rank 0's save, and learns how it went
+    dist.broadcast_object_list(outcome, src=0)
+    error = outcome[0]
+    if error is not None:
+        raise error
+
+
+def latest_step(folder):  # FSDP 6
+    """The .pt file of the newest complete step in a checkpoint folder, or None."""
+    done = sorted(glob.glob(os.path.join(glob.escape(folder), "step-*.pt")))
+    return done[-1] if done else None
+
+
+def resolve_resume(resume, save):
+    """--resume auto: continue from the --save checkpoint if it exists, else start fresh (so that a
+    restart after a crash runs the same command and goes on from the last checkpoint). Rank 0
+    looks and tells the rest: ranks that looked on their own could disagree across nodes."""
+    if resume not in ("auto", None) and os.path.isfile(resume):  # FSDP 6: folders, not files
+        raise InputError(f"{resume} is one file, as train_ddp_minigpt.py saves; this trainer "
+                         "resumes from a checkpoint folder of its own (--save DIR)")
+    if resume != "auto":
+        return resume and (latest_step(resume) or resume)  # FSDP 6: its newest complete step
+    if not save:
+        raise InputError("--resume auto needs a --save path to look for")
+    found = [latest_step(save)]  # FSDP 6
+    dist.broadcast_object_list(found, src=0)  # DDP: rank 0 decides for every rank
+    return found[0]  # FSDP 6: the newest step file, or None
+
+
+def agree_on_start(start, error, path):
+    """Every rank resumed from the same step, or all stop with the same line (a rank on a node that
+    cannot see the checkpoint, or sees another file: checkpoints need a shared filesystem)."""
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, (start, error))  # DDP: a collective, so no rank hangs
+    failed = [(rank, problem) for rank, (_, problem) in enumerate(outcomes) if problem]
+    if failed and len(failed) == len(outcomes) and len({p for _, p in failed}) == 1:
+        raise InputError(failed[0][1])  # the same problem everywhere: the checkpoint itself
+    if failed:
+        raise InputError(f"rank {failed[0][0]}: {failed[0][1]} (every rank reads --resume: on "
+                         "several nodes it must be on a filesystem they share, docs/multinode.md)")
+    steps = [step for step, _ in outcomes]
+    if len(set(steps)) > 1:
+        raise InputError(f"the ranks read {path} at different steps {steps}: on several nodes it "
+                         "must be one file on a filesystem they share (docs/multinode.md)")
+    return start
+
+
+def read_checkpoint(path):
+    """The checkpoint dict, loaded to the CPU with weights_only=True; a problem is an InputError."""
+    if not os.path.isfile(path):
+        raise InputError(f"checkpoint not found: {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or not {"model", "config", "step"} <= state.keys():
+            raise ValueError("not a checkpoint of this script (no model, config and step)")
+    except Exception as err:  # truncated, not a torch file, not a checkpoint of ours: bad input
+        reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+        raise InputError(f"cannot read checkpoint {path}: {reason}") from None
+    if not all_finite(state["model"]):
+        raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
+    return state
+
+
+def read_step(path, args, vocab_size):  # FSDP 6
+    """The rest-of-the-state file of a checkpoint step (loaded to the CPU, weights_only=True),
+    checked against this run's model; a problem is an InputError."""
+    if not os.path.isfile(path):
+        raise InputError(f"no complete checkpoint found: {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or not {"config", "step", "rng"} <= state.keys():
+            raise ValueError("not a checkpoint step of this script (no config, step and rng)")
+    except Exception as err:  # truncated, not a torch file, not a checkpoint of ours: bad input
+        reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+        raise InputError(f"cannot read checkpoint {path}: {reason}") from None
+    config = model_config(args, vocab_size)
+    if state["config"] != config:
+        raise InputError(f"{path} was trained with {state['config']}, this run builds {config}")
+    return state  # FSDP 6
+
+
+def resume(path, state, raw_model, optimizer, scaler, rank, device):
+    """FSDP 6: load this run's shards from the step's folder, whatever world size wrote it (the
+    checkpoint knows which slice of every tensor each file holds), then the scaler and this rank's
+    RNG. Every rank calls it: loading is a collective."""
+    fused = [group.get("fused") for group in optimizer.param_groups]
+    model_state, optim_state = get_state_dict(raw_model, optimizer)  # FSDP 6: shards, to fill
+    try:  # FSDP 6: each rank reads the slices of every tensor that its shards hold
+        dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path[:-3])
+    except Exception as err:  # raised on every rank: DCP gathers each rank's outcome
+        raise InputError(f"cannot load the shards of {path[:-3]}: "
+                         f"{str(err).strip().splitlines()[0]}") from None
+    set_state_dict(raw_model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    if not shards_finite(raw_model):
+        raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
+    if scaler.is_enabled() and state["scaler"]:
+        scaler.load_state_dict(state["scaler"])
+    for group, was in zip(optimizer.param_groups, fused):  # a CPU checkpoint on a GPU: keep the
+        group["fused"] = was  # fused AdamW this run built (loading restores the saved flag)
+    if rank < len(state["rng"]):  # the same world size gets its exact dropout streams back
+        torch.set_rng_state(state["rng"][rank]["cpu"])
+        if state["rng"][rank]["cuda"] is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng"][rank]["cuda"])
+
+
+def export(path, model, step, args, vocab_size, is_main):  # FSDP 7: one plain file, to sample
+    """The full weights in chapter 3's checkpoint format, for `python train_ddp_minigpt.py
+    --sample --ckpt PATH` in one process. Every rank sends its shards; rank 0 writes."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0's CPU
+    full, error = get_model_state_dict(model, options=options), None
+    if is_main:
+        try:
+            write_file(path, {"model": full, "optimizer": {}, "scaler": {}, "step": step,
+                              "config": model_config(args, vocab_size), "args": vars(args),
+                              "rng": []})
+            print(f"step {step}/{args.max_steps} | exported {path}", flush=True)
+        except SaveFailed as err:
+            error = err
+    outcome = [error]  # every rank waits for rank 0's write, and learns how it went
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
+# --------------------------------------------------------------------------------------- sampling
+
+def sample(args):
+    """Inference: ONE plain process, no process group (generation has no gradients to average)."""
+    device = pick_device(args.device)
+    state = read_checkpoint(args.ckpt)
+    itos = state["args"].get("itos")
+    if state["config"]["vocab_size"] != 256 and itos is None:
+        raise InputError(f"{args.ckpt} was trained on token ids (vocab "
+                         f"{state['config']['vocab_size']}) without a meta.pkl: --prompt text "
+                         "needs a byte-level checkpoint or a nanoGPT folder's vocabulary")
+    model = GPT(**state["config"]).to(device)
+    model.load_state_dict(state["model"])
+    model.eval()
+    torch.manual_seed(args.seed)
+    prompt = torch.tensor([encode(args.prompt, itos)], device=device)
+    out = model.generate(prompt, args.max_new_tokens, args.temperature, args.top_k)
+    print(decode(out[0].tolist(), itos), flush=True)
+
+
+def encode(text, itos):
+    """Token ids of text: its UTF-8 bytes, or through a nanoGPT vocabulary (itos: id -> text)."""
+    if itos is None:
+        return list(text.encode("utf-8"))
+    stoi = {piece: i for i, piece in itos.items()}
+    unknown = sorted({c for c in text if c not in stoi})
+    if unknown:
+        raise InputError(f"--prompt has characters the vocabulary lacks: {unknown}")
+    return [stoi[c] for c in text]
+
+
+def decode(ids, itos):
+    """Text of token ids: UTF-8 bytes (a broken character shows as U+FFFD), or through itos."""
+    if itos is None:
+        return bytes(ids).decode("utf-8", errors="replace")
+    return "".join(itos[i] for i in ids)
+
+
+class Stopwatch:
+    """Training seconds between log lines; evaluation and checkpoints are left out (pause/go)."""
+
+    def __init__(self):
+        self.since, self.elapsed = time.perf_counter(), 0.0
+
+    def pause(self):
+        self.elapsed += time.perf_counter() - self.since
+
+    def go(self):
+        self.since = time.perf_counter()
+
+    def lap(self):
+        """Training seconds since the last lap (or the start), and start counting again."""
+        self.pause()
+        seconds, self.elapsed = self.elapsed, 0.0
+        self.go()
+        return seconds
+
+
+def summary_line(summary):
+    """`summary {...}` in strict JSON: a value that is not finite is written as null."""
+    finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+              for k, v in summary.items()}
+    return "summary " + json.dumps(finite, allow_nan=False)
+
+
+def finish(args, raw_model, val_loss, baseline, paces, tokens_per_step, device, is_main):
+    """The done line, the summary line, and (rank 0, the plain model) a taste of what it learned."""
+    steps, train_s = sum(n for n, _ in paces), sum(s for _, s in paces)
+    step_s = statistics.median([s / n for n, s in paces[1:] or paces]) if paces else 0.0
+    summary = {"steps": steps, "val_loss": val_loss, "baseline_loss": baseline,
+               "train_s": round(train_s, 3),
+               "tokens_per_s": round(steps * tokens_per_step / train_s, 1) if train_s else 0.0,
+               **pace(step_s, tokens_per_step)}  # the first log interval is the warm-up
+    unit = "byte" if raw_model.tok_emb.num_embeddings == 256 else "token"
+    print0(is_main, f"done | val loss {val_loss:.4f} ({unit}-frequency baseline {baseline:.4f}) | "
+                    f"{summary['tokens_per_s']:,.0f} tok/s over {train_s:.1f} s of training")
+    print0(is_main, summary_line(summary))
+    if unit == "byte" or args.itos:  # FSDP 4: every rank generates: each forward gathers weights
+        raw_model.eval()
+        start = 10 if unit == "byte" else min(args.itos)  # a newline, or the first piece
+        out = raw_model.generate(torch.tensor([[start]], device=device), 200, 0.8, 40)
+        print0(is_main, "sample:\n" + decode(out[0].tolist(), args.itos))  # FSDP 4
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.sample:
+        return sample(args)
+    # setup
+    device = pick_device(args.device)
+    device, rank, world_size = init_distributed(device, args.dist_timeout, args.debug)  # DDP 1
+    is_main = rank == 0  # DDP 3: rank 0 alone logs and saves
+    keep_freed_memory_on_cpu(device)
+    amp, autocast, scaler, policy = mixed_precision(args, device)  # FSDP 1
+    tokens_per_step = args.batch_size * args.block_size * args.grad_accum * world_size
+    print0(is_main, f"world size {world_size} | device {device} | amp {amp} | {tokens_per_step:,} "
+                    f"tokens per step ({args.batch_size} x {args.block_size} x {args.grad_accum} "
+                    f"accumulation x {world_size} processes)")
+
+    # data
+    train_tokens, val, vocab_size, args.itos = load_data(args, world_size)  # args: saved with it
+    windows = Windows(train_tokens, args.block_size, args.batch_size, rank, world_size, args.seed)
+    baseline = unigram_loss(train_tokens, val, vocab_size)
+    unit = "byte" if vocab_size == 256 else "token"
+    print0(is_main, f"data {args.data or 'Python standard library'} | {len(train_tokens):,} train "
+                    f"/ {len(val):,} val tokens | vocab {vocab_size} | "
+                    f"{unit}-frequency baseline loss {baseline:.4f}")
+    if args.debug:
+        log_windows(windows, rank, world_size, is_main)
+
+    # model
+    raw_model, optimizer, start, resumed = build_model(  # FSDP 1: sharded before the optimizer
+        args, vocab_size, scaler, policy, rank, device)
+    model = compile_model(raw_model, args)  # FSDP 1: no wrapper, the model itself is sharded
+    n_params = sum(p.numel() for p in raw_model.parameters())
+    print0(is_main, f"model {n_params:,} parameters | {args.n_layer} layers, {args.n_head} heads, "
+                    f"{args.n_embd} wide, context {args.block_size}"
+                    + (f" | resumed from {resumed} at step {start}" if resumed else ""))
+    print0(is_main, memory_line(raw_model))  # FSDP 5
+    mfu, peak = mfu_work(args, raw_model, tokens_per_step, world_size, device, amp)
+    if peak:
+        print0(is_main, peak)
+
+    # train
+    if args.benchmark:
+        return benchmark(model, optimizer, scaler, windows, args, autocast, device,
+                         tokens_per_step, is_main)
+    val_loss = evaluate(model, val, args, rank, world_size, autocast)  # FSDP 4: on every rank
+    print0(is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
+    clock, last, paces = Stopwatch(), start, []  # paces: (steps, seconds) of each log interval
+    for step in range(start, args.max_steps):
+        loss, grad_norm = train_step(model, optimizer, scaler, windows, step, args, autocast,
+                                     device)
+        done = step + 1
+        if done % args.log_every == 0 or done == args.max_steps:
+            paces.append((done - last, clock.lap()))
+            last = done
+            print0(is_main, log_line(done, args, loss.item(), grad_norm.item(), paces[-1],
+                                     tokens_per_step, mfu))
+        clock.pause()  # evaluation and checkpoints are not training time
+        if done % args.eval_every == 0 or done == args.max_steps:
+            val_loss = evaluate(model, val, args, rank, world_size, autocast)  # FSDP 4
+            print0(is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | "
+                            f"baseline {baseline:.4f}")
+        due = done == args.max_steps or (args.save_every and done % args.save_every == 0)
+        if args.save and due:
+            save_once(args.save, raw_model, optimizer, scaler, done, args, vocab_size, device,
+                      is_main)
+        clock.go()
+
+    # summary and a sample
+    if args.export:  # FSDP 7: one plain file, for one-process sampling
+        export(args.export, raw_model, args.max_steps, args, vocab_size, is_main)
+    finish(args, raw_model, val_loss, baseline, paces, tokens_per_step, device, is_main)
+
+
+if __name__ == "__main__":
+    code = 0
+    try:
+        main()
+    except Stop as err:  # handled here, so the traceback (and the model it holds) is freed at once
+        sys.stderr.write(f"error: {err}\n")  # one write: lines from several ranks never splice
+        code = err.code
+    finally:  # DDP 9: leave the process group on every path, error or not
+        gc.collect()  # FSDP 1: free what a failed run left (its model holds the group) first
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.exit(code)
