@@ -7,7 +7,10 @@
    there, and the README's table of changes has a row for each;
 3. the LM trainer tags its DDP lines with the same numbers (and `# DDP:` for what chapter 2 lacks);
 4. no line of a training script is over 100 characters, and each ends with main(): helpers first;
-5. the LM's training loop holds no fault switch (faults are injected from tests/, by a probe).
+5. the LM's training loop holds no fault switch (faults are injected from tests/, by a probe);
+6. chapter 7's lesson, `diff train_ddp_minigpt.py train_fsdp_minigpt.py`: every block the FSDP
+   script adds or changes opens with a `# FSDP k` tag (k = 1..7), and the README's chapter 7 has a
+   row for each.
 """
 import ast
 import difflib
@@ -16,18 +19,20 @@ import re
 from helpers import REPO
 
 TAG = re.compile(r"# DDP (\d+)\b")
-SCRIPTS = ["train_single_gpu.py", "train_ddp_basic.py", "train_ddp_minigpt.py"]
+SCRIPTS = ["train_single_gpu.py", "train_ddp_basic.py", "train_ddp_minigpt.py",
+           "train_fsdp_minigpt.py"]
 CHANGES = 9
+FSDP_TAG, FSDP_CHANGES = re.compile(r"# FSDP (\d+)\b"), 7
 
 
 def lines(name):
     return (REPO / name).read_text().splitlines()
 
 
-def changed_blocks():
-    """[(first line number, [lines])] of every block the DDP script adds or changes, and the count
-    of changed lines on both sides of the diff."""
-    single, ddp = lines("train_single_gpu.py"), lines("train_ddp_basic.py")
+def changed_blocks(parent="train_single_gpu.py", child="train_ddp_basic.py"):
+    """[(first line number, [lines])] of every block the child script adds or changes, and the
+    count of changed lines on both sides of the diff."""
+    single, ddp = lines(parent), lines(child)
     blocks, count = [], 0
     matcher = difflib.SequenceMatcher(None, single, ddp, autojunk=False)
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
@@ -75,3 +80,17 @@ def test_the_lm_training_loop_has_no_fault_switch():
     source = (REPO / "train_ddp_minigpt.py").read_text()
     for switch in ("os._exit", "time.sleep", "DDP_FAIL", "TORCHELASTIC_RESTART_COUNT"):
         assert switch not in source, switch
+
+
+def test_every_fsdp_block_opens_with_its_tag_and_the_readme_has_every_row():
+    fsdp = "train_fsdp_minigpt.py"
+    docstring_end = lines(fsdp).index('"""', 1)
+    blocks, _ = changed_blocks("train_ddp_minigpt.py", fsdp)
+    untagged = [f"line {start}: {block[0]}" for start, block in blocks if start > docstring_end + 1
+                and not FSDP_TAG.search(next(x for x in block if x.strip()))]
+    assert not untagged, "FSDP blocks without a tag on their first line:\n" + "\n".join(untagged)
+    numbers = {int(k) for line in lines(fsdp) for k in FSDP_TAG.findall(line)}
+    assert numbers == set(range(1, FSDP_CHANGES + 1))
+    chapter_7 = (REPO / "README.md").read_text().split("## Chapter 7")[1]
+    for k in range(1, FSDP_CHANGES + 1):
+        assert re.search(rf"^\| F{k} \|", chapter_7, re.M), f"chapter 7's table has no row F{k}"

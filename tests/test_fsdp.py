@@ -1,0 +1,146 @@
+"""Chapter 7, train_fsdp_minigpt.py (FSDP2's fully_shard), under real torchrun launches on CPU/gloo.
+These tests prove:
+
+1. the same math as DDP: at the same seed, data and flags (2 accumulation steps), 2 FSDP processes
+   log the losses of 2 DDP processes (1e-5 relative) and end with the same weights to float32
+   rounding; the exported plain file samples in one process through train_ddp_minigpt.py;
+2. accumulation adds no communication: FSDP reduce-scatters once per sharded group per optimizer
+   step, not once per micro-batch (a counting probe);
+3. memory: each of 2 ranks holds about half the parameters (and so of the gradients and AdamW
+   state) that 1 process holds;
+4. checkpoints are shards that resume at another world size: saved at 2 processes, resumed at 1
+   (in process) and at 3 with `--resume auto`, with the same global batch, the next losses are
+   the uninterrupted 2-process run's (the windows of each global batch are the same; only the
+   order of float sums differs); a save killed before its step file is written is never resumed;
+5. bad input is one line and exit code 2: a DDP checkpoint file given to --resume, --amp fp16,
+   a wrong --reshard-after-forward;
+6. benchmark_scaling.py runs it as a --trainer, and chapter 4's launcher runs it on two nodes (two
+   agents on this machine, meeting at 127.0.0.1) with the losses of one node's two processes.
+"""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import (GPT, REPO, TINY_GPT, environment, finish, free_port, in_process, ok, run,
+                     trainer)
+
+FSDP = "train_fsdp_minigpt.py"
+fsdp = trainer(FSDP)
+# constant learning rate: a run cut at step 10 and one of 14 steps share their schedule
+FLAGS = TINY_GPT + ["--batch-size", 6, "--grad-accum", 2, "--warmup-steps", 0, "--min-lr", "1e-2"]
+
+
+def losses(out):
+    return {int(m.group(1)): float(m.group(2))
+            for m in re.finditer(r"^step (\d+)/\d+ \| loss (\d+\.\d+)", out, re.M)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The launches several tests read: FSDP (counted) and DDP for 14 steps, FSDP cut at 10."""
+    d = tmp_path_factory.mktemp("fsdp")
+    (d / "count").mkdir()
+    r = {"fsdp": run("tests/probe_fsdp.py", [d / "count", *FLAGS, "--max-steps", 14,
+                                             "--save", d / "f14", "--export", d / "f14.pt"],
+                     nproc=2),
+         "ddp": run(GPT, FLAGS + ["--max-steps", 14, "--save", d / "d14.pt"], nproc=2),
+         "cut": run(FSDP, FLAGS + ["--max-steps", 10, "--save", d / "f10", "--export", ""],
+                    nproc=2)}
+    for result in r.values():
+        ok(result)
+    return {**r, "dir": d}
+
+
+def test_fsdp_computes_what_ddp_computes(runs):
+    a, b = losses(runs["fsdp"].stdout), losses(runs["ddp"].stdout)
+    assert sorted(a) == list(range(1, 15)) and a[14] < a[1]
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=1e-5), step
+    fsdp_weights = torch.load(runs["dir"] / "f14.pt", map_location="cpu", weights_only=True)
+    ddp_weights = torch.load(runs["dir"] / "d14.pt", map_location="cpu", weights_only=True)
+    assert fsdp_weights["config"] == ddp_weights["config"]
+    for key, value in ddp_weights["model"].items():
+        torch.testing.assert_close(fsdp_weights["model"][key], value, rtol=1e-4, atol=1e-4)
+    sampled = in_process(GPT, ["--sample", "--ckpt", runs["dir"] / "f14.pt", "--prompt", "def ",
+                               "--max-new-tokens", 20, "--device", "cpu"])
+    assert sampled.startswith("def ")
+
+
+def test_accumulation_reduce_scatters_once_per_group_per_step(runs):
+    for rank in (0, 1):
+        seen = json.loads((runs["dir"] / "count" / f"rank{rank}.json").read_text())
+        groups = 2 + 1  # --n-layer 2 blocks, then the root (embeddings, final norm, head)
+        assert seen["steps"] == 14 and seen["reduce_scatters"] == groups * 14, seen
+
+
+def test_each_of_two_ranks_holds_half_the_parameters(runs):
+    out1 = in_process(FSDP, FLAGS + ["--max-steps", 1, "--save", "", "--export", ""])
+    pattern = r"memory per rank: .* ([\d.]+) MiB \(([\d,]+) of ([\d,]+) parameters; DDP: ([\d.]+) MiB\)"
+    one, two = (re.search(pattern, out).groups() for out in (out1, runs["fsdp"].stdout))
+    count = lambda text: int(text.replace(",", ""))  # noqa: E731
+    assert count(one[1]) == count(one[2]) == count(two[2])  # one process holds everything
+    assert abs(count(two[1]) / count(two[2]) - 0.5) < 0.01  # two: half each (dim-0 padding aside)
+    assert float(two[0]) < 0.51 * float(two[3])
+
+
+def test_a_two_process_checkpoint_resumes_at_one_and_three_processes(runs):
+    uninterrupted = losses(runs["fsdp"].stdout)
+    flags = TINY_GPT + ["--grad-accum", 2, "--warmup-steps", 0, "--min-lr", "1e-2",
+                        "--max-steps", 14, "--export", ""]
+    at_one = in_process(FSDP, flags + ["--batch-size", 12, "--resume", runs["dir"] / "f10",
+                                       "--save", ""])
+    at_three = ok(run(FSDP, flags + ["--batch-size", 4, "--resume", "auto",
+                                     "--save", runs["dir"] / "f10"], nproc=3))
+    for out in (at_one, at_three):  # 12 sequences per micro-step in all three runs
+        assert "resumed from" in out and "at step 10" in out
+        resumed = losses(out)
+        assert sorted(resumed) == [11, 12, 13, 14]
+        for step, loss in resumed.items():
+            assert loss == pytest.approx(uninterrupted[step], rel=1e-4), (step, out)
+
+
+def test_a_step_without_its_step_file_is_never_resumed(runs, tmp_path):
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    (folder / "step-000099").mkdir()  # shards of a save killed before rank 0 wrote step-000099.pt
+    out = in_process(FSDP, FLAGS + ["--max-steps", 1, "--save", folder, "--resume", "auto",
+                                    "--export", ""])
+    assert "resumed from" not in out and "step 0/1 | val loss" in out
+
+
+def test_bad_inputs_are_one_line(runs, capsys):
+    with pytest.raises(fsdp.InputError, match=r"is one file, as train_ddp_minigpt.py saves"):
+        in_process(FSDP, FLAGS + ["--max-steps", 1, "--resume", runs["dir"] / "d14.pt"])
+    with pytest.raises(fsdp.InputError, match=r"^--amp fp16"):  # on a CPU: no fp16 autocast at all
+        fsdp.mixed_precision(fsdp.parse_args(["--amp", "fp16"]), torch.device("cpu"))
+    with pytest.raises(SystemExit) as exit_:
+        fsdp.parse_args(["--reshard-after-forward", "maybe"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "invalid choice: 'maybe'" in err
+
+
+def test_benchmark_scaling_runs_the_fsdp_trainer(tmp_path):
+    out = ok(run("benchmark_scaling.py", ["--device", "cpu", "--trainer", FSDP, "--nproc", 2,
+                                          "--json", tmp_path / "s.json", "--", "--benchmark",
+                                          "--max-steps", 2, *TINY_GPT]))
+    report = json.loads((tmp_path / "s.json").read_text())
+    assert "train_fsdp_minigpt.py" in out and "tokens" in json.dumps(report), report
+
+
+def test_two_nodes_through_the_launcher_train_like_one_node(runs):
+    printed = subprocess.run(
+        [str(REPO / "launch_multinode_ddp.sh"), "--nnodes", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(free_port()), "--join-timeout", "60", FSDP,
+         *map(str, FLAGS + ["--max-steps", 14, "--save", "", "--export", ""])],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+        env={**environment(), "TORCHRUN": f"{sys.executable} -m torch.distributed.run"})
+    nodes = [line for line in printed.stdout.splitlines() if line and not line.startswith("#")]
+    agents = [subprocess.Popen(line, shell=True, cwd=REPO, env=environment(), text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               start_new_session=True) for line in nodes]
+    outs = [ok(finish(agent, ["node", str(i)])) for i, agent in enumerate(agents)]
+    logged = [losses(out) for out in outs if "world size 2 |" in out]  # rank 0's node logs
+    assert len(logged) == 1 and logged[0] == pytest.approx(losses(runs["fsdp"].stdout), rel=1e-5)
