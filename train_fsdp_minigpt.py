@@ -385,6 +385,21 @@ class Windows:
         return rows[:, :-1], rows[:, 1:]
 
 
+def build_data(args, rank, world_size, is_main):
+    """This rank's training windows, the validation tokens, the vocabulary size and the loss to
+    beat; logs what was loaded (and with --debug, which windows each rank reads)."""
+    train_tokens, val, vocab_size, args.itos = load_data(args, world_size)  # args: saved with it
+    windows = Windows(train_tokens, args.block_size, args.batch_size, rank, world_size, args.seed)
+    baseline = unigram_loss(train_tokens, val, vocab_size)
+    unit = "byte" if vocab_size == 256 else "token"
+    print0(is_main, f"data {args.data or 'Python standard library'} | {len(train_tokens):,} train "
+                    f"/ {len(val):,} val tokens | vocab {vocab_size} | "
+                    f"{unit}-frequency baseline loss {baseline:.4f}")
+    if args.debug:
+        log_windows(windows, rank, world_size, is_main)
+    return windows, val, vocab_size, baseline
+
+
 def unigram_loss(train, val, vocab_size):
     """Cross-entropy (nats/token) on the validation tokens of predicting each token by its frequency
     in the training tokens: the loss to beat, for a model that ignores context."""
@@ -994,15 +1009,7 @@ def main(argv=None):
                     f"accumulation x {world_size} processes)")
 
     # data
-    train_tokens, val, vocab_size, args.itos = load_data(args, world_size)  # args: saved with it
-    windows = Windows(train_tokens, args.block_size, args.batch_size, rank, world_size, args.seed)
-    baseline = unigram_loss(train_tokens, val, vocab_size)
-    unit = "byte" if vocab_size == 256 else "token"
-    print0(is_main, f"data {args.data or 'Python standard library'} | {len(train_tokens):,} train "
-                    f"/ {len(val):,} val tokens | vocab {vocab_size} | "
-                    f"{unit}-frequency baseline loss {baseline:.4f}")
-    if args.debug:
-        log_windows(windows, rank, world_size, is_main)
+    windows, val, vocab_size, baseline = build_data(args, rank, world_size, is_main)
 
     # model
     raw_model, optimizer, start, resumed = build_model(  # FSDP 1: sharded before the optimizer

@@ -9,7 +9,9 @@ module also runs on a single GPU. These tests prove, on NCCL:
 2. the LM trains in bf16 (if the GPU has native bf16) and fp16: the fp16 checkpoint holds the
    GradScaler's state and resumes; MFU is logged against the GPU's own peak, in a sane range;
 3. `--compile` (inductor) trains, with and without --grad-checkpointing;
-4. `benchmark_scaling.py --collectives` gives correct results and bandwidths on NCCL.
+4. `benchmark_scaling.py --collectives` gives correct results and bandwidths on NCCL;
+5. chapter 7's FSDP trainer trains on NCCL in bf16 (its MixedPrecisionPolicy), saves sharded, resumes,
+   and exports a file that samples in one process.
 """
 import re
 
@@ -73,3 +75,16 @@ def test_collectives_on_nccl(tmp_path):
     out = ok(run("benchmark_scaling.py", ["--device", "cuda", "--collectives", "--nproc", NPROC,
                                           "--max-bytes", "1M", "--iters", 3]))
     assert "all_reduce" in out and "broadcast" in out
+
+
+def test_fsdp_in_bf16_on_nccl_saves_resumes_and_exports(tmp_path):
+    if not torch.cuda.is_bf16_supported(including_emulation=False):
+        pytest.skip("this GPU has no native bf16")
+    flags = LM + ["--amp", "bf16", "--save", tmp_path / "ck", "--export", tmp_path / "f.pt"]
+    out = ok(run("train_fsdp_minigpt.py", flags + ["--max-steps", 4], nproc=NPROC))
+    assert "memory per rank:" in out and "step 4/4 | saved" in out
+    out = ok(run("train_fsdp_minigpt.py", flags + ["--max-steps", 6, "--resume", "auto"],
+                 nproc=NPROC))
+    assert "at step 4" in out and "step 6/6 | loss" in out
+    sampled = ok(run(GPT, ["--sample", "--ckpt", tmp_path / "f.pt", "--max-new-tokens", 20]))
+    assert sampled.strip()
