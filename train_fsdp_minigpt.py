@@ -13,6 +13,7 @@ Checkpoints are folders of shards (torch.distributed.checkpoint) that resume at 
 --export writes one plain file in chapter 3's format, for sampling in one process.
 """
 import argparse
+import contextlib
 import ctypes
 import datetime
 import gc  # DDP 9
@@ -778,9 +779,10 @@ def save_once(  # FSDP 6: every rank writes its shards, then rank 0 a step file
                 "step": step, "config": model_config(args, vocab_size),
                 "scaler": scaler.state_dict(), "args": vars(args), "rng": rng_states})
             print(f"step {step}/{args.max_steps} | saved {shards}", flush=True)
-            for old in sorted(glob.glob(os.path.join(path, "step-*.pt")))[:-1]:
-                os.remove(old)  # the older step is no longer complete, then no longer there
-                shutil.rmtree(old[:-3], ignore_errors=True)
+            for old in sorted(glob.glob(os.path.join(glob.escape(path), "step-*.pt")))[:-1]:
+                with contextlib.suppress(OSError):  # an old step left behind costs only disk
+                    os.remove(old)  # no longer complete, then no longer there
+                    shutil.rmtree(old[:-3], ignore_errors=True)
         except SaveFailed as err:
             error = err
     if is_main and error is not None:  # FSDP 6: no half-written step left behind
