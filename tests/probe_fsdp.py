@@ -1,10 +1,13 @@
-"""Runs train_fsdp_minigpt.py's real main() counting FSDP's gradient reductions, for the test that
-accumulation adds no communication. Launched under torchrun in place of the script; the course
+"""Runs train_fsdp_minigpt.py's real main() with a function wrapped, for the tests that count FSDP's
+gradient reductions or make a worker die. Launched under torchrun in place of the script; the course
 never imports it:
 
-    torchrun ... tests/probe_fsdp.py OUT_DIR [trainer flags]
+    torchrun ... tests/probe_fsdp.py count OUT_DIR [trainer flags]
         each rank writes OUT_DIR/rank{RANK}.json: {"reduce_scatters": how many times FSDP
         reduce-scattered gradients, "steps": optimizer steps taken}
+    torchrun ... tests/probe_fsdp.py crash STEP:RANK [trainer flags]
+        that rank dies as if killed (os._exit, no cleanup) when step STEP begins, on the first
+        attempt only (TORCHELASTIC_RESTART_COUNT 0), so a restarted job gets past it
 
 Errors end the probe as they end the script (helpers.run_as_script).
 """
@@ -16,10 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_fsdp_minigpt as trainer  # noqa: E402
 from helpers import run_as_script  # noqa: E402
 
-if __name__ == "__main__":
-    out_dir, seen = sys.argv[1], {"reduce_scatters": 0, "steps": 0}
-    sys.argv = [trainer.__file__] + sys.argv[2:]
-    dist, inside = trainer.dist, [False]
+def count(out_dir):
+    seen, dist, inside = {"reduce_scatters": 0, "steps": 0}, trainer.dist, [False]
     for name in ("reduce_scatter_tensor", "reduce_scatter_single"):  # the name varies by release
         if hasattr(dist, name):
             def counted(*args, original=getattr(dist, name), **kwargs):
@@ -43,3 +44,23 @@ if __name__ == "__main__":
     finally:
         with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
             json.dump(seen, f)
+
+
+def crash(at):
+    step_at, rank = map(int, at.split(":"))
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    mine, train_step = int(os.environ["RANK"]) == rank and first_attempt, trainer.train_step
+
+    def crashing_step(model, optimizer, scaler, windows, step, *args):
+        if mine and step + 1 == step_at:
+            os._exit(17)  # like a killed process: no cleanup, no goodbye to the group
+        return train_step(model, optimizer, scaler, windows, step, *args)
+
+    trainer.train_step = crashing_step
+    run_as_script(trainer)
+
+
+if __name__ == "__main__":
+    mode, arg = sys.argv[1], sys.argv[2]
+    sys.argv = [trainer.__file__] + sys.argv[3:]
+    count(arg) if mode == "count" else crash(arg)

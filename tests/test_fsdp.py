@@ -12,6 +12,8 @@ These tests prove:
    (in process) and at 3 with `--resume auto`, with the same global batch, the next losses are
    the uninterrupted 2-process run's (the windows of each global batch are the same; only the
    order of float sums differs); a save killed before its step file is written is never resumed;
+   a worker killed at step 12 under `torchrun --max-restarts=1` is restarted with its peer and
+   `--resume auto` goes on from step 10 with the uninterrupted run's losses;
 5. bad input is one line and exit code 2: a DDP checkpoint file given to --resume, --amp fp16,
    a wrong --reshard-after-forward;
 6. benchmark_scaling.py runs it as a --trainer, and chapter 4's launcher runs it on two nodes (two
@@ -29,7 +31,7 @@ from helpers import (GPT, REPO, TINY_GPT, environment, finish, free_port, in_pro
 
 FSDP = "train_fsdp_minigpt.py"
 fsdp = trainer(FSDP)
-# constant learning rate: a run cut at step 10 and one of 14 steps share their schedule
+# constant learning rate: runs of 14 and 18 steps share their schedule
 FLAGS = TINY_GPT + ["--batch-size", 6, "--grad-accum", 2, "--warmup-steps", 0, "--min-lr", "1e-2"]
 
 
@@ -40,15 +42,19 @@ def losses(out):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The launches several tests read: FSDP (counted) and DDP for 14 steps, FSDP cut at 10."""
+    """The launches several tests read: FSDP (counted) and DDP for 18 steps, and FSDP for 14 steps
+    with a worker killed at step 12 and restarted (its last checkpoint: step 14)."""
     d = tmp_path_factory.mktemp("fsdp")
     (d / "count").mkdir()
-    r = {"fsdp": run("tests/probe_fsdp.py", [d / "count", *FLAGS, "--max-steps", 14,
-                                             "--save", d / "f14", "--export", d / "f14.pt"],
+    r = {"fsdp": run("tests/probe_fsdp.py", ["count", d / "count", *FLAGS, "--max-steps", 18,
+                                             "--save", d / "f18", "--export", d / "f18.pt"],
                      nproc=2),
-         "ddp": run(GPT, FLAGS + ["--max-steps", 14, "--save", d / "d14.pt"], nproc=2),
-         "cut": run(FSDP, FLAGS + ["--max-steps", 10, "--save", d / "f10", "--export", ""],
-                    nproc=2)}
+         "ddp": run(GPT, FLAGS + ["--max-steps", 18, "--save", d / "d18.pt"], nproc=2),
+         "restarted": run("tests/probe_fsdp.py",
+                          ["crash", "12:1", *FLAGS, "--max-steps", 14, "--save-every", 10,
+                           "--save", d / "f14", "--resume", "auto", "--export", ""], nproc=2,
+                          torchrun_args=["--max-restarts=1"],
+                          env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})}
     for result in r.values():
         ok(result)
     return {**r, "dir": d}
@@ -56,15 +62,15 @@ def runs(tmp_path_factory):
 
 def test_fsdp_computes_what_ddp_computes(runs):
     a, b = losses(runs["fsdp"].stdout), losses(runs["ddp"].stdout)
-    assert sorted(a) == list(range(1, 15)) and a[14] < a[1]
+    assert sorted(a) == list(range(1, 19)) and a[18] < a[1]
     for step in a:
         assert a[step] == pytest.approx(b[step], rel=1e-5), step
-    fsdp_weights = torch.load(runs["dir"] / "f14.pt", map_location="cpu", weights_only=True)
-    ddp_weights = torch.load(runs["dir"] / "d14.pt", map_location="cpu", weights_only=True)
+    fsdp_weights = torch.load(runs["dir"] / "f18.pt", map_location="cpu", weights_only=True)
+    ddp_weights = torch.load(runs["dir"] / "d18.pt", map_location="cpu", weights_only=True)
     assert fsdp_weights["config"] == ddp_weights["config"]
     for key, value in ddp_weights["model"].items():
         torch.testing.assert_close(fsdp_weights["model"][key], value, rtol=1e-4, atol=1e-4)
-    sampled = in_process(GPT, ["--sample", "--ckpt", runs["dir"] / "f14.pt", "--prompt", "def ",
+    sampled = in_process(GPT, ["--sample", "--ckpt", runs["dir"] / "f18.pt", "--prompt", "def ",
                                "--max-new-tokens", 20, "--device", "cpu"])
     assert sampled.startswith("def ")
 
@@ -73,12 +79,13 @@ def test_accumulation_reduce_scatters_once_per_group_per_step(runs):
     for rank in (0, 1):
         seen = json.loads((runs["dir"] / "count" / f"rank{rank}.json").read_text())
         groups = 2 + 1  # --n-layer 2 blocks, then the root (embeddings, final norm, head)
-        assert seen["steps"] == 14 and seen["reduce_scatters"] == groups * 14, seen
+        assert seen["steps"] == 18 and seen["reduce_scatters"] == groups * 18, seen
 
 
 def test_each_of_two_ranks_holds_half_the_parameters(runs):
     out1 = in_process(FSDP, FLAGS + ["--max-steps", 1, "--save", "", "--export", ""])
-    pattern = r"memory per rank: .* ([\d.]+) MiB \(([\d,]+) of ([\d,]+) parameters; DDP: ([\d.]+) MiB\)"
+    pattern = (r"memory per rank: .* ([\d.]+) MiB \(([\d,]+) of ([\d,]+) parameters; "
+               r"DDP: ([\d.]+) MiB\)")
     one, two = (re.search(pattern, out).groups() for out in (out1, runs["fsdp"].stdout))
     count = lambda text: int(text.replace(",", ""))  # noqa: E731
     assert count(one[1]) == count(one[2]) == count(two[2])  # one process holds everything
@@ -86,18 +93,29 @@ def test_each_of_two_ranks_holds_half_the_parameters(runs):
     assert float(two[0]) < 0.51 * float(two[3])
 
 
+def test_a_killed_worker_is_restarted_and_the_job_resumes_from_its_shards(runs):
+    uninterrupted = losses(runs["fsdp"].stdout)
+    first, _, second = runs["restarted"].stdout.partition(
+        f"resumed from {runs['dir'] / 'f14' / 'step-000010.pt'} at step 10")
+    assert second and "step 11/14 | loss" in first  # the first attempt got to step 11, then died
+    resumed = losses(second)
+    assert sorted(resumed) == [11, 12, 13, 14]
+    for step, loss in resumed.items():  # the same world size: the same sums, to the printed digit
+        assert loss == uninterrupted[step], step
+
+
 def test_a_two_process_checkpoint_resumes_at_one_and_three_processes(runs):
     uninterrupted = losses(runs["fsdp"].stdout)
     flags = TINY_GPT + ["--grad-accum", 2, "--warmup-steps", 0, "--min-lr", "1e-2",
-                        "--max-steps", 14, "--export", ""]
-    at_one = in_process(FSDP, flags + ["--batch-size", 12, "--resume", runs["dir"] / "f10",
+                        "--max-steps", 18, "--export", ""]
+    at_one = in_process(FSDP, flags + ["--batch-size", 12, "--resume", runs["dir"] / "f14",
                                        "--save", ""])
     at_three = ok(run(FSDP, flags + ["--batch-size", 4, "--resume", "auto",
-                                     "--save", runs["dir"] / "f10"], nproc=3))
+                                     "--save", runs["dir"] / "f14"], nproc=3))
     for out in (at_one, at_three):  # 12 sequences per micro-step in all three runs
-        assert "resumed from" in out and "at step 10" in out
+        assert "resumed from" in out and "at step 14" in out
         resumed = losses(out)
-        assert sorted(resumed) == [11, 12, 13, 14]
+        assert sorted(resumed) == [15, 16, 17, 18]
         for step, loss in resumed.items():
             assert loss == pytest.approx(uninterrupted[step], rel=1e-4), (step, out)
 
@@ -113,7 +131,7 @@ def test_a_step_without_its_step_file_is_never_resumed(runs, tmp_path):
 
 def test_bad_inputs_are_one_line(runs, capsys):
     with pytest.raises(fsdp.InputError, match=r"is one file, as train_ddp_minigpt.py saves"):
-        in_process(FSDP, FLAGS + ["--max-steps", 1, "--resume", runs["dir"] / "d14.pt"])
+        in_process(FSDP, FLAGS + ["--max-steps", 1, "--resume", runs["dir"] / "d18.pt"])
     with pytest.raises(fsdp.InputError, match=r"^--amp fp16"):  # on a CPU: no fp16 autocast at all
         fsdp.mixed_precision(fsdp.parse_args(["--amp", "fp16"]), torch.device("cpu"))
     with pytest.raises(SystemExit) as exit_:
@@ -134,7 +152,7 @@ def test_two_nodes_through_the_launcher_train_like_one_node(runs):
     printed = subprocess.run(
         [str(REPO / "launch_multinode_ddp.sh"), "--nnodes", "2", "--master-addr", "127.0.0.1",
          "--master-port", str(free_port()), "--join-timeout", "60", FSDP,
-         *map(str, FLAGS + ["--max-steps", 14, "--save", "", "--export", ""])],
+         *map(str, FLAGS + ["--max-steps", 18, "--save", "", "--export", ""])],
         cwd=REPO, capture_output=True, text=True, timeout=60,
         env={**environment(), "TORCHRUN": f"{sys.executable} -m torch.distributed.run"})
     nodes = [line for line in printed.stdout.splitlines() if line and not line.startswith("#")]
