@@ -252,11 +252,12 @@ def all_finite(state_dict):
 def save_checkpoint(path, model, optimizer, epoch, args):
     """Write atomically: a temp file in the same folder, fsync, then rename over the final name.
     Non-finite weights are never written; any failure leaves the previous file as it was."""
-    if not all_finite(model.state_dict()):
+    weights = model.state_dict()
+    if not all_finite(weights):
         raise SaveFailed(f"not saving {path} after epoch {epoch}: the weights are not finite")
     device = next(model.parameters()).device
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
+    state = {"model": weights, "optimizer": optimizer.state_dict(), "epoch": epoch,
              "args": vars(args), "rng": {"cpu": torch.get_rng_state(), "cuda": cuda_rng}}
     tmp = f"{path}.tmp{os.getpid()}"
     try:

@@ -709,9 +709,10 @@ def all_finite(state_dict):
 def save_checkpoint(path, raw_model, optimizer, scaler, step, args, vocab_size, rng_states):
     """Write atomically: a temp file in the same folder, fsync, then rename over the final name.
     Non-finite weights are never written; any failure leaves the previous file as it was."""
-    if not all_finite(raw_model.state_dict()):
+    weights = raw_model.state_dict()
+    if not all_finite(weights):
         raise SaveFailed(f"not saving {path} at step {step}: the weights are not finite")
-    state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+    state = {"model": weights, "optimizer": optimizer.state_dict(),
              "scaler": scaler.state_dict(), "step": step, "config": model_config(args, vocab_size),
              "args": vars(args), "rng": rng_states}
     tmp = f"{path}.tmp{os.getpid()}"

@@ -725,7 +725,7 @@ def all_finite(state_dict):
     return all(bool(torch.isfinite(t).all()) for t in state_dict.values() if t.is_floating_point())
 
 
-def write_file(path, state):  # FSDP 6: the atomic write, for step files and the export
+def write_file(path, state):  # FSDP 6: for step files and the export, whose callers check
     """Write atomically: a temp file in the same folder, fsync, then rename over the final name.
     Non-finite weights are never written; any failure leaves the previous file as it was."""
     tmp = f"{path}.tmp{os.getpid()}"
@@ -895,6 +895,8 @@ def resume(path, state, raw_model, optimizer, scaler, rank, device):
 def export(path, model, step, args, vocab_size, is_main):  # FSDP 7: one plain file, to sample
     """The full weights in chapter 3's checkpoint format, for `python train_ddp_minigpt.py
     --sample --ckpt PATH` in one process. Every rank sends its shards; rank 0 writes."""
+    if not shards_finite(model):
+        raise SaveFailed(f"not exporting {path}: the weights are not finite")
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0's CPU
     full, error = get_model_state_dict(model, options=options), None
     if is_main:

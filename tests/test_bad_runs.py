@@ -18,8 +18,8 @@ import re
 
 import pytest
 import torch
-from helpers import (DDP, GPT, SINGLE, SMALL, TINY_GPT, command, finish, in_process, ok, run,
-                     start, trainer)
+from helpers import (DDP, GPT, SINGLE, SMALL, TINY_GPT, command, finish, in_process, run, start,
+                     trainer)
 
 PROBE = "tests/probe_minigpt.py"
 

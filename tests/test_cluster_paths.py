@@ -24,8 +24,7 @@ import time
 
 import pytest
 import torch
-from helpers import (DDP, GPT, SINGLE, SMALL, TINY_GPT, command, finish, in_process, ok, run,
-                     start, trainer)
+from helpers import DDP, GPT, SINGLE, SMALL, TINY_GPT, in_process, ok, run, trainer
 
 gpt = trainer(GPT)
 
