@@ -178,6 +178,70 @@ def build_model(name):
     return model
 
 
+def main(argv=None):
+    args = parse_args(argv)
+    # setup
+    device = pick_device(args.device)
+    is_main, world_size = True, 1  # one process, which logs and saves (chapter 2: N, rank 0 logs)
+    global_batch = args.batch_size * world_size  # samples per optimizer step
+    print0(is_main, f"world size {world_size} | global batch {global_batch}")
+    torch.manual_seed(args.seed)  # the same initial weights for the same seed
+
+    # data
+    train_set, val_set = build_datasets(args)
+    print0(is_main, f"data {args.dataset} | {len(train_set)} train / {len(val_set)} val samples | "
+                    f"batch {args.batch_size}")
+    sampler = RandomSampler(train_set, generator=torch.Generator())
+    workers = {"num_workers": args.num_workers, "pin_memory": device.type == "cuda",
+               "persistent_workers": args.num_workers > 0}  # workers start once, not every epoch
+    train_loader = DataLoader(train_set, args.batch_size, sampler=sampler, **workers)
+    val_loader = DataLoader(val_set, args.batch_size, **workers)
+
+    # model
+    model = build_model(args.model).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    resume = resolve_resume(args.resume, args.save)
+    start_epoch = load_checkpoint(resume, model, optimizer, args) if resume else 0
+    n_weights = sum(p.numel() for p in model.parameters())
+    resumed = f" | resumed from {resume} after epoch {start_epoch}" if resume else ""
+    print0(is_main, f"model {args.model} | {n_weights:,} weights | device {device}{resumed}")
+
+    # train: one line per epoch, after a first evaluation of the starting weights
+    val_loss, val_acc, val_n = loss_and_accuracy(evaluate(model, val_loader, device))
+    print0(is_main, f"epoch {start_epoch}/{args.epochs} | val loss {val_loss:.4f} | "
+                    f"val acc {100 * val_acc:.2f}%")
+    samples, seconds, step_times = 0, 0.0, []
+    for epoch in range(start_epoch, start_epoch if args.eval_only else args.epochs):
+        sampler.generator.manual_seed(args.seed + epoch)  # a new order each epoch, seeded
+        start = time.perf_counter()
+        totals = train_one_epoch(model, train_loader, optimizer, device, step_times, epoch)
+        train_loss, _, n = loss_and_accuracy(totals)
+        train_s = time.perf_counter() - start
+        samples, seconds = samples + n, seconds + train_s
+        val_loss, val_acc, val_n = loss_and_accuracy(evaluate(model, val_loader, device))
+        print0(is_main, f"epoch {epoch + 1}/{args.epochs} | train loss {train_loss:.4f} | "
+                        f"val loss {val_loss:.4f} | val acc {100 * val_acc:.2f}% | "
+                        f"{n / train_s:,.0f} samples/s | {train_s:.1f} s")
+        if args.save_every and (epoch + 1) % args.save_every == 0 and epoch + 1 < args.epochs:
+            save_once(args.save, model, optimizer, epoch + 1, args, is_main)
+
+    # summary: the pace keys are what benchmark_scaling.py reads (docs/conventions.md)
+    step_s = median_step_seconds(step_times)
+    summary = {"val_loss": val_loss, "val_acc": val_acc, "val_samples": val_n,
+               "train_samples": samples, "train_s": round(seconds, 3),
+               "samples_per_s": round(samples / seconds, 1) if seconds else 0.0,
+               "step_ms": round(1000 * step_s, 3), "per_step": global_batch,
+               "throughput_unit": "samples/s",
+               "throughput": round(global_batch / step_s, 1) if step_s else 0.0}
+    print0(is_main, f"done | val loss {val_loss:.4f} | val acc {100 * val_acc:.2f}% | "
+                    f"{summary['samples_per_s']:,.0f} samples/s over {seconds:.1f} s of training")
+    print0(is_main, summary_line(summary))
+
+    # save
+    if not args.eval_only:
+        save_once(args.save, model, optimizer, max(start_epoch, args.epochs), args, is_main)
+
+
 def stop_if_diverged(grad_norm, loss, epoch, step, optimizer):
     """Raise Diverged, before the optimizer applies the step, if the gradient norm is not finite (a
     non-finite loss makes it so too). Under DDP every rank holds the same all-reduced gradients, so
@@ -323,70 +387,6 @@ def summary_line(summary):
     finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
               for k, v in summary.items()}
     return "summary " + json.dumps(finite, allow_nan=False)
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    # setup
-    device = pick_device(args.device)
-    is_main, world_size = True, 1  # one process, which logs and saves (chapter 2: N, rank 0 logs)
-    global_batch = args.batch_size * world_size  # samples per optimizer step
-    print0(is_main, f"world size {world_size} | global batch {global_batch}")
-    torch.manual_seed(args.seed)  # the same initial weights for the same seed
-
-    # data
-    train_set, val_set = build_datasets(args)
-    print0(is_main, f"data {args.dataset} | {len(train_set)} train / {len(val_set)} val samples | "
-                    f"batch {args.batch_size}")
-    sampler = RandomSampler(train_set, generator=torch.Generator())
-    workers = {"num_workers": args.num_workers, "pin_memory": device.type == "cuda",
-               "persistent_workers": args.num_workers > 0}  # workers start once, not every epoch
-    train_loader = DataLoader(train_set, args.batch_size, sampler=sampler, **workers)
-    val_loader = DataLoader(val_set, args.batch_size, **workers)
-
-    # model
-    model = build_model(args.model).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    resume = resolve_resume(args.resume, args.save)
-    start_epoch = load_checkpoint(resume, model, optimizer, args) if resume else 0
-    n_weights = sum(p.numel() for p in model.parameters())
-    resumed = f" | resumed from {resume} after epoch {start_epoch}" if resume else ""
-    print0(is_main, f"model {args.model} | {n_weights:,} weights | device {device}{resumed}")
-
-    # train: one line per epoch, after a first evaluation of the starting weights
-    val_loss, val_acc, val_n = loss_and_accuracy(evaluate(model, val_loader, device))
-    print0(is_main, f"epoch {start_epoch}/{args.epochs} | val loss {val_loss:.4f} | "
-                    f"val acc {100 * val_acc:.2f}%")
-    samples, seconds, step_times = 0, 0.0, []
-    for epoch in range(start_epoch, start_epoch if args.eval_only else args.epochs):
-        sampler.generator.manual_seed(args.seed + epoch)  # a new order each epoch, seeded
-        start = time.perf_counter()
-        totals = train_one_epoch(model, train_loader, optimizer, device, step_times, epoch)
-        train_loss, _, n = loss_and_accuracy(totals)
-        train_s = time.perf_counter() - start
-        samples, seconds = samples + n, seconds + train_s
-        val_loss, val_acc, val_n = loss_and_accuracy(evaluate(model, val_loader, device))
-        print0(is_main, f"epoch {epoch + 1}/{args.epochs} | train loss {train_loss:.4f} | "
-                        f"val loss {val_loss:.4f} | val acc {100 * val_acc:.2f}% | "
-                        f"{n / train_s:,.0f} samples/s | {train_s:.1f} s")
-        if args.save_every and (epoch + 1) % args.save_every == 0 and epoch + 1 < args.epochs:
-            save_once(args.save, model, optimizer, epoch + 1, args, is_main)
-
-    # summary: the pace keys are what benchmark_scaling.py reads (docs/conventions.md)
-    step_s = median_step_seconds(step_times)
-    summary = {"val_loss": val_loss, "val_acc": val_acc, "val_samples": val_n,
-               "train_samples": samples, "train_s": round(seconds, 3),
-               "samples_per_s": round(samples / seconds, 1) if seconds else 0.0,
-               "step_ms": round(1000 * step_s, 3), "per_step": global_batch,
-               "throughput_unit": "samples/s",
-               "throughput": round(global_batch / step_s, 1) if step_s else 0.0}
-    print0(is_main, f"done | val loss {val_loss:.4f} | val acc {100 * val_acc:.2f}% | "
-                    f"{summary['samples_per_s']:,.0f} samples/s over {seconds:.1f} s of training")
-    print0(is_main, summary_line(summary))
-
-    # save
-    if not args.eval_only:
-        save_once(args.save, model, optimizer, max(start_epoch, args.epochs), args, is_main)
 
 
 if __name__ == "__main__":

@@ -45,13 +45,13 @@ def record(out_dir):
         model.register_comm_hook(None, counted_allreduce)
         return model
 
-    def get_and_record(self, k, original=trainer.Windows.get):
+    def rows_and_record(self, k, original=trainer.Windows.rows):
         batch = original(self, k)
         i = k % self.per_epoch
         seen["windows"] += self.starts[i * self.batch:(i + 1) * self.batch].tolist()
         return batch
 
-    trainer.DDP, trainer.Windows.get = ddp_with_counting_hook, get_and_record
+    trainer.DDP, trainer.Windows.rows = ddp_with_counting_hook, rows_and_record
     try:
         run_as_script(trainer)
     finally:
@@ -65,12 +65,12 @@ def fault(mode, at):
     mine = int(os.environ["RANK"]) == rank and first_attempt
     train_step = trainer.train_step
 
-    def faulty_step(model, optimizer, scaler, windows, step, *args):
+    def faulty_step(run, model, optimizer, windows, step):
         if mine and step + 1 == step_at and mode == "crash":
             os._exit(17)  # like a killed process: no cleanup, no goodbye to the group
         if mine and step + 1 == step_at and mode == "hang":
             time.sleep(3600)  # alive, but never at this step's all-reduce
-        result = train_step(model, optimizer, scaler, windows, step, *args)
+        result = train_step(run, model, optimizer, windows, step)
         if mine and step + 1 == step_at and mode == "desync":
             with trainer.torch.no_grad():
                 next(model.parameters()).view(-1)[0] += 1e-3

@@ -13,8 +13,9 @@ in test_gpu.py, which skips itself without CUDA). These tests prove:
    and the FLOPs leave out position embeddings, as nanoGPT counts them;
 5. the logged ms/step leaves out evaluation time even when --eval-every is not a multiple of
    --log-every;
-6. resuming keeps the fused AdamW this run built, and a bf16 or fp32 checkpoint resumes under fp16
-   (a fresh GradScaler) instead of being refused;
+6. resuming keeps the fused AdamW this run built, its step counts loaded as fused AdamW keeps them
+   (float32 beside the parameters: on a GPU, on the GPU), and a bf16 or fp32 checkpoint resumes
+   under fp16 (a fresh GradScaler) instead of being refused;
 7. --compile with --grad-checkpointing trains under DDP (DDP's graph splitting is turned off for that
    combination: some torch 2.x releases raise "DDPOptimizer backend: Found a higher order op"
    without it; the torch this suite installs trains either way, so this guards the combination).
@@ -68,7 +69,7 @@ def test_amp_auto_is_fp16_and_bf16_is_refused_where_bf16_is_emulated(emulated_bf
     assert gpt.amp_dtype("auto", torch.device("cpu")) is None
 
 
-@pytest.mark.parametrize("script", [SINGLE, DDP, GPT])
+@pytest.mark.parametrize("script", [SINGLE, DDP])  # the LM's: test_minigpt_inputs.py
 def test_more_processes_than_gpus_is_one_line(script, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -96,14 +97,17 @@ def test_mfu_counts_flops_without_position_embeddings_and_takes_the_override(mon
     args = gpt.parse_args(["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size",
                            "16", "--gpu-peak-tflops", "100"])
     model = gpt.GPT(256, 16, 2, 2, 32, 0.0)
-    assert gpt.mfu_work(args, model, 1000, 1, torch.device("cpu"), "off") == (None, None)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
-    work, note = gpt.mfu_work(args, model, 1000, 2, torch.device("cuda", 0), "bfloat16")
     n = sum(p.numel() for p in model.parameters()) - 16 * 32  # no position embeddings
-    assert work == pytest.approx((6 * n + 12 * 2 * 32 * 16) * 1000 / (2 * 100e12))
-    assert note == "MFU against 100 TFLOPS per GPU (Some Future GPU, bfloat16)"
+    assert gpt.flops_per_token(model, args) == 6 * n + 12 * 2 * 32 * 16
+
+    def run(device, world_size=2):
+        return gpt.Run(args, device, 0, world_size, True, "bfloat16", None, None)
+    assert gpt.gpu_peak_flops(run(torch.device("cpu"))) == (None, None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    assert gpt.gpu_peak_flops(run(torch.device("cuda", 0))) == (
+        2 * 100e12, "MFU against 100 TFLOPS per GPU (Some Future GPU, bfloat16)")
     args.gpu_peak_tflops = None
-    assert gpt.mfu_work(args, model, 1000, 2, torch.device("cuda", 0), "bfloat16") == (
+    assert gpt.gpu_peak_flops(run(torch.device("cuda", 0))) == (
         None, "MFU: Some Future GPU is not in the table; give --gpu-peak-tflops")
 
 
@@ -130,8 +134,22 @@ def test_resume_keeps_fused_adamw_and_switches_amp_to_fp16(tmp_path):
               [p for p in model.parameters() if p.dim() < 2]]
     optimizer = torch.optim.AdamW([{"params": g} for g in groups], fused=True)  # as on a GPU
     scaler = torch.amp.GradScaler("cpu", enabled=True)  # as --amp fp16 builds it
-    step = gpt.resume(str(path), model, optimizer, scaler, args, 256, 0, torch.device("cpu"))
-    assert step == 2 and all(group["fused"] for group in optimizer.param_groups)
+    run = gpt.Run(args, torch.device("cpu"), 0, 1, True, "float16", None, scaler)
+    data = gpt.Data(None, None, 256, None, 0.0)
+    seen, load = [], optimizer.load_state_dict  # the groups torch reads while it loads the state
+
+    def spy(state_dict):
+        seen.extend(group.get("fused") for group in state_dict["param_groups"])
+        return load(state_dict)
+    optimizer.load_state_dict = spy
+    assert gpt.load_checkpoint(str(path), run, model, optimizer, data) == 2
+    assert all(group["fused"] for group in optimizer.param_groups)
+    # the saved groups said fused=False; torch places each step count by the loaded group's flag
+    # (fused: float32 beside the parameter, on a GPU where the fused kernel reads it)
+    assert seen == [True, True]
+    steps = [optimizer.state[p]["step"] for p in model.parameters()]
+    assert all(s.dtype == torch.float32 and s.device == p.device and s.item() == 2
+               for s, p in zip(steps, model.parameters()))
     assert scaler.get_scale() == 2.0 ** 16  # a fresh loss scale
 
 

@@ -1,7 +1,8 @@
 """Every bad input to train_ddp_minigpt.py ends with exit code 2 and one clear line: a missing,
 empty or too-short data file, a .bin file without --vocab-size, with an odd byte count or with
 token ids >= the vocabulary, impossible model, timeout or AMP settings, a missing, corrupt or
-mismatched checkpoint for --resume or --sample. Most cases call the script's own main() in this
+mismatched checkpoint for --resume or --sample, a start without torchrun, a GPU asked for that is
+not there. Most cases call the script's own main() in this
 process (a launch costs seconds of torch import); one test launches it to prove that such an error
 becomes exit code 2 and one line."""
 import numpy as np
@@ -41,7 +42,8 @@ def files(tmp_path_factory):
     (["--data", "{d}/text.txt", "--resume", "{d}/good.pt", "--n-embd", "32"],
      "{d}/good.pt was trained with {{"),
     (["--sample", "--ckpt", "{d}/nothing.pt"], "checkpoint not found: {d}/nothing.pt"),
-    (["--data", "{d}/text.txt", "--device", "cuda"], "--device cuda, but no CUDA device is visible"),
+    (["--sample", "--ckpt", "{d}/good.pt", "--device", "cuda"],
+     "--device cuda, but no CUDA device is visible"),
 ])
 def test_bad_data_and_checkpoints_raise_one_line_input_errors(args, message, files):
     with pytest.raises(gpt.InputError) as err:
@@ -65,10 +67,24 @@ def test_bad_flags_are_refused_in_one_line(args, message, capsys):
 
 
 def test_input_errors_exit_2_with_one_line_and_no_traceback(files):
-    cases = [(GPT, [*TINY, "--data", files / "ids.bin"]),
+    cases = [(GPT, [*TINY, "--data", files / "ids.bin"]),  # plain python: refused before the data
              (GPT, ["--sample", "--ckpt", files / "truncated.pt"])]
-    for (_, args), result in zip(cases, run_many(cases)):
+    results = run_many(cases)
+    for (_, args), result in zip(cases, results):
         where = f"{args}: exit {result.returncode}\n{result.stderr}"
         assert result.returncode == 2 and "Traceback" not in result.stderr, where
         assert len(result.stderr.strip().splitlines()) == 1, where
         assert result.stderr.startswith("error: "), where
+    assert results[0].stderr == ("error: not launched by torchrun: see the commands at the top of "
+                                 "this script\n")
+
+
+def test_cuda_without_a_gpu_and_more_processes_than_gpus_are_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setattr(gpt.torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SystemExit) as exit_:  # before any process group is made
+        gpt.init_distributed("cuda", 60, False)
+    assert exit_.value.code == 2 and capsys.readouterr().err == (
+        "error: --device cuda: GPU 2 asked for, but 2 visible: start at most one process per GPU "
+        "(--nproc_per_node), or --device cpu\n")

@@ -6,7 +6,7 @@ These tests prove:
    vocabulary size from meta.pkl, and the checkpoint samples text through itos and stoi, in one
    plain process; a folder without meta.pkl takes --vocab-size;
 2. meta.pkl is never executed: a pickle that would run a command is refused in one line (exit code
-   2) and the command never runs; anything but plain dicts, strings and ints is refused too;
+   2: an InputError) and the command never runs; anything but plain dicts, strings and ints is refused too;
 3. a folder without its .bin files, ids beyond the vocabulary, and a prompt with characters the
    vocabulary lacks are one line each.
 """
@@ -16,7 +16,7 @@ import re
 
 import numpy as np
 import pytest
-from helpers import GPT, TINY_GPT, in_process, run, trainer
+from helpers import GPT, TINY_GPT, in_process, trainer
 
 gpt = trainer(GPT)
 TEXT = "the quick brown fox jumps over the lazy dog.\n" * 400
@@ -75,10 +75,11 @@ def test_meta_pkl_is_never_executed(tmp_path):
     data, marker = nanogpt_folder(tmp_path / "evil"), tmp_path / "it-ran"
     with open(data / "meta.pkl", "wb") as f:
         pickle.dump({"vocab_size": 30, "itos": RunsACommand(marker)}, f)
-    result = run(GPT, TINY_GPT + ["--data", data, "--max-steps", 1])
-    assert result.returncode == 2 and not marker.exists()
-    assert re.fullmatch(r"error: cannot read \S+meta\.pkl: UnpicklingError: it asks for "
-                        r"(posix|os)\.system, not plain data\n", result.stderr), result.stderr
+    with pytest.raises(gpt.InputError) as err:
+        in_process(GPT, TINY_GPT + ["--data", data, "--max-steps", 1])
+    assert not marker.exists()
+    assert re.fullmatch(r"cannot read \S+meta\.pkl: UnpicklingError: it asks for "
+                        r"(posix|os)\.system, not plain data", str(err.value)), str(err.value)
     with open(data / "meta.pkl", "wb") as f:
         pickle.dump({"vocab_size": 30, "itos": {0: b"bytes are not text"}}, f)
     with pytest.raises(gpt.InputError, match="not a nanoGPT meta.pkl of plain dicts"):
