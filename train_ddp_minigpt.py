@@ -390,22 +390,23 @@ def accumulate_gradients(model, batches, autocast, scaler):  # DDP: no_sync, one
 
 
 def evaluate(run, model, val):
-    """The mean validation loss per token, exact at any world size; a collective."""
+    """The mean validation loss per token, exact at any world size; a collective. Through the
+    plain module, which runs no collective itself, ranks may run unequal numbers of batches."""
     batches = validation_batches(run, val)  # DDP 4: disjoint slices, no padding
     return mean_loss_over_ranks(model.module, batches, run.autocast)  # DDP 7: the plain module
 
 
 @torch.no_grad()
 def mean_loss_over_ranks(model, batches, autocast):  # DDP 7: sum on every rank, then divide once
-    """The mean loss per token over all ranks' batches (inputs, targets): each rank sums its own,
-    one all-reduce adds the sums and the counts up. A collective: every rank calls it, with any
-    number of batches, so `model` must be the plain module, which runs no collective itself."""
+    """The mean cross-entropy per target over all ranks' batches (inputs, targets): each rank
+    sums its own, one all-reduce adds the sums and the counts up. A collective: every rank calls
+    it (evaluate() says how many batches each rank may bring)."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
     for x, y in batches:
         with autocast:
             logits, _ = model(x)
-        totals[0] += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum")
+        totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
         totals[1] += y.numel()
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # gloo has no AVG: sum, then divide
     model.train()
@@ -772,7 +773,7 @@ def stop_if_diverged(run, step, loss, grad_norm):
     finite. Both are the same on every rank (all-reduced), so every rank stops at this step. With
     fp16 a non-finite gradient is the GradScaler's to skip; only a non-finite loss stops the run."""
     loss, grad_norm = loss.item(), grad_norm.item()  # a host sync per step: the price of the check
-    fp16 = run.scaler.is_enabled()
+    fp16 = run.amp == "float16"
     if math.isfinite(loss) and (math.isfinite(grad_norm) or fp16):
         return
     args = run.args

@@ -1,8 +1,7 @@
-"""Chapter 7: the chapter-3 GPT trainer under FSDP (FSDP2's fully_shard) instead of DDP. Each rank
-keeps only its shard of the weights, gradients and AdamW state, gathers each block's weights for
-its forward and backward, and reduce-scatters the gradients. Same math as DDP, less memory.
+"""Chapter 7: the chapter-3 GPT trainer under FSDP (FSDP2's fully_shard) instead of DDP, for
+models that no longer fit whole on one device. Same math as DDP, a fraction of the memory.
 
-    python train_fsdp_minigpt.py                                      # 1 process, no torchrun
+    torchrun --standalone --nproc_per_node=1 train_fsdp_minigpt.py    # 1 process: CPU or 1 GPU
     torchrun --standalone --nproc_per_node=2 train_fsdp_minigpt.py    # 2 processes: CPU or 2 GPUs
     torchrun --standalone --nproc_per_node=gpu train_fsdp_minigpt.py  # one process per GPU here
     ./launch_multinode_ddp.sh --nnodes 2 --nproc-per-node 8 --master-addr N0 train_fsdp_minigpt.py
@@ -11,55 +10,495 @@ its forward and backward, and reduce-scatters the gradients. Same math as DDP, l
 `diff train_ddp_minigpt.py train_fsdp_minigpt.py` shows every line FSDP changes, tagged `# FSDP k`.
 Checkpoints are folders of shards (torch.distributed.checkpoint) that resume at any world size;
 --export writes one plain file in chapter 3's format, for sampling in one process.
+
+What FSDP does, and when (the lines tagged `# FSDP k`):
+- The model is built on the meta device (shapes, no memory), and fully_shard splits every
+  parameter of each block, then of the rest, into N shards along dim 0: rank r keeps shard r of
+  the weights, and so of their gradients and AdamW's moments. Each shard is then filled with
+  chapter 3's initial values, so no rank ever holds the whole model.
+- Before a block's forward, its weights are all-gathered from every rank; after it they are freed
+  (ZeRO-3), and gathered again for its backward. After the backward, its gradients are
+  reduce-scattered: each rank receives the mean gradient of its own shard, and updates it.
+- Every forward all-gathers with every rank, so every rank runs every forward: the same number
+  of evaluation batches, and sampling too. set_requires_gradient_sync(False) is FSDP's no_sync.
+- A checkpoint is every rank's shards (torch.distributed.checkpoint); it loads at any world size.
 """
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import datetime
 import gc  # DDP 9
 import glob
+import io  # FSDP 8
 import json
 import math
 import os
 import pickle
-import shutil  # FSDP 6
+import shutil  # FSDP 3
 import statistics
 import sys
 import sysconfig
 import time
+import zlib
 
 import numpy as np
 import torch
 import torch.distributed as dist  # DDP 1
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.distributed.checkpoint as dcp  # FSDP 6
-from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # FSDP 6
+import torch.distributed.checkpoint as dcp  # FSDP 3
+from torch.distributed.checkpoint.api import CheckpointException  # FSDP 3
+from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # FSDP 3
                                                      get_model_state_dict, get_state_dict,
                                                      set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh  # FSDP 2
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # FSDP 1
+from torch.distributed.tensor import distribute_tensor  # FSDP 2
 from torch.utils.checkpoint import checkpoint
 
 
-class Stop(Exception):
-    """A run that cannot go on: one line on stderr and exit code `code`, never a traceback."""
-    code = 1
+# ------------------------------------------------------- the model: a GPT, nothing distributed
+
+def causal_attention(q, k, v):
+    """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
+    attention on GPUs); is_causal builds no mask. No dropout on the attention weights: on a CPU it
+    forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
+    bf16 CPU backward kernel is 3x slower than the fp32 one (measured: docs/performance.md)."""
+    if q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with torch.autocast("cpu", enabled=False):
+        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    return y.to(q.dtype)
 
 
-class InputError(Stop):
-    """Bad input from the user: a flag, a file, a checkpoint."""
-    code = 2
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, heads, T, head size)
+        y = causal_attention(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
-class Diverged(Stop):
-    """A step whose loss or gradient norm is not finite: not applied, the run stops."""
-    code = 4
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attention(norm(x)), then x + MLP(norm(x))."""
+
+    def __init__(self, n_embd, n_head, dropout):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
+                                 nn.Linear(4 * n_embd, n_embd))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
 
 
-class SaveFailed(Stop):
-    """A checkpoint that could not be written; the previous one is left as it was."""
-    code = 5
+class GPT(nn.Module):
+    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd, dropout):
+        super().__init__()
+        self.block_size = block_size
+        self.grad_checkpointing = False  # True: recompute each block's activations in backward
+        self.tok_emb = nn.Embedding(vocab_size, n_embd)
+        self.pos_emb = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # weight tying: one matrix embeds and un-embeds
+        if not self.head.weight.is_meta:  # on the meta device there is nothing to fill yet
+            self.init_weights(seed=0)
 
+    @torch.no_grad()
+    def init_weights(self, seed):
+        """Every parameter from initial_value(): the same weights for the same seed, whether
+        the model is made whole here or one parameter at a time (chapter 7)."""
+        for name, p in self.named_parameters():
+            p.copy_(initial_value(name, p.shape, seed, len(self.blocks)))
+
+    def forward(self, idx, targets=None):
+        """Logits (B, T, vocab), and the mean cross-entropy per token if targets are given."""
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+        for block in self.blocks:
+            if self.grad_checkpointing and self.training:  # keep block inputs; recompute the rest
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature, top_k):
+        """Append max_new_tokens tokens to idx (1, T), each drawn from the model's prediction."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.block_size:])[0][:, -1] / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            idx = torch.cat([idx, torch.multinomial(logits.softmax(-1), 1)], dim=1)
+        return idx
+
+
+
+
+def initial_value(name, shape, seed, n_layer):
+    """The initial value of parameter `name`, GPT-2's scheme: N(0, 0.02) for matrices (residual
+    projections shrink with depth), zero biases, unit norm weights. Each parameter draws from a
+    generator of its own, seeded by (seed, name), so any one can be made without the others."""
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if len(shape) == 1:  # a LayerNorm's weight
+        return torch.ones(shape)
+    residual = name.endswith(("attn.proj.weight", "mlp.2.weight"))
+    std = 0.02 / math.sqrt(2 * n_layer) if residual else 0.02
+    generator = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=generator) * std
+
+
+# ------------------------------------- the distributed lesson: main() and its steps, in order
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.sample:  # inference: one plain process, no process group
+        return sample(args)
+    # setup: one process per device, joined in one group; rank 0 logs and saves
+    device, rank, world_size = init_distributed(args.device, args.dist_timeout, args.debug)
+    run = make_run(args, device, rank, world_size)
+    # data: every rank reads its own windows of the training tokens
+    data = build_data(run)
+    # model: the same initial weights on every rank, resumed if asked, then wrapped
+    raw_model, optimizer = build_model(run, data.vocab_size)
+    start = resumed_step(run, raw_model, optimizer, data)
+    model = wrap_model(run, raw_model)
+    if args.benchmark:
+        return benchmark(run, model, optimizer, data.windows)
+    # train: log, evaluate and save on schedule
+    val_loss = evaluate(run, model, data.val)
+    print0(run.is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
+    meter = Meter(run, raw_model, start)  # the training clock starts now
+    for step in range(start, args.max_steps):
+        loss, grad_norm = train_step(run, model, optimizer, data.windows, step)
+        done = step + 1
+        if done % args.log_every == 0 or done == args.max_steps:
+            print0(run.is_main, meter.log_line(done, loss.item(), grad_norm.item()))
+        meter.pause()  # evaluation and checkpoints are not training time
+        if done % args.eval_every == 0 or done == args.max_steps:
+            val_loss = evaluate(run, model, data.val)
+            print0(run.is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | "
+                                f"baseline {data.baseline:.4f}")
+        # save: rank 0 writes, every rank waits for it
+        due = done == args.max_steps or (args.save_every and done % args.save_every == 0)
+        if args.save and due:
+            save_checkpoint(run, raw_model, optimizer, data, done)
+        meter.go()
+    # cleanup: the summary and a sample here; the group is left by __main__'s `finally`
+    report(run, raw_model, data, val_loss, meter)
+
+
+def init_distributed(device_name, timeout_s, debug):  # DDP 1: join the group torchrun describes
+    """Join the process group of the processes torchrun started, one device each: a collective,
+    every process calls it. Returns (device, rank, world size). Started without torchrun, or with
+    more processes than GPUs: one line on stderr and exit code 2."""
+    def refuse(problem):
+        sys.stderr.write(f"error: {problem}\n")
+        sys.exit(2)
+
+    if "RANK" not in os.environ:  # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT
+        refuse("not launched by torchrun: see the commands at the top of this script")
+    if device_name == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device("cpu")
+    if device_name == "cuda":  # DDP 2: one GPU per process, picked by LOCAL_RANK, before CUDA work
+        local_rank, visible = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+        if local_rank >= visible:
+            refuse(f"--device cuda: GPU {local_rank} asked for, but {visible} visible: start at "
+                   "most one process per GPU (--nproc_per_node), or --device cpu")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if debug:  # before the group starts; DETAIL checks every collective (not on gloo: docs/)
+        dist.set_debug_level(dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device if backend == "nccl" else None)  # NCCL: bind it
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+@dataclasses.dataclass
+class Run:
+    """What every step of one process's run shares, set once at the start."""
+    args: argparse.Namespace  # the flags
+    device: torch.device
+    rank: int
+    world_size: int
+    is_main: bool  # rank 0: the one process that logs and writes files
+    amp: str  # FSDP 1: the compute dtype's name ("bfloat16"), or "off"
+    policy: MixedPrecisionPolicy  # FSDP 1: casts the gathered weights; no autocast, no scaler
+
+
+def make_run(args, device, rank, world_size):
+    """This process's Run; logs the run's shape (world size, device, precision, batch)."""
+    is_main = rank == 0  # DDP 3: rank 0 alone logs and saves
+    keep_freed_memory_on_cpu(device)
+    amp, policy = mixed_precision(args.amp, device)  # FSDP 1
+    run = Run(args, device, rank, world_size, is_main, amp, policy)
+    print0(is_main, f"world size {world_size} | device {device} | amp {amp} | "
+                    f"{tokens_per_step(run):,} tokens per step ({args.batch_size} x "
+                    f"{args.block_size} x {args.grad_accum} accumulation x {world_size} processes)")
+    return run
+
+
+@dataclasses.dataclass
+class Data:
+    windows: "Windows"  # this rank's training batches
+    val: np.ndarray  # the validation tokens
+    vocab_size: int
+    itos: dict  # id -> text, from a nanoGPT folder's meta.pkl; None for bytes or plain ids
+    baseline: float  # the loss of predicting each token by its frequency: the loss to beat
+
+
+def build_data(run):
+    """This rank's training windows and the validation tokens (--debug: a collective)."""
+    args = run.args
+    train, val, vocab_size, itos = load_data(args, run.world_size)
+    windows = Windows(train, args.block_size, args.batch_size, run.rank, run.world_size,
+                      args.seed)  # DDP 4: each rank its own windows
+    baseline = unigram_loss(train, val, vocab_size)
+    unit = "byte" if vocab_size == 256 else "token"
+    print0(run.is_main, f"data {args.data or 'Python standard library'} | {len(train):,} train "
+                        f"/ {len(val):,} val tokens | vocab {vocab_size} | "
+                        f"{unit}-frequency baseline loss {baseline:.4f}")
+    if args.debug:
+        log_windows(run, windows)
+    return Data(windows, val, vocab_size, itos, baseline)
+
+
+class Windows:
+    """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
+    block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
+    ranks round-robin, like DistributedSampler: ranks read different windows, and an epoch reads
+    each token once. Micro-batch k is a function of k alone, so a resumed run reads what the
+    uninterrupted one would have."""
+
+    def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
+        self.tokens, self.block, self.batch = tokens, block_size, batch_size
+        self.rank, self.world, self.seed = rank, world_size, seed
+        per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size  # at any offset
+        self.per_epoch = per_rank // batch_size  # micro-batches per rank per epoch
+        self.span = np.arange(block_size + 1)
+        self.epoch, self.starts = None, None
+
+    def starts_of_epoch(self, epoch):  # DDP 4: every rank its own share of the windows
+        """The first token of every window this rank reads in `epoch`, in order."""
+        g = torch.Generator().manual_seed(self.seed + epoch)  # DDP: a new order each epoch
+        offset = int(torch.randint(0, self.block + 1, (1,), generator=g))
+        count = self.per_epoch * self.batch * self.world
+        order = torch.randperm((len(self.tokens) - offset) // (self.block + 1), generator=g)[:count]
+        return (offset + order * (self.block + 1))[self.rank::self.world].numpy()
+
+    def rows(self, k):
+        """Micro-batch k of this rank: (B, block_size + 1) token ids, inputs and the next token."""
+        epoch, i = divmod(k, self.per_epoch)
+        if epoch != self.epoch:
+            self.epoch, self.starts = epoch, self.starts_of_epoch(epoch)
+        rows = self.tokens[self.starts[i * self.batch:(i + 1) * self.batch, None] + self.span]
+        return torch.from_numpy(rows.astype(np.int64))
+
+
+def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, then filled
+    """The sharded model, 1/N of every parameter on this rank's device, and its optimizer. No
+    rank ever holds the whole model: it is built as shapes only, sharded, then each shard filled."""
+    args = run.args
+    with torch.device("meta"):  # FSDP 2: shapes and dtypes, no memory
+        raw_model = GPT(**model_config(args, vocab_size))
+    shard(run, raw_model)  # FSDP 2: before the optimizer, which must see the shards
+    raw_model.to_empty(device=run.device)  # FSDP 2: this rank's shards, not yet filled
+    init_shards(raw_model, args.seed)  # FSDP 2: chapter 3's initial weights
+    raw_model.grad_checkpointing = args.grad_checkpointing
+    optimizer = make_optimizer(raw_model, args, run.device)
+    torch.manual_seed(args.seed + run.rank)  # DDP: each rank its own dropout masks
+    print0(run.is_main, f"model {sum(p.numel() for p in raw_model.parameters()):,} parameters | "
+                        f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
+                        f"context {args.block_size}")
+    print0(run.is_main, memory_line(raw_model))  # FSDP 2: what each rank holds
+    return raw_model, optimizer
+
+
+def shard(run, model):  # FSDP 2: every block a group of its own, then the root
+    """fully_shard turns each block's parameters into DTensors split across the ranks (dim 0): a
+    block's weights are all-gathered just before its forward and its gradients reduce-scattered
+    after its backward, so at most a block or two exist in full at a time. The root group holds
+    the rest (embeddings, final norm, head)."""
+    mesh = init_device_mesh(run.device.type, (run.world_size,))  # on the group's device type
+    reshard = run.args.reshard_after_forward == "yes"
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)
+
+
+@torch.no_grad()
+def init_shards(model, seed):  # FSDP 2: one whole parameter at a time, each rank keeps its slice
+    """Fill this rank's shards with chapter 3's initial weights: each parameter is made whole from
+    the seed (initial_value), one at a time, and each rank keeps its own slice of it with no
+    communication (src_data_rank=None). The peak is one parameter, not the model."""
+    for name, p in model.named_parameters():
+        full = initial_value(name, p.shape, seed, len(model.blocks)).to(p.device)
+        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))
+
+
+def resumed_step(run, raw_model, optimizer, data):
+    """A collective: the step to go on from, 0 or --resume's after loading it. Rank 0 decides
+    whether `--resume auto` finds a checkpoint; all ranks load it, or all stop with one line."""
+    path, state, problem = resume_path(run), None, None  # FSDP 3: read the small file, agree,
+    try:  # and only then load the shards, a collective
+        state = read_run_state(path, run, data) if path else None
+    except InputError as err:  # told to every rank below, so that none waits for this one
+        problem = str(err)
+    step = agree_on_start(state["step"] if state else 0, problem, path)  # FSDP 3
+    if path:
+        load_shards(path, state, run, raw_model, optimizer)  # FSDP 3: every rank, at once
+        print0(run.is_main, f"resumed from {path} at step {step}")
+    return step
+
+
+def wrap_model(run, raw_model):  # FSDP 4: no wrapper: the sharded model trains itself
+    """The model that trains: the sharded raw_model, compiled with --compile. Two handles to one
+    set of shards: `raw_model` (saved, exported) and `model`, the same or its compiled form."""
+    if run.args.compile:
+        return torch.compile(raw_model, backend=run.args.compile_backend)
+    return raw_model
+
+
+def train_step(run, model, optimizer, windows, step):
+    """One optimizer step over --grad-accum micro-batches; a collective. Returns the loss (mean
+    over all ranks) and the gradient norm before clipping, both device tensors."""
+    args = run.args
+    batches = [on_device(windows.rows(step * args.grad_accum + i), run.device)
+               for i in range(args.grad_accum)]
+    loss = accumulate_gradients(model, batches)  # FSDP 1: the policy casts, no autocast
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, args)
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
+    grad_norm = grad_norm.full_tensor()  # FSDP 5: the norm over all shards, the same everywhere
+    loss = mean_over_ranks(loss)  # DDP 7: every rank gets the same mean, so the same verdict
+    stop_if_diverged(run, step, loss, grad_norm)
+    optimizer.step()  # FSDP 1
+    optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm
+
+
+def accumulate_gradients(model, batches):  # FSDP 6: one reduce-scatter per step
+    """Forward and backward over each micro-batch (inputs, targets): gradients add up in each
+    rank's shards, and FSDP reduce-scatters them once, in the last backward. Returns the mean
+    loss (detached)."""
+    total = 0.0
+    for i, (x, y) in enumerate(batches):
+        model.set_requires_gradient_sync(i == len(batches) - 1)  # FSDP 6: FSDP's no_sync
+        _, loss = model(x, y)
+        loss = loss / len(batches)  # micro-batches of equal size: the mean of their means
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def evaluate(run, model, val):  # FSDP 7: every rank runs as many forwards
+    """The mean validation loss per token, exact at any world size; a collective. Each forward
+    all-gathers weights with every rank, so a rank with fewer batches pads its list with batches
+    whose targets are all -100 (cross_entropy ignores them): they count for nothing."""
+    batches = list(validation_batches(run, val))  # DDP 4: disjoint slices
+    most = torch.tensor(len(batches), device=run.device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    x = torch.zeros(1, run.args.block_size, dtype=torch.long, device=run.device)
+    batches += [(x, torch.full_like(x, -100))] * (int(most) - len(batches))
+    return mean_loss_over_ranks(model, batches)
+
+
+@torch.no_grad()
+def mean_loss_over_ranks(model, batches):  # FSDP 1: no autocast; DDP 7: sum, divide once
+    """The mean cross-entropy per target over all ranks' batches (inputs, targets): each rank
+    sums its own, one all-reduce adds the sums and the counts up. A collective: every rank calls
+    it (evaluate() says how many batches each rank may bring)."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
+    for x, y in batches:
+        logits, _ = model(x)  # FSDP 1
+        totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
+        totals[1] += (y != -100).sum()  # FSDP 7: the padding counts no token
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # gloo has no AVG: sum, then divide
+    model.train()
+    return (totals[0] / totals[1]).item()
+
+
+def mean_over_ranks(value):  # DDP 7
+    """A collective: the average of a scalar tensor over all ranks (SUM, then divide)."""
+    value = value.detach().clone().float()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value / dist.get_world_size()
+
+
+def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every rank its shards
+    """A collective: rank 0 writes DIR/step-N/run.json (step, flags, vocabulary, every rank's
+    RNG), then every rank writes its own shards of the weights and of AdamW's state into
+    DIR/step-N/ (torch.distributed.checkpoint: nothing is gathered). DCP writes .metadata last:
+    a folder without it is never resumed. Then rank 0 removes older steps. A failed save:
+    SaveFailed on every rank, the step's folder removed, the previous step intact."""
+    rng_states = [None] * run.world_size  # DDP: each rank has its own dropout stream
+    dist.all_gather_object(rng_states, rng_state(run.device))
+    folder = os.path.join(run.args.save, f"step-{step:06d}")  # FSDP 3: a folder per step
+    if not shards_finite(raw_model):  # a collective: every rank gets the same answer
+        raise SaveFailed(f"not saving {folder}: the weights are not finite")
+    state = run_state(run, data, step, rng_states)
+    try:
+        save_on_rank_0(lambda: write_file(os.path.join(folder, "run.json"), state), run.is_main)
+        model_state, optim_state = get_state_dict(raw_model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=folder)
+    except (SaveFailed, OSError, RuntimeError, CheckpointException) as err:  # DCP: on every rank
+        save_on_rank_0(lambda: shutil.rmtree(folder, ignore_errors=True), run.is_main)
+        failed = SaveFailed(f"cannot save {folder}: {first_reason(err)}")
+        raise (err if isinstance(err, SaveFailed) else failed) from None
+    save_on_rank_0(lambda: drop_older_steps(run.args.save, folder), run.is_main)
+    print0(run.is_main, f"step {step}/{run.args.max_steps} | saved {folder}")
+
+
+def save_on_rank_0(write, is_main):  # DDP 8: one writer; every rank waits and learns the outcome
+    """A collective: rank 0 calls write(); every rank waits for it and raises what it raised.
+    Never call it inside `if is_main:`: the other ranks would not reach the broadcast."""
+    error = None
+    if is_main:
+        try:
+            write()
+        except Exception as err:  # sent to every rank below, so that none goes on alone
+            error = err
+    outcome = [error]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
+def leave_distributed():  # DDP 9: leave the process group on every path, error or not
+    """Free what a failed run left (a DDP model holds the group), then leave the group."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ============================================================================== the plumbing
+# Flags, data files, mixed precision, the optimizer and schedule, checkpoint files, logging and
+# timing, sampling, and the errors: what any trainer needs, distributed or not.
+
+
+# ------------------------------------------------------------------------------------------ flags
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit code 2, instead of argparse's usage block
@@ -127,7 +566,7 @@ def parse_args(argv=None):
     a = p.add_argument_group("distributed: timeouts and debugging (chapters 5 and 6)").add_argument
     a("--dist-timeout", type=positive(float), default=300, metavar="S",
       help="seconds a collective waits for a peer before the job fails (default: 300)")
-    a("--reshard-after-forward", choices=["yes", "no"], default="yes",  # FSDP 1
+    a("--reshard-after-forward", choices=["yes", "no"], default="yes",  # FSDP 2
       help="yes: free the gathered weights after each block's forward, gather them again for "
            "backward (ZeRO-3, least memory); no: keep them until backward (ZeRO-2-like, fewer "
            "all-gathers) (default: yes)")
@@ -139,15 +578,16 @@ def parse_args(argv=None):
       help="validation sequences per evaluation (default: 128)")
     a("--log-every", type=positive(int), default=10, metavar="N",
       help="steps between log lines (default: 10)")
-    a("--save", default="checkpoints/minigpt_fsdp", metavar="DIR",  # FSDP 6
-      help="checkpoint folder written at the end, '' for none (default: %(default)s)")
-    a("--export", default="checkpoints/minigpt_fsdp.pt", metavar="PATH",  # FSDP 7
+    a("--save", default="checkpoints/minigpt_fsdp", metavar="DIR",  # FSDP 3
+      help="checkpoint folder (one step-N folder of shards per save), '' for none "
+           "(default: %(default)s)")
+    a("--export", default="checkpoints/minigpt_fsdp.pt", metavar="PATH",  # FSDP 8
       help="one plain file of the final weights, chapter 3's format, '' for none "
            "(default: %(default)s)")
     a("--save-every", type=positive(int, zero_ok=True), default=0, metavar="N",
       help="also save every N steps, 0 = only at the end (default: 0)")
-    a("--resume", metavar="DIR",  # FSDP 6
-      help="go on from this checkpoint folder; 'auto': from --save if it holds one")
+    a("--resume", metavar="DIR",  # FSDP 3
+      help="go on from this checkpoint folder's newest complete step; 'auto': from --save's")
     a("--gpu-peak-tflops", type=positive(float), metavar="T",
       help="one GPU's peak TFLOPS for MFU (default: from the GPU's name and --amp, for A100, "
            "H100, H200, L4, L40S, A10, V100, T4, RTX 3090/4090)")
@@ -174,92 +614,6 @@ def parse_args(argv=None):
     if not args.prompt:
         p.error("--prompt must not be empty")
     return args
-
-
-# ------------------------------------------------------------------------------------------ setup
-
-def print0(is_main, message):
-    """Print a log line if this process is the one that logs; flush, so it shows at once."""
-    if is_main:
-        print(message, flush=True)
-
-
-def pick_device(name, index=0):
-    """'auto' means the GPU if this machine has one, else the CPU; `index` picks the GPU."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise InputError("--device cuda, but no CUDA device is visible (try --device cpu)")
-    if name == "cuda" and index >= torch.cuda.device_count():  # more processes than GPUs here
-        raise InputError(f"GPU {index} asked for, but {torch.cuda.device_count()} visible: start "
-                         "at most one process per GPU (--nproc_per_node)")
-    return torch.device(name, index) if name == "cuda" else torch.device(name)
-
-
-def init_distributed(device, timeout_s, debug):  # DDP 1: join the process group
-    """Join the group torchrun describes; plain `python` makes a group of one. Returns this
-    process's device, its rank and the world size."""
-    if device.type == "cuda":  # DDP 2: one GPU per process, picked by LOCAL_RANK, before CUDA work
-        device = pick_device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    bound = {"device_id": device} if device.type == "cuda" else {}  # NCCL: bind the group to it
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if debug:  # DDP: before the group starts; DETAIL checks every collective (not on gloo: docs/)
-        dist.set_debug_level(dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO)
-    if "RANK" in os.environ:  # launched by torchrun
-        dist.init_process_group(backend, timeout=timeout, **bound)
-    else:  # DDP: plain `python`, a group of one over an in-memory store
-        print("not launched by torchrun: running as a one-process group (world size 1)", flush=True)
-        store = dist.HashStore()
-        dist.init_process_group(backend, timeout=timeout, store=store, rank=0, world_size=1,
-                                **bound)
-    return device, dist.get_rank(), dist.get_world_size()
-
-
-def keep_freed_memory_on_cpu(device):
-    """On Linux CPUs (glibc), keep freed memory in the process. Each step frees and allocates tens
-    of MB (the logits); by default glibc hands such blocks back to the OS at once, and the next
-    step pays page faults to map them again (10-30% of a step, measured: docs/performance.md)."""
-    if device.type != "cpu":
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return  # not glibc (macOS, musl, Windows): nothing to tune
-    libc.mallopt(-4, 0)  # M_MMAP_MAX = 0: serve large blocks from the heap, not fresh mmaps
-    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD = 1 GiB: keep that much freed heap for reuse
-
-
-def amp_dtype(choice, device):
-    """The autocast dtype, or None for fp32. bf16 has fp32's range: no loss scaling. fp16 needs a
-    GradScaler. Only native bf16 counts: V100s and T4s emulate it, slower than fp16."""
-    native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
-    if choice == "auto":
-        if device.type != "cuda":
-            return None
-        return torch.bfloat16 if native_bf16 else torch.float16
-    if choice == "fp16" and device.type != "cuda":
-        raise InputError("--amp fp16 needs a CUDA device; on a CPU use --amp bf16 or --amp off")
-    if choice == "bf16" and device.type == "cuda" and not native_bf16:
-        raise InputError("--amp bf16: this GPU has no native bf16 (only slow emulation); "
-                         "use --amp fp16")
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[choice]
-
-
-def mixed_precision(args, device):  # FSDP 1: FSDP's policy casts the weights, not autocast
-    """(the dtype's name, an autocast context, a GradScaler, FSDP's policy): bf16 compute on the
-    gathered weights, fp32 gradient reduction, fp32 shards, no GradScaler."""
-    dtype = amp_dtype(args.amp, device)
-    if dtype == torch.float16 and args.amp == "auto":  # FSDP 1: fp16 would need loss scaling
-        dtype = None  # a GPU without native bf16: fp32 here
-    if dtype == torch.float16:
-        raise InputError("--amp fp16: this FSDP trainer runs bf16 or fp32 (fp16 would need loss "
-                         "scaling of sharded gradients); use --amp bf16, or train_ddp_minigpt.py")
-    autocast = torch.autocast(device.type, enabled=False)  # FSDP 1: the policy casts instead
-    scaler = torch.amp.GradScaler(device.type, enabled=False)
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    return str(dtype or "off").replace("torch.", ""), autocast, scaler, policy
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -353,53 +707,6 @@ def load_data(args, world_size):
     return train, val, vocab_size, itos
 
 
-class Windows:
-    """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
-    block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
-    ranks round-robin, like DistributedSampler: ranks read different windows, and an epoch reads
-    each token once. Micro-batch k is a function of k alone, so a resumed run reads what the
-    uninterrupted one would have."""
-
-    def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
-        self.tokens, self.block, self.batch = tokens, block_size, batch_size
-        self.rank, self.world, self.seed = rank, world_size, seed
-        per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size  # at any offset
-        self.per_epoch = per_rank // batch_size  # micro-batches per rank per epoch
-        self.span = np.arange(block_size + 1)
-        self.epoch, self.starts = None, None
-
-    def deal(self, epoch):
-        """The start of every window this rank reads in `epoch`, in order."""
-        g = torch.Generator().manual_seed(self.seed + epoch)  # DDP 5: a new order each epoch
-        offset = int(torch.randint(0, self.block + 1, (1,), generator=g))
-        count = self.per_epoch * self.batch * self.world
-        order = torch.randperm((len(self.tokens) - offset) // (self.block + 1), generator=g)[:count]
-        return (offset + order * (self.block + 1))[self.rank::self.world].numpy()  # DDP 4: shard
-
-    def get(self, k):
-        """Micro-batch k of this rank: inputs and targets (inputs shifted by one), (B, T) each."""
-        epoch, i = divmod(k, self.per_epoch)
-        if epoch != self.epoch:
-            self.epoch, self.starts = epoch, self.deal(epoch)
-        rows = self.tokens[self.starts[i * self.batch:(i + 1) * self.batch, None] + self.span]
-        rows = torch.from_numpy(rows.astype(np.int64))
-        return rows[:, :-1], rows[:, 1:]
-
-
-def build_data(args, rank, world_size, is_main):
-    """This rank's training windows, the validation tokens, the vocabulary size and the loss to
-    beat; logs what was loaded (and with --debug, which windows each rank reads)."""
-    train_tokens, val, vocab_size, args.itos = load_data(args, world_size)  # args: saved with it
-    windows = Windows(train_tokens, args.block_size, args.batch_size, rank, world_size, args.seed)
-    baseline = unigram_loss(train_tokens, val, vocab_size)
-    unit = "byte" if vocab_size == 256 else "token"
-    print0(is_main, f"data {args.data or 'Python standard library'} | {len(train_tokens):,} train "
-                    f"/ {len(val):,} val tokens | vocab {vocab_size} | "
-                    f"{unit}-frequency baseline loss {baseline:.4f}")
-    if args.debug:
-        log_windows(windows, rank, world_size, is_main)
-    return windows, val, vocab_size, baseline
-
 
 def unigram_loss(train, val, vocab_size):
     """Cross-entropy (nats/token) on the validation tokens of predicting each token by its frequency
@@ -408,161 +715,87 @@ def unigram_loss(train, val, vocab_size):
     return float(-np.log(counts / counts.sum())[val].mean())
 
 
-def log_windows(windows, rank, world_size, is_main):  # DDP: --debug, which windows each rank reads
-    """Every rank describes its data; rank 0 prints the lines in rank order, so that lines from
-    several processes never splice into each other."""
-    line = (f"[rank {rank}] {windows.per_epoch} micro-batches per epoch, "
-            f"first windows at tokens {windows.deal(0)[:4].tolist()}")
-    lines = [None] * world_size
-    dist.all_gather_object(lines, line)  # a collective: every rank calls it
-    print0(is_main, "\n".join(lines))
+
+def validation_batches(run, val):
+    """This rank's validation batches, (inputs, targets) on its device: the first --eval-windows
+    non-overlapping windows of the validation tokens, dealt to the ranks round-robin."""
+    args = run.args
+    starts = np.arange(0, len(val) - args.block_size, args.block_size + 1)[:args.eval_windows]
+    mine = starts[run.rank::run.world_size]
+    for i in range(0, len(mine), args.batch_size):
+        rows = val[mine[i:i + args.batch_size, None] + np.arange(args.block_size + 1)]
+        yield on_device(torch.from_numpy(rows.astype(np.int64)), run.device)
 
 
-# ------------------------------------------------------------------------------------------ model
-
-def causal_attention(q, k, v):
-    """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
-    attention on GPUs); is_causal builds no mask. No dropout on the attention weights: on a CPU it
-    forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
-    bf16 CPU backward kernel is 3x slower than the fp32 one (measured: docs/performance.md)."""
-    if q.device.type != "cpu":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    with torch.autocast("cpu", enabled=False):
-        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
-    return y.to(q.dtype)
+def on_device(rows, device):
+    """Token rows (B, T + 1) as inputs and targets (B, T) on `device`. On a GPU the rows are
+    copied from page-locked memory, so the copy can overlap GPU work, and sliced there."""
+    if device.type == "cuda":
+        rows = rows.pin_memory()
+    rows = rows.to(device, non_blocking=True)
+    return rows[:, :-1], rows[:, 1:]
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd, n_head):
-        super().__init__()
-        self.n_head = n_head
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
-        self.proj = nn.Linear(n_embd, n_embd)
-
-    def forward(self, x):
-        B, T, C = x.shape
-        qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, heads, T, head size)
-        y = causal_attention(q, k, v)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+def log_windows(run, windows):  # DDP: --debug, which windows each rank reads
+    """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
+    that lines from several processes never splice into each other."""
+    line = (f"[rank {run.rank}] {windows.per_epoch} micro-batches per epoch, "
+            f"first windows at tokens {windows.starts_of_epoch(0)[:4].tolist()}")
+    lines = [None] * run.world_size
+    dist.all_gather_object(lines, line)
+    print0(run.is_main, "\n".join(lines))
 
 
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attention(norm(x)), then x + MLP(norm(x))."""
+# -------------------------------------------------------------- precision, optimizer, schedule
 
-    def __init__(self, n_embd, n_head, dropout):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
-                                 nn.Linear(4 * n_embd, n_embd))
-        self.drop = nn.Dropout(dropout)
+def keep_freed_memory_on_cpu(device):
+    """On Linux CPUs (glibc), keep freed memory in the process. Each step frees and allocates tens
+    of MB (the logits); by default glibc hands such blocks back to the OS at once, and the next
+    step pays page faults to map them again (10-30% of a step, measured: docs/performance.md)."""
+    if device.type != "cpu":
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc (macOS, musl, Windows): nothing to tune
+    libc.mallopt(-4, 0)  # M_MMAP_MAX = 0: serve large blocks from the heap, not fresh mmaps
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD = 1 GiB: keep that much freed heap for reuse
 
-    def forward(self, x):
-        x = x + self.drop(self.attn(self.ln1(x)))
-        return x + self.drop(self.mlp(self.ln2(x)))
+
+def amp_dtype(choice, device):
+    """The autocast dtype, or None for fp32. bf16 has fp32's range: no loss scaling. fp16 needs a
+    GradScaler. Only native bf16 counts: V100s and T4s emulate it, slower than fp16."""
+    native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    if choice == "auto":
+        if device.type != "cuda":
+            return None
+        return torch.bfloat16 if native_bf16 else torch.float16
+    if choice == "fp16" and device.type != "cuda":
+        raise InputError("--amp fp16 needs a CUDA device; on a CPU use --amp bf16 or --amp off")
+    if choice == "bf16" and device.type == "cuda" and not native_bf16:
+        raise InputError("--amp bf16: this GPU has no native bf16 (only slow emulation); "
+                         "use --amp fp16")
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[choice]
 
 
-class GPT(nn.Module):
-    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd, dropout,
-                 grad_checkpointing=False):
-        super().__init__()
-        self.block_size, self.grad_checkpointing = block_size, grad_checkpointing
-        self.tok_emb = nn.Embedding(vocab_size, n_embd)
-        self.pos_emb = nn.Embedding(block_size, n_embd)
-        self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd)
-        self.head = nn.Linear(n_embd, vocab_size, bias=False)
-        self.head.weight = self.tok_emb.weight  # weight tying: one matrix embeds and un-embeds
-        self.apply(self.init_weights)
-        for name, p in self.named_parameters():  # GPT-2: residual branches shrink with depth
-            if name.endswith(("attn.proj.weight", "mlp.2.weight")):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer))
 
-    @staticmethod
-    def init_weights(module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
-
-    def forward(self, idx, targets=None):
-        """Logits (B, T, vocab), and the mean cross-entropy per token if targets are given."""
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
-        for block in self.blocks:
-            if self.grad_checkpointing and self.training:  # keep block inputs; recompute the rest
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        logits = self.head(self.ln_f(x))
-        if targets is None:
-            return logits, None
-        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature, top_k):
-        """Append max_new_tokens tokens to idx (1, T), each drawn from the model's prediction."""
-        for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.block_size:])[0][:, -1] / temperature
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            idx = torch.cat([idx, torch.multinomial(logits.softmax(-1), 1)], dim=1)
-        return idx
+def mixed_precision(choice, device):  # FSDP 1: FSDP's policy casts the weights, not autocast
+    """(the dtype's name, FSDP's policy): compute in bf16 on the gathered weights, gradients
+    reduced in fp32, shards kept in fp32; no GradScaler."""
+    dtype = amp_dtype(choice, device)
+    if dtype == torch.float16 and choice == "auto":  # FSDP 1: no native bf16: fp32 here
+        dtype = None
+    if dtype == torch.float16:
+        raise InputError("--amp fp16: this FSDP trainer runs bf16 or fp32 (fp16 would need loss "
+                         "scaling of sharded gradients); use --amp bf16, or train_ddp_minigpt.py")
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    return str(dtype or "off").replace("torch.", ""), policy
 
 
 def model_config(args, vocab_size):
     return {"vocab_size": vocab_size, "block_size": args.block_size, "n_layer": args.n_layer,
             "n_head": args.n_head, "n_embd": args.n_embd, "dropout": args.dropout}
 
-
-def build_model(args, vocab_size, scaler, policy, rank, device):  # FSDP 1: shards, FSDP 6: resume
-    """The sharded model and its optimizer, fresh or from --resume; and the step to go on from."""
-    torch.manual_seed(args.seed)  # the same initial weights on every rank, then each keeps a shard
-    config = model_config(args, vocab_size)
-    raw_model = GPT(**config, grad_checkpointing=args.grad_checkpointing).to(device)
-    shard(raw_model, args, policy)  # FSDP 1: before the optimizer, which must see the shards
-    optimizer = make_optimizer(raw_model, args, device)
-    torch.manual_seed(args.seed + rank)  # DDP: each rank its own dropout masks, as its own data
-    path = resolve_resume(args.resume, args.save)
-    state, error = None, None  # FSDP 6: read the step file, agree, and only then load the shards
-    try:
-        state = read_step(path, args, vocab_size) if path else None  # FSDP 6
-    except InputError as err:  # told to every rank below, so that none waits for this one
-        error = str(err)
-    start = agree_on_start(state["step"] if state else 0, error, path)  # FSDP 6
-    if state:  # FSDP 6: only now, on every rank at once: loading the shards is a collective
-        resume(path, state, raw_model, optimizer, scaler, rank, device)
-    return raw_model, optimizer, start, path
-
-
-def shard(model, args, policy):  # FSDP 1: shard every block, then the rest (embeddings, head)
-    """fully_shard turns each block's parameters into DTensors split across the ranks (dim 0): a
-    block's weights are all-gathered just before its forward and its gradients reduce-scattered
-    after its backward, so at most a block or two exist in full at a time."""
-    reshard = args.reshard_after_forward == "yes"
-    for block in model.blocks:
-        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
-
-
-def compile_model(model, args):
-    """torch.compile the sharded model if --compile."""
-    return torch.compile(model, backend=args.compile_backend) if args.compile else model
-
-
-def memory_line(model):  # FSDP 5: what each rank holds, against DDP's full copy
-    """Bytes of weights + gradients + AdamW's two moments (fp32: 4 copies) held by this rank."""
-    mine = sum(p.to_local().numel() for p in model.parameters())
-    full = sum(p.numel() for p in model.parameters())
-    return (f"memory per rank: weights, gradients and AdamW state {16 * mine / 2**20:.2f} MiB "
-            f"({mine:,} of {full:,} parameters; DDP: {16 * full / 2**20:.2f} MiB); every "
-            "parameter is sharded, the embeddings too")
-
-
-# --------------------------------------------------------------------------------------- training
 
 def make_optimizer(model, args, device):
     """AdamW; weight decay on matrices (embeddings, linear weights) only, never biases or norms."""
@@ -582,157 +815,45 @@ def lr_at(step, args):
     return args.min_lr + cosine * (args.lr - args.min_lr)
 
 
-def train_step(model, optimizer, scaler, windows, step, args, autocast, device):
-    """One optimizer step over --grad-accum micro-batches. Returns the mean loss per token over all
-    ranks and the gradient norm before clipping (both device tensors)."""
-    loss_sum = torch.zeros((), device=device)
-    for micro in range(args.grad_accum):
-        x, y = windows.get(step * args.grad_accum + micro)
-        if device.type == "cuda":  # page-locked memory: the copy below can overlap GPU work
-            x, y = x.pin_memory(), y.pin_memory()
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        last = micro == args.grad_accum - 1
-        model.set_requires_gradient_sync(last)  # FSDP 2: reduce-scatter on the last micro-batch
-        with autocast:
-            _, loss = model(x, y)
-        loss = loss / args.grad_accum  # every micro-batch has as many tokens: mean of means
-        scaler.scale(loss).backward()
-        loss_sum += loss.detach()
-    for group in optimizer.param_groups:
-        group["lr"] = lr_at(step, args)
-    scaler.unscale_(optimizer)  # fp16: true gradients before clipping (no-op if the scaler is off)
-    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
-    grad_norm = grad_norm.full_tensor()  # FSDP 3: the norm of all shards, the same on every rank
-    loss = mean_over_ranks(loss_sum)  # DDP 7: every rank gets the same mean, so the same verdict
-    stop_if_diverged(step, loss, grad_norm, scaler, args)
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return loss, grad_norm
 
-
-@torch.no_grad()
-def evaluate(model, val, args, rank, world_size, autocast):
-    """Mean loss per token over the first --eval-windows non-overlapping validation windows, each
-    rank taking a disjoint slice: loss sums and token counts are all-reduced: the mean is exact."""
-    model.eval()
-    device = next(model.parameters()).device
-    starts = np.arange(0, len(val) - args.block_size, args.block_size + 1)[:args.eval_windows]
-    mine = starts[rank::world_size]  # DDP 4: disjoint validation slices, no padding
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
-    forwards = len(starts[0::world_size])  # FSDP 4: every rank runs as many forwards as rank 0:
-    for i in range(0, forwards, args.batch_size):  # each forward all-gathers, with every rank
-        chunk = mine[i:i + args.batch_size] if i < len(mine) else starts[:1]  # (counted as 0)
-        rows = val[chunk[:, None] + np.arange(args.block_size + 1)]
-        rows = torch.from_numpy(rows.astype(np.int64)).to(device)
-        x, y = rows[:, :-1], rows[:, 1:]
-        with autocast:
-            logits, _ = model(x)
-        loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum")
-        if i < len(mine):  # FSDP 4
-            totals += torch.stack([loss_sum.double(), totals.new_tensor(y.numel())])
-    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # DDP 7: sums over all ranks, then one division
-    model.train()
-    return (totals[0] / totals[1]).item()
-
-
-def mean_over_ranks(value):
-    """The average of a scalar tensor over all ranks (SUM, then divide: gloo has no AVG)."""
-    value = value.detach().clone().float()
-    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # DDP 7: every rank calls it, not only rank 0
-    return value / dist.get_world_size()
-
-
-def stop_if_diverged(step, loss, grad_norm, scaler, args):
+def stop_if_diverged(run, step, loss, grad_norm):
     """Raise Diverged, before the optimizer applies it, if a step's loss or gradient norm is not
     finite. Both are the same on every rank (all-reduced), so every rank stops at this step. With
     fp16 a non-finite gradient is the GradScaler's to skip; only a non-finite loss stops the run."""
     loss, grad_norm = loss.item(), grad_norm.item()  # a host sync per step: the price of the check
-    if math.isfinite(loss) and (math.isfinite(grad_norm) or scaler.is_enabled()):
+    fp16 = run.amp == "float16"
+    if math.isfinite(loss) and (math.isfinite(grad_norm) or fp16):
         return
-    fp16 = ", or --amp bf16 instead of fp16" if scaler.is_enabled() else ""
+    args = run.args
     raise Diverged(f"step {step + 1}/{args.max_steps}: loss {loss:.4g}, grad norm {grad_norm:.4g}: "
                    f"not finite, step not applied; try a lower --lr (now {args.lr:g}), a --clip "
-                   f"(now {args.clip:g}){fp16}")
+                   f"(now {args.clip:g}){', or --amp bf16 instead of fp16' if fp16 else ''}")
 
 
-def peak_tflops(gpu_name, amp):
-    """The dense peak TFLOPS of a common GPU (vendor datasheets, no sparsity) for the autocast dtype
-    ("off": fp32 without TF32), or None for a GPU not in the table."""
-    table = [  # name fragment, 16-bit tensor cores, fp32; the longer fragment first
-        ("H100 PCIe", 756, 51), ("H100", 989, 67), ("H200", 989, 67), ("A100", 312, 19.5),
-        ("L40S", 362, 91.6), ("L4", 121, 30.3), ("A10", 125, 31.2), ("V100", 125, 15.7),
-        ("T4", 65, 8.1), ("4090", 165, 82.6), ("3090", 71, 35.6)]
-    for fragment, half, single in table:
-        if fragment in gpu_name:
-            return single if amp == "off" else half
-    return None
-
-
-def mfu_work(args, raw_model, tokens_per_step, world_size, device, amp):
-    """FLOPs per optimizer step over the job's peak FLOP/s, so MFU = this / seconds per step; and
-    which peak was used (None when there is none: a CPU, or a GPU not in peak_tflops' table).
-    FLOPs as nanoGPT counts them: 6N per token plus attention, N without position embeddings."""
-    if device.type != "cuda":
-        return None, None
-    name = torch.cuda.get_device_name(device)
-    peak = args.gpu_peak_tflops or peak_tflops(name, amp)
-    if peak is None:
-        return None, f"MFU: {name} is not in the table; give --gpu-peak-tflops"
-    n = sum(p.numel() for p in raw_model.parameters()) - raw_model.pos_emb.weight.numel()
-    flops_per_token = 6 * n + 12 * args.n_layer * args.n_embd * args.block_size
-    return (flops_per_token * tokens_per_step / (world_size * peak * 1e12),
-            f"MFU against {peak:g} TFLOPS per GPU ({name}, {'fp32' if amp == 'off' else amp})")
-
-
-def log_line(step, args, loss, grad_norm, pace, tokens_per_step, mfu):
-    """step N/M | loss | lr | grad norm | ms/step | tok/s, and MFU on CUDA (docs/conventions.md).
-    `pace` is (steps, seconds) of the interval since the last log line; `mfu` from mfu_work."""
-    step_s = pace[1] / pace[0]
-    line = (f"step {step}/{args.max_steps} | loss {loss:.4f} | lr {lr_at(step - 1, args):.2e} | "
-            f"grad norm {grad_norm:.3f} | {1000 * step_s:.1f} ms/step | "
-            f"{tokens_per_step / step_s:,.0f} tok/s")
-    if mfu is not None:  # model FLOPs utilisation
-        line += f" | MFU {100 * mfu / step_s:.1f}%"
-    return line
-
-
-def pace(step_s, tokens_per_step):
-    """The summary keys benchmark_scaling.py reads (docs/conventions.md): the median ms per
-    optimizer step, and the throughput of all ranks it implies."""
-    return {"step_ms": round(1000 * step_s, 3), "per_step": tokens_per_step,
-            "throughput_unit": "tokens/s",
-            "throughput": round(tokens_per_step / step_s, 1) if step_s else 0.0}
-
-
-def benchmark(model, optimizer, scaler, windows, args, autocast, device, tokens_per_step, is_main):
-    """--benchmark: 5 warm-up steps, then --max-steps timed ones; median ms/step and tokens/s."""
-    times = []
-    for step in range(5 + args.max_steps):
-        start = time.perf_counter()
-        loss, _ = train_step(model, optimizer, scaler, windows, step, args, autocast, device)
-        loss.item()  # wait for the device: the step is over
-        times.append(time.perf_counter() - start)
-    result = {**pace(statistics.median(times[5:]), tokens_per_step), "timed_steps": args.max_steps}
-    print0(is_main, f"benchmark | {result['step_ms']} ms/step | {result['throughput']:,.0f} tok/s")
-    print0(is_main, summary_line(result))
-
-
-# ------------------------------------------------------------------------------------ checkpoints
+# ------------------------------------------------------------------------------- checkpoint files
 
 def all_finite(state_dict):
     """True if every floating-point tensor of a state dict is free of NaN and infinity."""
     return all(bool(torch.isfinite(t).all()) for t in state_dict.values() if t.is_floating_point())
 
 
-def write_file(path, state):  # FSDP 6: for step files and the export, whose callers check
+
+def run_state(run, data, step, rng_states):  # FSDP 3: all of a step but the shards
+    """What a step needs besides its shards, as JSON: the step, model config, flags and every
+    rank's RNG states (their bytes as lists of numbers)."""
+    rng = [{k: None if v is None else v.tolist() for k, v in r.items()} for r in rng_states]
+    return json.dumps({"step": step, "config": model_config(run.args, data.vocab_size),
+                       "args": vars(run.args), "rng": rng}).encode()
+
+
+def write_file(path, payload):  # FSDP 3: bytes: run.json, or the export
     """Write atomically: a temp file in the same folder, fsync, then rename over the final name.
-    Non-finite weights are never written; any failure leaves the previous file as it was."""
+    Any failure is SaveFailed and leaves the previous file as it was."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            f.write(payload)  # FSDP 3
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half
@@ -744,76 +865,63 @@ def write_file(path, state):  # FSDP 6: for step files and the export, whose cal
             os.remove(tmp)
 
 
-def shards_finite(model):  # FSDP 6
-    """True on every rank if every rank's shards are free of NaN and infinity (a collective)."""
+def rng_state(device):
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def shards_finite(model):  # FSDP 3
+    """A collective: True on every rank if every rank's shards are free of NaN and infinity."""
     mine = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
     flag = torch.tensor([float(mine)], device=next(model.parameters()).device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
 
-def rng_state(device):
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+def first_reason(err):  # FSDP 3
+    """One line for a failed save or load; DCP's CheckpointException holds each rank's error."""
+    if isinstance(err, CheckpointException):
+        err = next(iter(err.failures.values()))[0]
+    return getattr(err, "strerror", None) or (str(err).strip().splitlines() or [repr(err)])[0]
 
 
-def save_once(  # FSDP 6: every rank writes its shards, then rank 0 a step file
-        path, raw_model, optimizer, scaler, step, args, vocab_size, device, is_main):
-    """Every rank writes its own shards of the weights and of AdamW's state into
-    DIR/step-N/ (torch.distributed.checkpoint: nothing is gathered), then rank 0 writes the rest
-    (step, flags, scaler, every rank's RNG) to DIR/step-N.pt, atomically, and drops older steps.
-    A step counts only once its .pt exists, so a save killed half-way is never resumed from."""
-    rng_states = [None] * dist.get_world_size()  # DDP: each rank has its own dropout stream
-    dist.all_gather_object(rng_states, rng_state(device))
-    shards, error = os.path.join(path, f"step-{step:06d}"), None  # FSDP 6
-    if not shards_finite(raw_model):
-        raise SaveFailed(f"not saving {shards} at step {step}: the weights are not finite")
-    model_state, optim_state = get_state_dict(raw_model, optimizer)
-    try:
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=shards)
-    except Exception as err:  # raised on every rank: DCP gathers each rank's outcome
-        error = SaveFailed(f"cannot save {shards}: {str(err).strip().splitlines()[0]}")
-    if is_main and error is None:
-        try:
-            write_file(shards + ".pt", {  # FSDP 6: the step is complete once this file exists
-                "step": step, "config": model_config(args, vocab_size),
-                "scaler": scaler.state_dict(), "args": vars(args), "rng": rng_states})
-            print(f"step {step}/{args.max_steps} | saved {shards}", flush=True)
-            for old in sorted(glob.glob(os.path.join(glob.escape(path), "step-*.pt")))[:-1]:
-                with contextlib.suppress(OSError):  # an old step left behind costs only disk
-                    os.remove(old)  # no longer complete, then no longer there
-                    shutil.rmtree(old[:-3], ignore_errors=True)
-        except SaveFailed as err:
-            error = err
-    if is_main and error is not None:  # FSDP 6: no half-written step left behind
-        shutil.rmtree(shards, ignore_errors=True)
-    outcome = [error]  # DDP 8: every rank waits for rank 0's save, and learns how it went
-    dist.broadcast_object_list(outcome, src=0)
-    error = outcome[0]
-    if error is not None:
-        raise error
-
-
-def latest_step(folder):  # FSDP 6
-    """The .pt file of the newest complete step in a checkpoint folder, or None."""
-    done = sorted(glob.glob(os.path.join(glob.escape(folder), "step-*.pt")))
+def newest_complete_step(folder, is_main):  # FSDP 3
+    """The newest step folder in `folder` that DCP finished (.metadata is written last), or
+    None; newer unfinished ones are named in one line and ignored."""
+    steps = sorted(glob.glob(os.path.join(glob.escape(folder), "step-*")))
+    done = [s for s in steps if os.path.isfile(os.path.join(s, ".metadata"))]
+    unfinished = [s for s in steps if not done or s > done[-1]]
+    print0(is_main and unfinished, f"ignoring unfinished checkpoint steps (no .metadata): "
+                                   f"{', '.join(unfinished)}")
     return done[-1] if done else None
 
 
-def resolve_resume(resume, save):
-    """--resume auto: continue from the --save checkpoint if it exists, else start fresh (so that a
-    restart after a crash runs the same command and goes on from the last checkpoint). Rank 0
-    looks and tells the rest: ranks that looked on their own could disagree across nodes."""
-    if resume not in ("auto", None) and os.path.isfile(resume):  # FSDP 6: folders, not files
+def drop_older_steps(folder, newest):  # FSDP 3
+    """Remove every complete step in `folder` older than `newest`: first its .metadata (no longer
+    complete), then the rest. A step left behind costs only disk."""
+    for old in sorted(glob.glob(os.path.join(glob.escape(folder), "step-*"))):
+        if old < newest:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(old, ".metadata"))
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def resume_path(run):
+    """A collective: the checkpoint to resume from, or None. --resume auto: the --save checkpoint
+    if it exists (so that a restart after a crash runs the same command and goes on from the last
+    checkpoint). Rank 0 looks and tells the rest: ranks that looked on their own could disagree."""
+    resume, save = run.args.resume, run.args.save
+    if resume not in ("auto", None) and os.path.isfile(resume):  # FSDP 3: folders, not files
         raise InputError(f"{resume} is one file, as train_ddp_minigpt.py saves; this trainer "
                          "resumes from a checkpoint folder of its own (--save DIR)")
-    if resume != "auto":
-        return resume and (latest_step(resume) or resume)  # FSDP 6: its newest complete step
+    if resume != "auto":  # FSDP 3: a step folder, or the newest complete step in a folder
+        complete = resume and os.path.isfile(os.path.join(resume, ".metadata"))
+        return resume and (resume if complete else newest_complete_step(resume, run.is_main))
     if not save:
         raise InputError("--resume auto needs a --save path to look for")
-    found = [latest_step(save)]  # FSDP 6
+    found = [newest_complete_step(save, run.is_main) if run.is_main else None]  # FSDP 3
     dist.broadcast_object_list(found, src=0)  # DDP: rank 0 decides for every rank
-    return found[0]  # FSDP 6: the newest step file, or None
+    return found[0]  # FSDP 3
 
 
 def agree_on_start(start, error, path):
@@ -850,76 +958,237 @@ def read_checkpoint(path):
     return state
 
 
-def read_step(path, args, vocab_size):  # FSDP 6
-    """The rest-of-the-state file of a checkpoint step (loaded to the CPU, weights_only=True),
-    checked against this run's model; a problem is an InputError."""
-    if not os.path.isfile(path):
-        raise InputError(f"no complete checkpoint found: {path}")
+
+def read_run_state(path, run, data):  # FSDP 3
+    """A step folder's run.json, checked against this run's model; a problem is an InputError."""
+    file = os.path.join(path, "run.json")
+    if not os.path.isfile(os.path.join(path, ".metadata")) or not os.path.isfile(file):
+        raise InputError(f"no complete checkpoint at {path} (it needs .metadata and run.json)")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(state, dict) or not {"config", "step", "rng"} <= state.keys():
-            raise ValueError("not a checkpoint step of this script (no config, step and rng)")
-    except Exception as err:  # truncated, not a torch file, not a checkpoint of ours: bad input
-        reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
-        raise InputError(f"cannot read checkpoint {path}: {reason}") from None
-    config = model_config(args, vocab_size)
-    if state["config"] != config:
-        raise InputError(f"{path} was trained with {state['config']}, this run builds {config}")
-    return state  # FSDP 6
+        with open(file, "rb") as f:  # FSDP 3
+            state = json.load(f)
+        config = state["config"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise InputError(f"cannot read {file}: {type(err).__name__}: {err}") from None
+    if config != model_config(run.args, data.vocab_size):
+        raise InputError(f"{path} was trained with {config}, this run builds "
+                         f"{model_config(run.args, data.vocab_size)}")
+    return state
 
 
-def resume(path, state, raw_model, optimizer, scaler, rank, device):
-    """FSDP 6: load this run's shards from the step's folder, whatever world size wrote it (the
-    checkpoint knows which slice of every tensor each file holds), then the scaler and this rank's
-    RNG. Every rank calls it: loading is a collective."""
-    fused = [group.get("fused") for group in optimizer.param_groups]
-    model_state, optim_state = get_state_dict(raw_model, optimizer)  # FSDP 6: shards, to fill
-    try:  # FSDP 6: each rank reads the slices of every tensor that its shards hold
-        dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path[:-3])
-    except Exception as err:  # raised on every rank: DCP gathers each rank's outcome
-        raise InputError(f"cannot load the shards of {path[:-3]}: "
-                         f"{str(err).strip().splitlines()[0]}") from None
+def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
+    """A collective: every rank reads the slices of every tensor that its shards hold, whatever
+    world size wrote them (the checkpoint knows which slice each file holds); then this rank's
+    RNG, when the world size is the one that saved."""
+    model_state, optim_state = get_state_dict(raw_model, optimizer)
+    try:
+        dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
+    except (Exception, CheckpointException) as err:  # raised on every rank: DCP gathers them
+        raise InputError(f"cannot load the shards of {path}: {first_reason(err)}") from None
     set_state_dict(raw_model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     if not shards_finite(raw_model):
         raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
-    if scaler.is_enabled() and state["scaler"]:
-        scaler.load_state_dict(state["scaler"])
-    for group, was in zip(optimizer.param_groups, fused):  # a CPU checkpoint on a GPU: keep the
-        group["fused"] = was  # fused AdamW this run built (loading restores the saved flag)
-    if rank < len(state["rng"]):  # the same world size gets its exact dropout streams back
-        torch.set_rng_state(state["rng"][rank]["cpu"])
-        if state["rng"][rank]["cuda"] is not None and device.type == "cuda":
-            torch.cuda.set_rng_state(state["rng"][rank]["cuda"])
+    if run.rank < len(state["rng"]):  # the same world size gets its exact dropout streams back
+        rng = {k: None if v is None else torch.tensor(v, dtype=torch.uint8)  # FSDP 3
+               for k, v in state["rng"][run.rank].items()}
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] is not None and run.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"])
 
 
-def export(path, model, step, args, vocab_size, is_main):  # FSDP 7: one plain file, to sample
-    """The full weights in chapter 3's checkpoint format, for `python train_ddp_minigpt.py
-    --sample --ckpt PATH` in one process. Every rank sends its shards; rank 0 writes."""
-    if not shards_finite(model):
+def export(run, raw_model, data):  # FSDP 8: one plain file, chapter 3's format
+    """A collective: every rank sends its shards to rank 0's CPU, which writes --export in chapter
+    3's checkpoint format, for `python train_ddp_minigpt.py --sample --ckpt PATH`."""
+    path = run.args.export
+    if not shards_finite(raw_model):
         raise SaveFailed(f"not exporting {path}: the weights are not finite")
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0's CPU
-    full, error = get_model_state_dict(model, options=options), None
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0
+    state = {"model": get_model_state_dict(raw_model, options=options), "optimizer": {},
+             "scaler": {}, "step": run.args.max_steps, "args": vars(run.args),
+             "config": model_config(run.args, data.vocab_size), "itos": data.itos, "rng": []}
+
+    def write():
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        write_file(path, buffer.getvalue())
+        print(f"step {run.args.max_steps}/{run.args.max_steps} | exported {path}", flush=True)
+    save_on_rank_0(write, run.is_main)
+
+
+def memory_line(model):  # FSDP 2: what each rank holds, against DDP's full copy
+    """Bytes of weights + gradients + AdamW's two moments (fp32: 4 copies) held by this rank."""
+    mine = sum(p.to_local().numel() for p in model.parameters())
+    full = sum(p.numel() for p in model.parameters())
+    return (f"memory per rank: weights, gradients and AdamW state {16 * mine / 2**20:.2f} MiB "
+            f"({mine:,} of {full:,} parameters; DDP: {16 * full / 2**20:.2f} MiB); every "
+            "parameter is sharded, the embeddings too")
+
+
+# --------------------------------------------------------------------------- logging and timing
+
+def print0(is_main, message):
+    """Print a log line if this process is the one that logs; flush, so it shows at once."""
     if is_main:
-        try:
-            write_file(path, {"model": full, "optimizer": {}, "scaler": {}, "step": step,
-                              "config": model_config(args, vocab_size), "args": vars(args),
-                              "rng": []})
-            print(f"step {step}/{args.max_steps} | exported {path}", flush=True)
-        except SaveFailed as err:
-            error = err
-    outcome = [error]  # every rank waits for rank 0's write, and learns how it went
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
-        raise outcome[0]
+        print(message, flush=True)
+
+
+def tokens_per_step(run):
+    return run.args.batch_size * run.args.block_size * run.args.grad_accum * run.world_size
+
+
+def peak_tflops(gpu_name, amp):
+    """The dense peak TFLOPS of a common GPU (vendor datasheets, no sparsity) for the autocast dtype
+    ("off": fp32 without TF32), or None for a GPU not in the table."""
+    table = [  # name fragment, 16-bit tensor cores, fp32; the longer fragment first
+        ("H100 PCIe", 756, 51), ("H100", 989, 67), ("H200", 989, 67), ("A100", 312, 19.5),
+        ("L40S", 362, 91.6), ("L4", 121, 30.3), ("A10", 125, 31.2), ("V100", 125, 15.7),
+        ("T4", 65, 8.1), ("4090", 165, 82.6), ("3090", 71, 35.6)]
+    for fragment, half, single in table:
+        if fragment in gpu_name:
+            return single if amp == "off" else half
+    return None
+
+
+
+def flops_per_token(raw_model, args):
+    """The model's FLOPs per token of training as nanoGPT counts them: 6 per parameter (forward
+    and backward), position embeddings aside, plus attention's 12 x layers x width x context."""
+    n = sum(p.numel() for p in raw_model.parameters()) - raw_model.pos_emb.weight.numel()
+    return 6 * n + 12 * args.n_layer * args.n_embd * args.block_size
+
+
+def gpu_peak_flops(run):
+    """The peak FLOP/s of all the job's GPUs together and a line naming the peak used; (None,
+    None) on a CPU, (None, a hint) for a GPU not in peak_tflops' table without --gpu-peak-tflops."""
+    if run.device.type != "cuda":
+        return None, None
+    name = torch.cuda.get_device_name(run.device)
+    peak = run.args.gpu_peak_tflops or peak_tflops(name, run.amp)
+    if peak is None:
+        return None, f"MFU: {name} is not in the table; give --gpu-peak-tflops"
+    precision = "fp32" if run.amp == "off" else run.amp
+    note = f"MFU against {peak:g} TFLOPS per GPU ({name}, {precision})"
+    return peak * 1e12 * run.world_size, note
+
+
+class Meter:
+    """The training clock and the log line. Time between log lines counts training only:
+    main() pauses the clock for evaluation and checkpoints."""
+
+    def __init__(self, run, raw_model, start):
+        self.args, self.tokens = run.args, tokens_per_step(run)
+        peak, note = gpu_peak_flops(run)
+        self.flops_over_peak = peak and self.tokens * flops_per_token(raw_model, run.args) / peak
+        print0(run.is_main and note is not None, note)
+        self.clock, self.last_step, self.intervals = Stopwatch(), start, []  # (steps, seconds)
+
+    def pause(self):
+        self.clock.pause()
+
+    def go(self):
+        self.clock.go()
+
+    def log_line(self, step, loss, grad_norm):
+        """step N/M | loss | lr | grad norm | ms/step | tok/s, and MFU on CUDA, over the steps
+        since the last log line (docs/conventions.md)."""
+        self.intervals.append((step - self.last_step, self.clock.lap()))
+        self.last_step = step
+        step_s = self.intervals[-1][1] / self.intervals[-1][0]
+        line = (f"step {step}/{self.args.max_steps} | loss {loss:.4f} | "
+                f"lr {lr_at(step - 1, self.args):.2e} | grad norm {grad_norm:.3f} | "
+                f"{1000 * step_s:.1f} ms/step | {self.tokens / step_s:,.0f} tok/s")
+        if self.flops_over_peak:  # model FLOPs utilisation
+            line += f" | MFU {100 * self.flops_over_peak / step_s:.1f}%"
+        return line
+
+    def summary(self):
+        """Steps, seconds and tokens/s of training, and the median pace (docs/conventions.md)."""
+        steps, train_s = sum(n for n, _ in self.intervals), sum(s for _, s in self.intervals)
+        timed = self.intervals[1:] or self.intervals  # the first interval is the warm-up
+        step_s = statistics.median([s / n for n, s in timed]) if timed else 0.0
+        return {"steps": steps, "train_s": round(train_s, 3),
+                "tokens_per_s": round(steps * self.tokens / train_s, 1) if train_s else 0.0,
+                **pace_keys(step_s, self.tokens)}
+
+
+def pace_keys(step_s, tokens_per_step):
+    """The summary keys benchmark_scaling.py reads (docs/conventions.md): the median ms per
+    optimizer step, and the throughput of all ranks it implies."""
+    return {"step_ms": round(1000 * step_s, 3), "per_step": tokens_per_step,
+            "throughput_unit": "tokens/s",
+            "throughput": round(tokens_per_step / step_s, 1) if step_s else 0.0}
+
+
+class Stopwatch:
+    """Training seconds between log lines; evaluation and checkpoints are left out (pause/go)."""
+
+    def __init__(self):
+        self.since, self.elapsed = time.perf_counter(), 0.0
+
+    def pause(self):
+        self.elapsed += time.perf_counter() - self.since
+
+    def go(self):
+        self.since = time.perf_counter()
+
+    def lap(self):
+        """Training seconds since the last lap (or the start), and start counting again."""
+        self.pause()
+        seconds, self.elapsed = self.elapsed, 0.0
+        self.go()
+        return seconds
+
+
+def summary_line(summary):
+    """`summary {...}` in strict JSON: a value that is not finite is written as null."""
+    finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+              for k, v in summary.items()}
+    return "summary " + json.dumps(finite, allow_nan=False)
+
+
+
+def benchmark(run, model, optimizer, windows):
+    """--benchmark: 5 warm-up steps, then --max-steps timed ones; median ms/step and tokens/s."""
+    times = []
+    for step in range(5 + run.args.max_steps):
+        start = time.perf_counter()
+        loss, _ = train_step(run, model, optimizer, windows, step)
+        loss.item()  # wait for the device: the step is over
+        times.append(time.perf_counter() - start)
+    result = {**pace_keys(statistics.median(times[5:]), tokens_per_step(run)),
+              "timed_steps": run.args.max_steps}
+    print0(run.is_main, f"benchmark | {result['step_ms']} ms/step | "
+                        f"{result['throughput']:,.0f} tok/s")
+    print0(run.is_main, summary_line(result))
+
+
+def report(run, raw_model, data, val_loss, meter):
+    """The done line, the summary line, and (rank 0, the plain model) a taste of what it learned."""
+    summary = {**meter.summary(), "val_loss": val_loss, "baseline_loss": data.baseline}
+    unit = "byte" if data.vocab_size == 256 else "token"
+    print0(run.is_main, f"done | val loss {val_loss:.4f} ({unit}-frequency baseline "
+                        f"{data.baseline:.4f}) | {summary['tokens_per_s']:,.0f} tok/s over "
+                        f"{summary['train_s']:.1f} s of training")
+    print0(run.is_main, summary_line(summary))
+    if run.args.export:  # FSDP 8: one plain file, for one-process sampling
+        export(run, raw_model, data)
+    if unit == "byte" or data.itos:  # FSDP 7: every rank generates: each forward gathers weights
+        raw_model.eval()
+        start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
+        out = raw_model.generate(torch.tensor([[start]], device=run.device), 200, 0.8, 40)
+        print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 7
 
 
 # --------------------------------------------------------------------------------------- sampling
 
 def sample(args):
     """Inference: ONE plain process, no process group (generation has no gradients to average)."""
-    device = pick_device(args.device)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda, but no CUDA device is visible (try --device cpu)")
+    cuda = args.device != "cpu" and torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
     state = read_checkpoint(args.ckpt)
-    itos = state["args"].get("itos")
+    itos = state.get("itos")
     if state["config"]["vocab_size"] != 256 and itos is None:
         raise InputError(f"{args.ckpt} was trained on token ids (vocab "
                          f"{state['config']['vocab_size']}) without a meta.pkl: --prompt text "
@@ -951,114 +1220,27 @@ def decode(ids, itos):
     return "".join(itos[i] for i in ids)
 
 
-class Stopwatch:
-    """Training seconds between log lines; evaluation and checkpoints are left out (pause/go)."""
 
-    def __init__(self):
-        self.since, self.elapsed = time.perf_counter(), 0.0
+# ----------------------------------------------------------------------------------------- errors
 
-    def pause(self):
-        self.elapsed += time.perf_counter() - self.since
-
-    def go(self):
-        self.since = time.perf_counter()
-
-    def lap(self):
-        """Training seconds since the last lap (or the start), and start counting again."""
-        self.pause()
-        seconds, self.elapsed = self.elapsed, 0.0
-        self.go()
-        return seconds
+class Stop(Exception):
+    """A run that cannot go on: one line on stderr and exit code `code`, never a traceback."""
+    code = 1
 
 
-def summary_line(summary):
-    """`summary {...}` in strict JSON: a value that is not finite is written as null."""
-    finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
-              for k, v in summary.items()}
-    return "summary " + json.dumps(finite, allow_nan=False)
+class InputError(Stop):
+    """Bad input from the user: a flag, a file, a checkpoint."""
+    code = 2
 
 
-def finish(args, raw_model, val_loss, baseline, paces, tokens_per_step, device, is_main):
-    """The done line, the summary line, and (rank 0, the plain model) a taste of what it learned."""
-    steps, train_s = sum(n for n, _ in paces), sum(s for _, s in paces)
-    step_s = statistics.median([s / n for n, s in paces[1:] or paces]) if paces else 0.0
-    summary = {"steps": steps, "val_loss": val_loss, "baseline_loss": baseline,
-               "train_s": round(train_s, 3),
-               "tokens_per_s": round(steps * tokens_per_step / train_s, 1) if train_s else 0.0,
-               **pace(step_s, tokens_per_step)}  # the first log interval is the warm-up
-    unit = "byte" if raw_model.tok_emb.num_embeddings == 256 else "token"
-    print0(is_main, f"done | val loss {val_loss:.4f} ({unit}-frequency baseline {baseline:.4f}) | "
-                    f"{summary['tokens_per_s']:,.0f} tok/s over {train_s:.1f} s of training")
-    print0(is_main, summary_line(summary))
-    if unit == "byte" or args.itos:  # FSDP 4: every rank generates: each forward gathers weights
-        raw_model.eval()
-        start = 10 if unit == "byte" else min(args.itos)  # a newline, or the first piece
-        out = raw_model.generate(torch.tensor([[start]], device=device), 200, 0.8, 40)
-        print0(is_main, "sample:\n" + decode(out[0].tolist(), args.itos))  # FSDP 4
+class Diverged(Stop):
+    """A step whose loss or gradient norm is not finite: not applied, the run stops."""
+    code = 4
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.sample:
-        return sample(args)
-    # setup
-    device = pick_device(args.device)
-    device, rank, world_size = init_distributed(device, args.dist_timeout, args.debug)  # DDP 1
-    is_main = rank == 0  # DDP 3: rank 0 alone logs and saves
-    keep_freed_memory_on_cpu(device)
-    amp, autocast, scaler, policy = mixed_precision(args, device)  # FSDP 1
-    tokens_per_step = args.batch_size * args.block_size * args.grad_accum * world_size
-    print0(is_main, f"world size {world_size} | device {device} | amp {amp} | {tokens_per_step:,} "
-                    f"tokens per step ({args.batch_size} x {args.block_size} x {args.grad_accum} "
-                    f"accumulation x {world_size} processes)")
-
-    # data
-    windows, val, vocab_size, baseline = build_data(args, rank, world_size, is_main)
-
-    # model
-    raw_model, optimizer, start, resumed = build_model(  # FSDP 1: sharded before the optimizer
-        args, vocab_size, scaler, policy, rank, device)
-    model = compile_model(raw_model, args)  # FSDP 1: no wrapper, the model itself is sharded
-    n_params = sum(p.numel() for p in raw_model.parameters())
-    print0(is_main, f"model {n_params:,} parameters | {args.n_layer} layers, {args.n_head} heads, "
-                    f"{args.n_embd} wide, context {args.block_size}"
-                    + (f" | resumed from {resumed} at step {start}" if resumed else ""))
-    print0(is_main, memory_line(raw_model))  # FSDP 5
-    mfu, peak = mfu_work(args, raw_model, tokens_per_step, world_size, device, amp)
-    if peak:
-        print0(is_main, peak)
-
-    # train
-    if args.benchmark:
-        return benchmark(model, optimizer, scaler, windows, args, autocast, device,
-                         tokens_per_step, is_main)
-    val_loss = evaluate(model, val, args, rank, world_size, autocast)  # FSDP 4: on every rank
-    print0(is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
-    clock, last, paces = Stopwatch(), start, []  # paces: (steps, seconds) of each log interval
-    for step in range(start, args.max_steps):
-        loss, grad_norm = train_step(model, optimizer, scaler, windows, step, args, autocast,
-                                     device)
-        done = step + 1
-        if done % args.log_every == 0 or done == args.max_steps:
-            paces.append((done - last, clock.lap()))
-            last = done
-            print0(is_main, log_line(done, args, loss.item(), grad_norm.item(), paces[-1],
-                                     tokens_per_step, mfu))
-        clock.pause()  # evaluation and checkpoints are not training time
-        if done % args.eval_every == 0 or done == args.max_steps:
-            val_loss = evaluate(model, val, args, rank, world_size, autocast)  # FSDP 4
-            print0(is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | "
-                            f"baseline {baseline:.4f}")
-        due = done == args.max_steps or (args.save_every and done % args.save_every == 0)
-        if args.save and due:
-            save_once(args.save, raw_model, optimizer, scaler, done, args, vocab_size, device,
-                      is_main)
-        clock.go()
-
-    # summary and a sample
-    if args.export:  # FSDP 7: one plain file, for one-process sampling
-        export(args.export, raw_model, args.max_steps, args, vocab_size, is_main)
-    finish(args, raw_model, val_loss, baseline, paces, tokens_per_step, device, is_main)
+class SaveFailed(Stop):
+    """A checkpoint that could not be written; the previous one is left as it was."""
+    code = 5
 
 
 if __name__ == "__main__":
@@ -1068,8 +1250,6 @@ if __name__ == "__main__":
     except Stop as err:  # handled here, so the traceback (and the model it holds) is freed at once
         sys.stderr.write(f"error: {err}\n")  # one write: lines from several ranks never splice
         code = err.code
-    finally:  # DDP 9: leave the process group on every path, error or not
-        gc.collect()  # FSDP 1: free what a failed run left (its model holds the group) first
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    finally:
+        leave_distributed()  # DDP 9
     sys.exit(code)

@@ -8,9 +8,12 @@ never imports it:
     torchrun ... tests/probe_fsdp.py crash STEP:RANK [trainer flags]
         that rank dies as if killed (os._exit, no cleanup) when step STEP begins, on the first
         attempt only (TORCHELASTIC_RESTART_COUNT 0), so a restarted job gets past it
+    torchrun ... tests/probe_fsdp.py nospace N:RANK [trainer flags]
+        that rank's disk is full from its N-th fsync on (its shard files: it writes no run.json)
 
 Errors end the probe as they end the script (helpers.run_as_script).
 """
+import errno
 import json
 import os
 import sys
@@ -51,16 +54,30 @@ def crash(at):
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     mine, train_step = int(os.environ["RANK"]) == rank and first_attempt, trainer.train_step
 
-    def crashing_step(model, optimizer, scaler, windows, step, *args):
+    def crashing_step(run, model, optimizer, windows, step):
         if mine and step + 1 == step_at:
             os._exit(17)  # like a killed process: no cleanup, no goodbye to the group
-        return train_step(model, optimizer, scaler, windows, step, *args)
+        return train_step(run, model, optimizer, windows, step)
 
     trainer.train_step = crashing_step
+    run_as_script(trainer)
+
+
+def no_space(at):
+    from_call, rank = map(int, at.split(":"))
+    calls, fsync = [], os.fsync
+
+    def fsync_on_a_full_disk(fd):  # the shard's bytes cannot reach the disk
+        calls.append(fd)
+        if int(os.environ["RANK"]) == rank and len(calls) >= from_call:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return fsync(fd)
+
+    os.fsync = fsync_on_a_full_disk  # DCP's file writer calls os.fsync too
     run_as_script(trainer)
 
 
 if __name__ == "__main__":
     mode, arg = sys.argv[1], sys.argv[2]
     sys.argv = [trainer.__file__] + sys.argv[3:]
-    count(arg) if mode == "count" else crash(arg)
+    {"count": count, "crash": crash, "nospace": no_space}[mode](arg)

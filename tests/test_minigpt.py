@@ -13,7 +13,9 @@ CPU/gloo), with a small model on the default corpus. These tests prove:
    a --compile'd model's checkpoint has no `_orig_mod.` keys, and `--sample` generates from that
    checkpoint in one plain process without torchrun;
 5. the model returns the mean loss per token, as GPT code people copy from does;
-6. --grad-checkpointing recomputes blocks in backward and yields the plain model's gradients.
+6. --grad-checkpointing recomputes blocks in backward and yields the plain model's gradients;
+7. the no_sync loop holds the forward too: counted, the script's accumulation all-reduces once per
+   step, while backward() alone inside no_sync() all-reduces every micro-batch (same gradients).
 Bad inputs are in test_minigpt_inputs.py; --check-sync and timeouts in test_debugging.py.
 """
 import contextlib
@@ -134,3 +136,46 @@ def test_grad_checkpointing_gives_the_same_gradients_with_less_stored():
     assert block_runs == [1, 2]  # checkpointing really recomputed the block during backward
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], msg=name)
+
+
+class MeanSquare(torch.nn.Module):
+    """A model of the course's shape: (outputs, mean loss)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        out = self.linear(x)
+        return out, F.mse_loss(out, y)
+
+
+def test_no_sync_holds_the_forward_too_or_every_micro_batch_all_reduces():
+    """3 steps of 2 micro-batches, counted by a comm hook (one call per bucket per all-reduce; this
+    model is one bucket): the script's own accumulate_gradients all-reduces once per step; the
+    tempting form with only backward() inside no_sync() all-reduces on every micro-batch, with the
+    same gradients, so only a count shows it."""
+    from helpers import one_process_group
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    counts, grads = {}, {}
+    with one_process_group():
+        torch.distributed.init_process_group("gloo")
+        for form in ("the script's", "backward only"):
+            torch.manual_seed(0)
+            model, calls = torch.nn.parallel.DistributedDataParallel(MeanSquare()), []
+            model.register_comm_hook(None, lambda state, bucket: calls.append(1)
+                                     or allreduce_hook(state, bucket))
+            off = torch.autocast("cpu", enabled=False)
+            scaler = torch.amp.GradScaler("cpu", enabled=False)
+            for _ in range(3):
+                batches = [(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(2)]
+                if form == "the script's":
+                    gpt.accumulate_gradients(model, batches, off, scaler)
+                    continue
+                for i, (x, y) in enumerate(batches):
+                    _, loss = model(x, y)  # the forward outside no_sync: DDP has decided to sync
+                    with contextlib.nullcontext() if i == len(batches) - 1 else model.no_sync():
+                        (loss / len(batches)).backward()
+            counts[form], grads[form] = len(calls), model.module.linear.weight.grad.clone()
+    assert counts == {"the script's": 3, "backward only": 6}
+    torch.testing.assert_close(grads["the script's"], grads["backward only"])

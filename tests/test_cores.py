@@ -1,0 +1,102 @@
+"""The distributed cores of chapter 3 can be copied into a trainer of one's own as they stand. These
+tests prove that
+
+1. each core (joining the group and picking the device, the no_sync accumulation, the mean over
+   ranks, exact evaluation across ranks, rank 0 saving while every rank waits, leaving the group) is
+   one top-level function of train_ddp_minigpt.py carrying its `# DDP` tag, whose free names are
+   torch's and the standard library's alone;
+2. docs/ddp_in_your_trainer.md holds each of them as the script does, and its diff block is the real
+   diff between the page's single-process trainer and its DDP trainer;
+3. copied afresh out of the script beside the page's small model of its own, the cores run under
+   torchrun at 2 processes: the DDP trainer logs the single-process trainer's losses, evaluates to
+   its validation loss, and rank 0 alone saves weights that load into the plain model; started
+   without torchrun it stops in one line with exit code 2.
+"""
+import ast
+import builtins
+import contextlib
+import difflib
+import io
+import re
+import runpy
+
+import torch
+from helpers import GPT, REPO, ok, run
+
+CORES = ["init_distributed", "accumulate_gradients", "mean_loss_over_ranks", "mean_over_ranks",
+         "save_on_rank_0", "leave_distributed"]
+ALLOWED = {"torch", "dist", "nn", "F", "DDP", "contextlib", "datetime", "gc", "os", "sys",
+           *dir(builtins)}
+PAGE = REPO / "docs" / "ddp_in_your_trainer.md"
+
+
+def cores():
+    """{name: source} of each core, cut out of the script by its def line (decorators included)."""
+    source = (REPO / GPT).read_text()
+    lines, found = source.splitlines(), {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and node.name in CORES:
+            start = (node.decorator_list[0] if node.decorator_list else node).lineno - 1
+            assert re.search(r"# DDP( \d+|:)", lines[node.lineno - 1]), f"{node.name}: no tag"
+            found[node.name] = "\n".join(lines[start:node.end_lineno])
+    return found
+
+
+def page_blocks():
+    """The page's single-process trainer, its DDP trainer and its diff block, as text."""
+    blocks = re.findall(r"^```(?:python|diff)\n(.*?)^```", PAGE.read_text(), re.M | re.S)
+    assert len(blocks) == 3, len(blocks)
+    return blocks
+
+
+def free_names(source):
+    """Names a function reads that it neither defines nor binds itself."""
+    tree = ast.parse(source)
+    bound = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and
+             isinstance(n.ctx, ast.Store)}
+    bound |= {a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments)
+              for a in n.args + n.kwonlyargs}
+    bound |= {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ExceptHandler))
+              and n.name}
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} - bound
+
+
+def test_each_core_is_one_tagged_function_of_torch_and_the_standard_library():
+    found = cores()
+    assert sorted(found) == sorted(CORES)
+    for name, source in found.items():
+        assert free_names(source) <= ALLOWED, (name, free_names(source) - ALLOWED)
+
+
+def test_the_page_holds_the_scripts_cores_as_they_stand():
+    single, ddp, diff = page_blocks()
+    for name, source in cores().items():
+        assert source in ddp, f"docs/ddp_in_your_trainer.md lost {name} as the script has it"
+    real = difflib.unified_diff(single.splitlines(), ddp.splitlines(), "my_trainer_single.py",
+                                "my_trainer.py", n=1, lineterm="")
+    assert diff.rstrip("\n") == "\n".join(real)
+
+
+def test_the_cores_stand_alone_under_torchrun(tmp_path):
+    single, ddp, _ = page_blocks()
+    first, last = ddp.index("def init_distributed("), ddp.index("def main(")
+    fresh = ddp[:first] + "\n\n\n".join(cores()[name] for name in CORES) + "\n\n\n" + ddp[last:]
+    (tmp_path / "my_trainer.py").write_text(fresh)
+    (tmp_path / "single.py").write_text(single)
+    printed, threads = io.StringIO(), torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the launched processes: the same float sums
+    try:
+        with contextlib.chdir(tmp_path), contextlib.redirect_stdout(printed):
+            runpy.run_path(str(tmp_path / "single.py"), run_name="__main__")
+    finally:
+        torch.set_num_threads(threads)
+    (tmp_path / "classifier.pt").unlink()
+    out = ok(run(tmp_path / "my_trainer.py", nproc=2, cwd=tmp_path))
+    numbers = [re.findall(r"loss (\d+\.\d+)", text) for text in (out, printed.getvalue())]
+    assert len(numbers[0]) == 4 and numbers[0] == numbers[1], (out, printed.getvalue())
+    assert out.count("saved classifier.pt") == 1 and (tmp_path / "classifier.pt").exists()
+    model = runpy.run_path(str(tmp_path / "single.py"))["Classifier"]()
+    model.load_state_dict(torch.load(tmp_path / "classifier.pt", weights_only=True))  # no module.
+    alone = run(tmp_path / "my_trainer.py", cwd=tmp_path)
+    assert alone.returncode == 2 and alone.stderr == (
+        "error: not launched by torchrun: see the commands at the top of this script\n")
