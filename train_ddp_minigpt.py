@@ -187,7 +187,7 @@ def main(argv=None):
         done = step + 1
         if done % args.log_every == 0 or done == args.max_steps:
             print0(run.is_main, meter.log_line(done, loss.item(), grad_norm.item()))
-        meter.pause()  # evaluation and checkpoints are not training time
+        meter.stop_clock()  # evaluation and checkpoints are not training time
         if done % args.eval_every == 0 or done == args.max_steps:
             val_loss = evaluate(run, model, data.val)
             print0(run.is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | "
@@ -198,7 +198,7 @@ def main(argv=None):
         due = done == args.max_steps or (args.save_every and done % args.save_every == 0)
         if args.save and due:
             save_checkpoint(run, raw_model, optimizer, data, done)
-        meter.go()
+        meter.start_clock()
     # cleanup: the summary and a sample here; the group is left by __main__'s `finally`
     report(run, raw_model, data, val_loss, meter)
 
@@ -920,14 +920,19 @@ def tokens_per_step(run):
 
 
 def peak_tflops(gpu_name, amp):
-    """The dense peak TFLOPS of a common GPU (vendor datasheets, no sparsity) for the autocast dtype
-    ("off": fp32 without TF32), or None for a GPU not in the table."""
-    table = [  # name fragment, 16-bit tensor cores, fp32; the longer fragment first
-        ("H100 PCIe", 756, 51), ("H100", 989, 67), ("H200", 989, 67), ("A100", 312, 19.5),
-        ("L40S", 362, 91.6), ("L4", 121, 30.3), ("A10", 125, 31.2), ("V100", 125, 15.7),
-        ("T4", 65, 8.1), ("4090", 165, 82.6), ("3090", 71, 35.6)]
-    for fragment, half, single in table:
-        if fragment in gpu_name:
+    """The dense peak TFLOPS of a GPU in the table (vendor datasheets, no sparsity; 16-bit with fp32
+    accumulation, as autocast runs) for the autocast dtype ("off": fp32 without TF32). Names match
+    word by word: an "H100 NVL" is no H100 SXM, an "L40" no "L4", an "A10G" no "A10". None for a GPU
+    not in the table."""
+    words = gpu_name.replace("-", " ").split()
+    table = {  # the words of a model's name: (16-bit tensor cores, fp32); variants first
+        ("H100", "PCIe"): (756, 51), ("H100", "NVL"): (835, 60), ("H100",): (989, 67),
+        ("H200", "NVL"): (835, 60), ("H200",): (989, 67), ("A100",): (312, 19.5),
+        ("L40S",): (362, 91.6), ("L40",): (181, 90.5), ("L4",): (121, 30.3),
+        ("A10",): (125, 31.2), ("V100",): (125, 15.7), ("T4",): (65, 8.1),
+        ("RTX", "4090"): (165, 82.6), ("RTX", "3090"): (71, 35.6)}
+    for model, (half, single) in table.items():
+        if all(word in words for word in model):
             return single if amp == "off" else half
     return None
 
@@ -956,7 +961,7 @@ def gpu_peak_flops(run):
 
 class Meter:
     """The training clock and the log line. Time between log lines counts training only:
-    main() pauses the clock for evaluation and checkpoints."""
+    main() stops the clock for evaluation and checkpoints."""
 
     def __init__(self, run, raw_model, start):
         self.args, self.tokens = run.args, tokens_per_step(run)
@@ -965,11 +970,11 @@ class Meter:
         print0(run.is_main and note is not None, note)
         self.clock, self.last_step, self.intervals = Stopwatch(), start, []  # (steps, seconds)
 
-    def pause(self):
-        self.clock.pause()
+    def stop_clock(self):
+        self.clock.stop()
 
-    def go(self):
-        self.clock.go()
+    def start_clock(self):
+        self.clock.start()
 
     def log_line(self, step, loss, grad_norm):
         """step N/M | loss | lr | grad norm | ms/step | tok/s, and MFU on CUDA, over the steps
@@ -1003,22 +1008,22 @@ def pace_keys(step_s, tokens_per_step):
 
 
 class Stopwatch:
-    """Training seconds between log lines; evaluation and checkpoints are left out (pause/go)."""
+    """Training seconds between log lines; evaluation and checkpoints are left out (stop/start)."""
 
     def __init__(self):
         self.since, self.elapsed = time.perf_counter(), 0.0
 
-    def pause(self):
+    def stop(self):
         self.elapsed += time.perf_counter() - self.since
 
-    def go(self):
+    def start(self):
         self.since = time.perf_counter()
 
     def lap(self):
         """Training seconds since the last lap (or the start), and start counting again."""
-        self.pause()
+        self.stop()
         seconds, self.elapsed = self.elapsed, 0.0
-        self.go()
+        self.start()
         return seconds
 
 
@@ -1040,13 +1045,16 @@ def benchmark(run, model, optimizer, windows):
         times.append(time.perf_counter() - start)
     result = {**pace_keys(statistics.median(times[5:]), tokens_per_step(run)),
               "timed_steps": run.args.max_steps}
+    log_peak_gpu_memory(run)
     print0(run.is_main, f"benchmark | {result['step_ms']} ms/step | "
                         f"{result['throughput']:,.0f} tok/s")
     print0(run.is_main, summary_line(result))
 
 
 def report(run, raw_model, data, val_loss, meter):
-    """The done line, the summary line, and (rank 0, the plain model) a taste of what it learned."""
+    """The done line, the summary line, and (rank 0, the plain model) a taste of what it learned;
+    on GPUs first every rank's peak memory (a collective)."""
+    log_peak_gpu_memory(run)
     summary = {**meter.summary(), "val_loss": val_loss, "baseline_loss": data.baseline}
     unit = "byte" if data.vocab_size == 256 else "token"
     print0(run.is_main, f"done | val loss {val_loss:.4f} ({unit}-frequency baseline "
@@ -1058,6 +1066,17 @@ def report(run, raw_model, data, val_loss, meter):
         start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
         out = raw_model.generate(torch.tensor([[start]], device=run.device), 200, 0.8, 40)
         print("sample:\n" + decode(out[0].tolist(), data.itos), flush=True)
+
+
+def log_peak_gpu_memory(run):
+    """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in rank
+    order (measured: weights, gradients, optimizer state, activations; docs/fsdp.md)."""
+    if run.device.type != "cuda":
+        return
+    peaks = [None] * run.world_size
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))
+    print0(run.is_main, "peak GPU memory per rank (max_memory_allocated): " +
+           ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
 
 
 # --------------------------------------------------------------------------------------- sampling

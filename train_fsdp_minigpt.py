@@ -1,5 +1,5 @@
 """Chapter 7: the chapter-3 GPT trainer under FSDP (FSDP2's fully_shard) instead of DDP, for
-models that no longer fit whole on one device. Same math as DDP, a fraction of the memory.
+models that no longer fit whole on one device: the same math as DDP in a fraction of the memory.
 
     torchrun --standalone --nproc_per_node=1 train_fsdp_minigpt.py    # 1 process: CPU or 1 GPU
     torchrun --standalone --nproc_per_node=2 train_fsdp_minigpt.py    # 2 processes: CPU or 2 GPUs
@@ -7,21 +7,20 @@ models that no longer fit whole on one device. Same math as DDP, a fraction of t
     ./launch_multinode_ddp.sh --nnodes 2 --nproc-per-node 8 --master-addr N0 train_fsdp_minigpt.py
     python train_ddp_minigpt.py --sample --ckpt checkpoints/minigpt_fsdp.pt --prompt "def main("
 
-`diff train_ddp_minigpt.py train_fsdp_minigpt.py` shows every line FSDP changes, tagged `# FSDP k`.
-Checkpoints are folders of shards (torch.distributed.checkpoint) that resume at any world size;
---export writes one plain file in chapter 3's format, for sampling in one process.
+The multi-node line prints the torchrun command to run on each node (chapter 4). Sampling runs in
+one plain process. Default data: the first 2,000,000 bytes of this Python's own standard library,
+one token per byte (vocab 256), so nothing is downloaded; `--data` also takes a text file, a .bin
+of uint16 token ids, or a nanoGPT folder.
 
-What FSDP does, and when (the lines tagged `# FSDP k`):
-- The model is built on the meta device (shapes, no memory), and fully_shard splits every
-  parameter of each block, then of the rest, into N shards along dim 0: rank r keeps shard r of
-  the weights, and so of their gradients and AdamW's moments. Each shard is then filled with
-  chapter 3's initial values, so no rank ever holds the whole model.
-- Before a block's forward, its weights are all-gathered from every rank; after it they are freed
-  (ZeRO-3), and gathered again for its backward. After the backward, its gradients are
-  reduce-scattered: each rank receives the mean gradient of its own shard, and updates it.
-- Every forward all-gathers with every rank, so every rank runs every forward: the same number
-  of evaluation batches, and sampling too. set_requires_gradient_sync(False) is FSDP's no_sync.
-- A checkpoint is every rank's shards (torch.distributed.checkpoint); it loads at any world size.
+What FSDP does, and when (`diff train_ddp_minigpt.py train_fsdp_minigpt.py`: the `# FSDP k` lines):
+- The model is built on the meta device (shapes, no memory); fully_shard splits each parameter
+  into N shards (dim 0), and each rank fills its own from the seed: no rank holds the whole model,
+  nor its gradients and AdamW state. Rank r keeps shard r.
+- Before a block's forward its weights are all-gathered, then freed (ZeRO-3), and gathered again
+  for its backward; its gradients are then reduce-scattered: each rank gets its shard's mean.
+- Every forward gathers with every rank, so every rank runs every forward (evaluation, sampling).
+- Checkpoints are every rank's shards (torch.distributed.checkpoint), loadable at any world size;
+  --export gathers one plain file in chapter 3's format.
 """
 import argparse
 import contextlib
@@ -193,7 +192,7 @@ def main(argv=None):
         done = step + 1
         if done % args.log_every == 0 or done == args.max_steps:
             print0(run.is_main, meter.log_line(done, loss.item(), grad_norm.item()))
-        meter.pause()  # evaluation and checkpoints are not training time
+        meter.stop_clock()  # evaluation and checkpoints are not training time
         if done % args.eval_every == 0 or done == args.max_steps:
             val_loss = evaluate(run, model, data.val)
             print0(run.is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | "
@@ -202,7 +201,7 @@ def main(argv=None):
         due = done == args.max_steps or (args.save_every and done % args.save_every == 0)
         if args.save and due:
             save_checkpoint(run, raw_model, optimizer, data, done)
-        meter.go()
+        meter.start_clock()
     # cleanup: the summary and a sample here; the group is left by __main__'s `finally`
     report(run, raw_model, data, val_loss, meter)
 
@@ -567,9 +566,8 @@ def parse_args(argv=None):
     a("--dist-timeout", type=positive(float), default=300, metavar="S",
       help="seconds a collective waits for a peer before the job fails (default: 300)")
     a("--reshard-after-forward", choices=["yes", "no"], default="yes",  # FSDP 2
-      help="yes: free the gathered weights after each block's forward, gather them again for "
-           "backward (ZeRO-3, least memory); no: keep them until backward (ZeRO-2-like, fewer "
-           "all-gathers) (default: yes)")
+      help="yes: free each block's gathered weights after its forward (ZeRO-3); no: keep them "
+           "until its backward (fewer all-gathers, more memory) (default: yes)")
     a("--debug", action="store_true", help="TORCH_DISTRIBUTED_DEBUG and each rank's data windows")
     a = p.add_argument_group("evaluation, logging, checkpoints").add_argument
     a("--eval-every", type=positive(int), default=100, metavar="N",
@@ -579,11 +577,9 @@ def parse_args(argv=None):
     a("--log-every", type=positive(int), default=10, metavar="N",
       help="steps between log lines (default: 10)")
     a("--save", default="checkpoints/minigpt_fsdp", metavar="DIR",  # FSDP 3
-      help="checkpoint folder (one step-N folder of shards per save), '' for none "
-           "(default: %(default)s)")
+      help="checkpoint folder of step-N folders, '' for none (default: %(default)s)")
     a("--export", default="checkpoints/minigpt_fsdp.pt", metavar="PATH",  # FSDP 8
-      help="one plain file of the final weights, chapter 3's format, '' for none "
-           "(default: %(default)s)")
+      help="the final weights in one file, chapter 3's format, '' for none (default: %(default)s)")
     a("--save-every", type=positive(int, zero_ok=True), default=0, metavar="N",
       help="also save every N steps, 0 = only at the end (default: 0)")
     a("--resume", metavar="DIR",  # FSDP 3
@@ -1037,14 +1033,19 @@ def tokens_per_step(run):
 
 
 def peak_tflops(gpu_name, amp):
-    """The dense peak TFLOPS of a common GPU (vendor datasheets, no sparsity) for the autocast dtype
-    ("off": fp32 without TF32), or None for a GPU not in the table."""
-    table = [  # name fragment, 16-bit tensor cores, fp32; the longer fragment first
-        ("H100 PCIe", 756, 51), ("H100", 989, 67), ("H200", 989, 67), ("A100", 312, 19.5),
-        ("L40S", 362, 91.6), ("L4", 121, 30.3), ("A10", 125, 31.2), ("V100", 125, 15.7),
-        ("T4", 65, 8.1), ("4090", 165, 82.6), ("3090", 71, 35.6)]
-    for fragment, half, single in table:
-        if fragment in gpu_name:
+    """The dense peak TFLOPS of a GPU in the table (vendor datasheets, no sparsity; 16-bit with fp32
+    accumulation, as autocast runs) for the autocast dtype ("off": fp32 without TF32). Names match
+    word by word: an "H100 NVL" is no H100 SXM, an "L40" no "L4", an "A10G" no "A10". None for a GPU
+    not in the table."""
+    words = gpu_name.replace("-", " ").split()
+    table = {  # the words of a model's name: (16-bit tensor cores, fp32); variants first
+        ("H100", "PCIe"): (756, 51), ("H100", "NVL"): (835, 60), ("H100",): (989, 67),
+        ("H200", "NVL"): (835, 60), ("H200",): (989, 67), ("A100",): (312, 19.5),
+        ("L40S",): (362, 91.6), ("L40",): (181, 90.5), ("L4",): (121, 30.3),
+        ("A10",): (125, 31.2), ("V100",): (125, 15.7), ("T4",): (65, 8.1),
+        ("RTX", "4090"): (165, 82.6), ("RTX", "3090"): (71, 35.6)}
+    for model, (half, single) in table.items():
+        if all(word in words for word in model):
             return single if amp == "off" else half
     return None
 
@@ -1073,7 +1074,7 @@ def gpu_peak_flops(run):
 
 class Meter:
     """The training clock and the log line. Time between log lines counts training only:
-    main() pauses the clock for evaluation and checkpoints."""
+    main() stops the clock for evaluation and checkpoints."""
 
     def __init__(self, run, raw_model, start):
         self.args, self.tokens = run.args, tokens_per_step(run)
@@ -1082,11 +1083,11 @@ class Meter:
         print0(run.is_main and note is not None, note)
         self.clock, self.last_step, self.intervals = Stopwatch(), start, []  # (steps, seconds)
 
-    def pause(self):
-        self.clock.pause()
+    def stop_clock(self):
+        self.clock.stop()
 
-    def go(self):
-        self.clock.go()
+    def start_clock(self):
+        self.clock.start()
 
     def log_line(self, step, loss, grad_norm):
         """step N/M | loss | lr | grad norm | ms/step | tok/s, and MFU on CUDA, over the steps
@@ -1120,22 +1121,22 @@ def pace_keys(step_s, tokens_per_step):
 
 
 class Stopwatch:
-    """Training seconds between log lines; evaluation and checkpoints are left out (pause/go)."""
+    """Training seconds between log lines; evaluation and checkpoints are left out (stop/start)."""
 
     def __init__(self):
         self.since, self.elapsed = time.perf_counter(), 0.0
 
-    def pause(self):
+    def stop(self):
         self.elapsed += time.perf_counter() - self.since
 
-    def go(self):
+    def start(self):
         self.since = time.perf_counter()
 
     def lap(self):
         """Training seconds since the last lap (or the start), and start counting again."""
-        self.pause()
+        self.stop()
         seconds, self.elapsed = self.elapsed, 0.0
-        self.go()
+        self.start()
         return seconds
 
 
@@ -1157,13 +1158,16 @@ def benchmark(run, model, optimizer, windows):
         times.append(time.perf_counter() - start)
     result = {**pace_keys(statistics.median(times[5:]), tokens_per_step(run)),
               "timed_steps": run.args.max_steps}
+    log_peak_gpu_memory(run)
     print0(run.is_main, f"benchmark | {result['step_ms']} ms/step | "
                         f"{result['throughput']:,.0f} tok/s")
     print0(run.is_main, summary_line(result))
 
 
 def report(run, raw_model, data, val_loss, meter):
-    """The done line, the summary line, and (rank 0, the plain model) a taste of what it learned."""
+    """The done line, the summary line, and (rank 0, the plain model) a taste of what it learned;
+    on GPUs first every rank's peak memory (a collective)."""
+    log_peak_gpu_memory(run)
     summary = {**meter.summary(), "val_loss": val_loss, "baseline_loss": data.baseline}
     unit = "byte" if data.vocab_size == 256 else "token"
     print0(run.is_main, f"done | val loss {val_loss:.4f} ({unit}-frequency baseline "
@@ -1177,6 +1181,17 @@ def report(run, raw_model, data, val_loss, meter):
         start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
         out = raw_model.generate(torch.tensor([[start]], device=run.device), 200, 0.8, 40)
         print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 7
+
+
+def log_peak_gpu_memory(run):
+    """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in rank
+    order (measured: weights, gradients, optimizer state, activations; docs/fsdp.md)."""
+    if run.device.type != "cuda":
+        return
+    peaks = [None] * run.world_size
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))
+    print0(run.is_main, "peak GPU memory per rank (max_memory_allocated): " +
+           ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
 
 
 # --------------------------------------------------------------------------------------- sampling

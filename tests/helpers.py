@@ -50,17 +50,39 @@ def command(script, args=(), nproc=None, torchrun_args=()):
             f"--nproc_per_node={nproc}", *torchrun_args, script, *map(str, args)]
 
 
-def environment(extra=None):
-    """This environment without torchrun's variables, one thread per process, unbuffered output."""
-    torchrun_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                     "TORCHELASTIC_RUN_ID")
-    env = {k: v for k, v in os.environ.items() if k not in torchrun_vars}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra or {}))
+# What a user's shell may hold that the course's scripts, the launcher, torchrun, torch.distributed,
+# gloo or NCCL read: no test launch inherits any of it, so that the suite gives the same answer in a
+# clean shell, inside a SLURM allocation, or with debug switches on. A test that needs one sets it.
+INHERITED_NOT = (
+    "SLURM_",  # the launcher derives nodes, ranks and the head node from an allocation
+    "TORCHRUN",  # the launcher's choice of launcher
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_", "PET_",  # torchrun and elastic; PET_X
+    "TORCH_DISTRIBUTED_DEBUG", "TORCH_CPP_LOG_LEVEL", "TORCH_NCCL_",  # is a default for torchrun's
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",  # --x flag; debug and logging levels change the output
+    "GLOO_", "TP_SOCKET_IFNAME", "NCCL_",  # which interface and transport the backends use
+    "CUDA_VISIBLE_DEVICES",  # hidden below: the CPU tests run on CPU even on a GPU machine
+    "OMP_NUM_THREADS",  # set to 1 below: two processes on two cores, and the same float sums
+)
+
+
+def environment(extra=None, cuda=False):
+    """The user's environment without INHERITED_NOT, one thread per process, unbuffered output,
+    and no GPU visible unless `cuda` (tests/test_gpu.py); then `extra` on top."""
+    env = {k: v for k, v in os.environ.items()
+           if not any(k == name or name.endswith("_") and k.startswith(name)
+                      for name in INHERITED_NOT)}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if cuda and "CUDA_VISIBLE_DEVICES" in os.environ:
+        env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+    elif not cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    env.update(extra or {})
     return env
 
 
-def start(cmd, cwd, env=None):
-    return subprocess.Popen(cmd, cwd=cwd, env=environment(env), stdout=subprocess.PIPE,
+def start(cmd, cwd, env=None, cuda=False):
+    return subprocess.Popen(cmd, cwd=cwd, env=environment(env, cuda), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -94,10 +116,11 @@ def finish(proc, cmd, time_limit=TIME_LIMIT):
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def run(script, args=(), nproc=None, cwd=None, env=None, torchrun_args=()):
-    """Run one launch to the end and return its CompletedProcess (returncode, stdout, stderr)."""
+def run(script, args=(), nproc=None, cwd=None, env=None, torchrun_args=(), cuda=False):
+    """Run one launch to the end and return its CompletedProcess (returncode, stdout, stderr).
+    The GPUs are hidden unless `cuda`."""
     cmd = command(script, args, nproc, torchrun_args)
-    return finish(start(cmd, cwd or REPO, env), cmd)
+    return finish(start(cmd, cwd or REPO, env, cuda), cmd)
 
 
 def run_many(launches, cwd=None, at_once=2):
@@ -165,6 +188,8 @@ def one_process_group():
     import torch
     import torch.distributed as dist
     saved, threads = dict(os.environ), torch.get_num_threads()
+    os.environ.clear()
+    os.environ.update(environment())  # nothing of the user's torchrun, SLURM or debug settings
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))
     torch.set_num_threads(1)
@@ -180,10 +205,11 @@ def one_process_group():
 
 def in_process(script, args):
     """Run a trainer's main(args) in this process, as one process of a torchrun world of one (no
-    launch, no torch import to wait for), and return what it printed. Errors propagate."""
+    launch, no torch import to wait for), on the CPU unless args say otherwise, and return what it
+    printed. Errors propagate."""
     printed = io.StringIO()
     with one_process_group(), contextlib.redirect_stdout(printed):
-        trainer(script).main([str(a) for a in args])
+        trainer(script).main(["--device", "cpu", *map(str, args)])
     return printed.getvalue()
 
 

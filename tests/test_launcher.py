@@ -27,7 +27,7 @@ LAUNCHER = str(REPO / "launch_multinode_ddp.sh")
 
 def launch(*args, env=None):
     return subprocess.run([LAUNCHER, *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, **(env or {})})
+                          env=environment(env))
 
 
 def commands(stdout):
