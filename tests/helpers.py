@@ -66,6 +66,32 @@ INHERITED_NOT = (
 )
 
 
+# A shell the suite must ignore: a two-node SLURM allocation, a launcher that fails, a rendezvous where
+# nothing listens, a world of 64, debug switches, interfaces that do not exist, a GPU. Every address is
+# loopback: even if the stripping broke, nothing would leave this machine.
+HOSTILE_SHELL = {
+    "SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1",
+    "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_STEP_NODELIST": "gpu[01-02]",
+    "SLURM_STEP_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "8", "SLURM_PROCID": "3",
+    "SLURM_CPUS_PER_TASK": "16", "TORCHRUN": "false", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+    "WORLD_SIZE": "64", "RANK": "3", "LOCAL_RANK": "3", "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+    "GLOO_SOCKET_IFNAME": "nonexistent0", "TP_SOCKET_IFNAME": "nonexistent0",
+    "NCCL_SOCKET_IFNAME": "nonexistent0", "PET_NPROC_PER_NODE": "8", "CUDA_VISIBLE_DEVICES": "0",
+    "OMP_NUM_THREADS": "7"}
+
+
+@contextlib.contextmanager
+def hostile_shell():
+    """os.environ as a user's shell inside an allocation with debug switches on; then as it was."""
+    saved = dict(os.environ)
+    os.environ.update(HOSTILE_SHELL)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def environment(extra=None, cuda=False):
     """The user's environment without INHERITED_NOT, one thread per process, unbuffered output,
     and no GPU visible unless `cuda` (tests/test_gpu.py); then `extra` on top."""

@@ -17,7 +17,8 @@ These tests prove:
 5. bad input is one line and exit code 2: a DDP checkpoint file given to --resume, --amp fp16,
    a wrong --reshard-after-forward;
 6. benchmark_scaling.py runs it as a --trainer, and chapter 4's launcher runs it on two nodes (two
-   agents on this machine, meeting at 127.0.0.1) with the losses of one node's two processes.
+   agents on this machine, meeting at 127.0.0.1) with the losses of one node's two processes, from a
+   shell that holds a SLURM allocation and debug switches (test_hermetic.py).
 """
 import json
 import re
@@ -26,8 +27,8 @@ import sys
 
 import pytest
 import torch
-from helpers import (GPT, REPO, TINY_GPT, environment, finish, free_port, in_process, ok, run,
-                     trainer)
+from helpers import (GPT, REPO, TINY_GPT, environment, finish, free_port, hostile_shell,
+                     in_process, ok, run, trainer)
 
 FSDP = "train_fsdp_minigpt.py"
 fsdp = trainer(FSDP)
@@ -178,6 +179,11 @@ def test_benchmark_scaling_runs_the_fsdp_trainer(tmp_path):
 
 
 def test_two_nodes_through_the_launcher_train_like_one_node(runs):
+    with hostile_shell():  # a SLURM allocation, debug switches...: the helpers' launches ignore it
+        two_nodes_through_the_launcher_train_like_one_node(runs)
+
+
+def two_nodes_through_the_launcher_train_like_one_node(runs):
     printed = subprocess.run(
         [str(REPO / "launch_multinode_ddp.sh"), "--nnodes", "2", "--master-addr", "127.0.0.1",
          "--master-port", str(free_port()), "--join-timeout", "60", FSDP,

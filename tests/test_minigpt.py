@@ -26,7 +26,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import GPT, TINY_GPT, in_process, ok, run, summary, trainer, weights
+from helpers import GPT, TINY_GPT, hostile_shell, in_process, ok, run, summary, trainer, weights
 
 gpt = trainer(GPT)
 
@@ -43,9 +43,10 @@ def val_losses(out):
 
 def test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact(tmp_path):
     flags = TINY_GPT + ["--max-steps", 6, "--dropout", 0, "--eval-every", 3]
-    out = ok(run("tests/probe_minigpt.py", ["record", tmp_path, *flags, "--batch-size", 4,
-                                            "--grad-accum", 2, "--debug",
-                                            "--save", tmp_path / "ddp.pt"], nproc=2))
+    with hostile_shell():  # the launch ignores a user's SLURM, torchrun and debug settings
+        out = ok(run("tests/probe_minigpt.py", ["record", tmp_path, *flags, "--batch-size", 4,
+                                                "--grad-accum", 2, "--debug",
+                                                "--save", tmp_path / "ddp.pt"], nproc=2))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for seen in ranks:
         assert len(seen["windows"]) == 6 * 2 * 4  # steps x micro-batches x batch
@@ -87,8 +88,8 @@ def test_a_crashed_worker_is_restarted_and_resumes_exactly(tmp_path):
 
 
 def test_bf16_on_cpu_compile_free_keys_and_sampling_without_torchrun(tmp_path):
-    out = ok(run(GPT, [*TINY_GPT, "--max-steps", 3, "--amp", "bf16", "--compile",
-                       "--compile-backend", "eager", "--save", tmp_path / "bf16.pt"], nproc=1))
+    out = in_process(GPT, [*TINY_GPT, "--max-steps", 3, "--amp", "bf16", "--compile",
+                           "--compile-backend", "eager", "--save", tmp_path / "bf16.pt"])
     result = summary(out)
     assert "amp bfloat16" in out and result["steps"] == 3
     assert result["per_step"] == 16 * 32 and result["throughput_unit"] == "tokens/s"
