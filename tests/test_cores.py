@@ -77,7 +77,7 @@ def test_the_page_holds_the_scripts_cores_as_they_stand():
     assert diff.rstrip("\n") == "\n".join(real)
 
 
-def test_the_cores_stand_alone_under_torchrun(tmp_path):
+def test_the_cores_stand_alone_under_torchrun(tmp_path, monkeypatch):
     single, ddp, _ = page_blocks()
     first, last = ddp.index("def init_distributed("), ddp.index("def main(")
     fresh = ddp[:first] + "\n\n\n".join(cores()[name] for name in CORES) + "\n\n\n" + ddp[last:]
@@ -85,8 +85,9 @@ def test_the_cores_stand_alone_under_torchrun(tmp_path):
     (tmp_path / "single.py").write_text(single)
     printed, threads = io.StringIO(), torch.get_num_threads()
     torch.set_num_threads(1)  # as in the launched processes: the same float sums
+    monkeypatch.chdir(tmp_path)  # where it saves classifier.pt
     try:
-        with contextlib.chdir(tmp_path), contextlib.redirect_stdout(printed):
+        with contextlib.redirect_stdout(printed):
             runpy.run_path(str(tmp_path / "single.py"), run_name="__main__")
     finally:
         torch.set_num_threads(threads)
