@@ -1015,7 +1015,9 @@ def memory_line(model):  # FSDP 2: what each rank holds, against DDP's full copy
     """Bytes of weights + gradients + AdamW's two moments (fp32: 4 copies) held by this rank."""
     mine = sum(p.to_local().numel() for p in model.parameters())
     full = sum(p.numel() for p in model.parameters())
-    return (f"memory per rank: weights, gradients and AdamW state {16 * mine / 2**20:.2f} MiB "
+    where = next(model.parameters()).device.type
+    return (f"memory per rank ({where}): weights, gradients and AdamW state "
+            f"{16 * mine / 2**20:.2f} MiB "
             f"({mine:,} of {full:,} parameters; DDP: {16 * full / 2**20:.2f} MiB); every "
             "parameter is sharded, the embeddings too")
 

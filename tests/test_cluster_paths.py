@@ -30,7 +30,8 @@ import time
 
 import pytest
 import torch
-from helpers import DDP, GPT, SINGLE, SMALL, TINY_GPT, in_process, ok, run, trainer
+from helpers import (DDP, GPT, SINGLE, SMALL, TINY_GPT, in_process, ok, one_process_group, run,
+                     trainer)
 
 gpt = trainer(GPT)
 
@@ -174,7 +175,6 @@ def test_compile_with_grad_checkpointing_trains_under_ddp():
 
 
 def test_peak_gpu_memory_of_every_rank_is_printed_by_rank_0_in_rank_order(monkeypatch, capsys):
-    from helpers import one_process_group
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**20 + 2**19)
     run = gpt.Run(gpt.parse_args([]), torch.device("cuda", 0), 0, 1, True, "bfloat16", None, None)
     with one_process_group():
@@ -192,3 +192,26 @@ def test_the_classifiers_run_cudnn_in_exact_fp32_with_fixed_algorithms(script, m
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)  # after the test
     in_process(script, SMALL + ["--epochs", 1, "--save", ""])
     assert torch.backends.cudnn.allow_tf32 is False and torch.backends.cudnn.deterministic is True
+
+
+@pytest.mark.parametrize("script", [SINGLE, DDP])
+def test_a_classifier_step_waits_for_the_device_once(script, monkeypatch):
+    """Every way a step could make the host wait for a GPU, counted over an epoch on the CPU (the
+    same Python runs on a GPU): one `bool` of a tensor per step, the finiteness check; no .item(),
+    no host-to-device copy of a count, no torch.cuda.synchronize."""
+    module, waits = trainer(script), []
+    for name in ("__bool__", "item", "tolist", "__float__", "__int__", "new_tensor"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, _f=original, _n=name, **k:
+                            waits.append(_n) or _f(*a, **k))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: waits.append("synchronize"))
+    torch.manual_seed(0)
+    model, images = module.build_model("cnn"), torch.randn(64, 1, 28, 28)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+        images, torch.randint(0, 10, (64,))), batch_size=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with one_process_group():  # chapter 2's copy all-reduces the totals at the end of the epoch
+        torch.distributed.init_process_group("gloo")
+        module.train_one_epoch(model, loader, optimizer, torch.device("cpu"), [], 0)
+    # 4 steps of 16: one check each, after the DataLoader's .item() of a CPU seed for the epoch
+    assert waits == ["item"] + ["__bool__"] * 4, waits

@@ -88,7 +88,7 @@ def test_accumulation_reduce_scatters_once_per_group_per_step(runs):
 
 def test_each_of_two_ranks_holds_half_the_parameters(runs):
     out1 = in_process(FSDP, FLAGS + ["--max-steps", 1, "--save", "", "--export", ""])
-    pattern = (r"memory per rank: .* ([\d.]+) MiB \(([\d,]+) of ([\d,]+) parameters; "
+    pattern = (r"memory per rank \(cpu\): .* ([\d.]+) MiB \(([\d,]+) of ([\d,]+) parameters; "
                r"DDP: ([\d.]+) MiB\)")
     one, two = (re.search(pattern, out).groups() for out in (out1, runs["fsdp"].stdout))
     count = lambda text: int(text.replace(",", ""))  # noqa: E731

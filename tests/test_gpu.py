@@ -13,7 +13,8 @@ module also runs on a single GPU. These tests prove, on NCCL:
 5. chapter 7's FSDP trainer trains on NCCL in bf16 (its MixedPrecisionPolicy), saves sharded, resumes,
    and exports a file that samples in one process; it compiles with inductor; at 2 GPUs its
    measured peak memory per rank is below DDP's;
-6. a checkpoint saved on the CPU resumes on a GPU with fused AdamW.
+6. a checkpoint saved on the CPU resumes on a GPU with fused AdamW, and FSDP asked for the CPU on a
+   GPU machine keeps its shards on the CPU.
 The CPU tests hide the GPUs (helpers.environment); these launches alone see them (cuda=True).
 """
 import math
@@ -86,7 +87,7 @@ def test_fsdp_in_bf16_on_nccl_saves_resumes_and_exports(tmp_path):
         pytest.skip("this GPU has no native bf16")
     flags = LM + ["--amp", "bf16", "--save", tmp_path / "ck", "--export", tmp_path / "f.pt"]
     out = ok(run("train_fsdp_minigpt.py", flags + ["--max-steps", 4], nproc=NPROC, cuda=True))
-    assert "memory per rank:" in out and "step 4/4 | saved" in out
+    assert "memory per rank (cuda):" in out and "step 4/4 | saved" in out
     out = ok(run("train_fsdp_minigpt.py", flags + ["--max-steps", 6, "--resume", "auto"],
                  nproc=NPROC, cuda=True))
     assert "at step 4" in out and "step 6/6 | loss" in out
@@ -124,3 +125,12 @@ def test_fsdp_holds_less_gpu_memory_per_rank_than_ddp_measured():
     ddp = peak_mib(ok(run(GPT, big, nproc=2, cuda=True)))
     fsdp = peak_mib(ok(run("train_fsdp_minigpt.py", big + ["--export", ""], nproc=2, cuda=True)))
     assert fsdp < 0.75 * ddp, (fsdp, ddp)
+
+
+def test_fsdp_on_the_cpu_of_a_gpu_machine_keeps_its_shards_on_the_cpu():
+    """--device cpu with GPUs visible: the mesh is built from the process group's device (gloo,
+    CPU), not from the accelerator, so the shards live on the CPU (the memory line says where)."""
+    out = ok(run("train_fsdp_minigpt.py", TINY_GPT + ["--device", "cpu", "--max-steps", 2,
+                                                      "--save", "", "--export", ""],
+                 nproc=2, cuda=True))
+    assert "| device cpu |" in out and "memory per rank (cpu):" in out and "step 2/2 | loss" in out
