@@ -457,9 +457,9 @@ def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every ran
     folder = os.path.join(run.args.save, f"step-{step:06d}")  # FSDP 3: a folder per step
     if not shards_finite(raw_model):  # a collective: every rank gets the same answer
         raise SaveFailed(f"not saving {folder}: the weights are not finite")
-    state = run_state(run, data, step, rng_states)
-    try:
-        save_on_rank_0(lambda: write_file(os.path.join(folder, "run.json"), state), run.is_main)
+    try:  # rank 0 writes run.json, then every rank its shards
+        save_on_rank_0(lambda: write_file(os.path.join(folder, "run.json"),
+                                          run_state(run, data, step, rng_states)), run.is_main)
         model_state, optim_state = get_state_dict(raw_model, optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=folder)
     except (SaveFailed, OSError, RuntimeError, CheckpointException) as err:  # DCP: on every rank
