@@ -910,9 +910,8 @@ def resume_path(run):
     if resume not in ("auto", None) and os.path.isfile(resume):  # FSDP 3: folders, not files
         raise InputError(f"{resume} is one file, as train_ddp_minigpt.py saves; this trainer "
                          "resumes from a checkpoint folder of its own (--save DIR)")
-    if resume != "auto":  # FSDP 3: a step folder, or the newest complete step in a folder
-        complete = resume and os.path.isfile(os.path.join(resume, ".metadata"))
-        return resume and (resume if complete else newest_complete_step(resume, run.is_main))
+    if resume != "auto":  # FSDP 3: a folder's newest complete step, or a step folder itself
+        return resume and newest_complete_step(resume, run.is_main) or resume
     if not save:
         raise InputError("--resume auto needs a --save path to look for")
     found = [newest_complete_step(save, run.is_main) if run.is_main else None]  # FSDP 3

@@ -11,8 +11,11 @@ These tests prove:
 4. checkpoints are shards that resume at another world size: saved at 2 processes, resumed at 1
    (in process) and at 3 with `--resume auto`, with the same global batch, the next losses are
    the uninterrupted 2-process run's (the windows of each global batch are the same; only the
-   order of float sums differs); a save killed before its step file is written is never resumed;
-   a worker killed at step 12 under `torchrun --max-restarts=1` is restarted with its peer and
+   order of float sums differs); a step folder without DCP's .metadata (a save killed half-way)
+   is named in one line and never resumed, and a --resume that names no complete step is an
+   error; a full disk during a sharded save is one line on every rank (exit code 5), leaves no
+   half-written step, and the previous step resumes; at one process FSDP, built on the meta
+   device, ends with chapter 3's weights; a worker killed at step 12 under `torchrun --max-restarts=1` is restarted with its peer and
    `--resume auto` goes on from step 10 with the uninterrupted run's losses;
 5. bad input is one line and exit code 2: a DDP checkpoint file given to --resume, --amp fp16,
    a wrong --reshard-after-forward;
@@ -132,6 +135,11 @@ def test_a_step_without_dcps_metadata_is_never_resumed_and_is_named(runs, tmp_pa
     assert "resumed from" not in out and "step 0/1 | val loss" in out
     assert (f"ignoring unfinished checkpoint steps (no .metadata): {folder / 'step-000099'}\n"
             in out)
+    half = tmp_path / "half"  # --resume asked for by name: no complete step there is an error
+    (half / "step-000007").mkdir(parents=True)
+    for path in (half / "step-000007", half):
+        with pytest.raises(fsdp.InputError, match=rf"^no complete checkpoint at {path} \(it needs"):
+            in_process(FSDP, FLAGS + ["--max-steps", 1, "--resume", path, "--save", ""])
 
 
 def test_at_one_process_fsdp_ends_with_chapter_3s_weights(tmp_path):
