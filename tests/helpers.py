@@ -214,8 +214,11 @@ def one_process_group():
     import torch
     import torch.distributed as dist
     saved, threads = dict(os.environ), torch.get_num_threads()
+    # nothing of the user's torchrun, SLURM or debug settings; the GPUs stay as they were: CUDA may
+    # start up in this process (an optimizer step asks whether a CUDA stream is capturing) and must
+    # find the devices torch counted at import. The runs are told --device cpu instead.
     os.environ.clear()
-    os.environ.update(environment())  # nothing of the user's torchrun, SLURM or debug settings
+    os.environ.update(environment(cuda=True))
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))
     torch.set_num_threads(1)
