@@ -80,10 +80,12 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
-        qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, heads, T, head size)
+        # qkv's outputs come head by head (head 0's q, k, v, then head 1's...), so a split of them
+        # into equal parts gives each part whole heads (chapter 8); -1: the heads this module holds
+        qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
         y = causal_attention(q, k, v)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.proj(y.transpose(1, 2).flatten(2))
 
 
 class Block(nn.Module):
