@@ -558,7 +558,7 @@ def parse_args(argv=None):
     a("--prompt", default="\n", metavar="TEXT",
       help="text to start from, not empty (default: a newline)")
     a("--max-new-tokens", type=positive(int), default=300, metavar="N",
-      help="tokens to generate (default: 300)")
+      help="tokens to generate, by --sample and after training (default: 300)")
     a("--temperature", type=positive(float), default=0.8, metavar="T",
       help="below 1: safer choices, above 1: wilder ones (default: 0.8)")
     a("--top-k", type=positive(int, zero_ok=True), default=40, metavar="K",
@@ -1066,7 +1066,8 @@ def report(run, raw_model, data, val_loss, meter):
     if run.is_main and (unit == "byte" or data.itos):  # text it can show: bytes, or a vocabulary
         raw_model.eval()
         start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
-        out = raw_model.generate(torch.tensor([[start]], device=run.device), 200, 0.8, 40)
+        first, args = torch.tensor([[start]], device=run.device), run.args
+        out = raw_model.generate(first, args.max_new_tokens, args.temperature, args.top_k)
         print("sample:\n" + decode(out[0].tolist(), data.itos), flush=True)
 
 

@@ -29,6 +29,13 @@ SINGLE, DDP, GPT = "train_single_gpu.py", "train_ddp_basic.py", "train_ddp_minig
 SMALL = ["--train-samples", "512", "--val-samples", "101", "--seed", "3"]  # 101: no world size divides it
 TINY_GPT = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
             "--eval-windows", "32", "--log-every", "1", "--lr", "1e-2", "--warmup-steps", "2"]
+# chapters 7 and 8 against chapter 3: a constant learning rate, so that runs of 10, 14 and 18 steps
+# share their schedule. At the course's 3e-3, not TINY_GPT's 1e-2 without warmup: there Adam turns
+# the rounding differences of two exact methods (a reduce-scatter and an all-reduce add in other
+# orders) into 1e-3 in the weights by step 15. A 20-token sample after training.
+CONSTANT_LR = ["--warmup-steps", "0", "--lr", "3e-3", "--min-lr", "3e-3"]
+SHARDED = TINY_GPT + ["--batch-size", "6", "--grad-accum", "2", *CONSTANT_LR,
+                      "--max-new-tokens", "20"]
 
 sys.path.insert(0, str(REPO))  # the trainers are importable: `trainer(GPT).GPT`, `.parse_args`...
 
@@ -279,6 +286,14 @@ def demo_run():
     from an empty folder: (its CompletedProcess, that folder)."""
     folder = scratch("demo")
     return run(DDP, nproc=2, cwd=folder), folder
+
+
+@functools.cache
+def ddp_reference():
+    """Chapter 3 at 2 processes for 18 steps of SHARDED, the run that chapters 7 and 8 must
+    reproduce, run once: (what it printed, its checkpoint)."""
+    ckpt = scratch("ddp_reference") / "ddp.pt"
+    return ok(run(GPT, SHARDED + ["--max-steps", 18, "--save", ckpt], nproc=2)), ckpt
 
 
 @functools.cache

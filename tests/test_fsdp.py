@@ -30,16 +30,12 @@ import sys
 
 import pytest
 import torch
-from helpers import (GPT, REPO, TINY_GPT, environment, finish, free_port, hostile_shell,
-                     in_process, ok, run, trainer)
+from helpers import (CONSTANT_LR, GPT, REPO, SHARDED, TINY_GPT, ddp_reference, environment,
+                     finish, free_port, hostile_shell, in_process, ok, run, trainer)
 
 FSDP = "train_fsdp_minigpt.py"
 fsdp = trainer(FSDP)
-# a constant learning rate: runs of 14 and 18 steps share their schedule. At the course's 3e-3, not
-# TINY_GPT's 1e-2 without warmup: there Adam turns the rounding differences of two exact methods
-# (a reduce-scatter and an all-reduce add in other orders) into 1e-3 in the weights by step 15.
-CONSTANT_LR = ["--warmup-steps", 0, "--lr", "3e-3", "--min-lr", "3e-3"]
-FLAGS = TINY_GPT + ["--batch-size", 6, "--grad-accum", 2, *CONSTANT_LR]
+FLAGS = SHARDED
 
 
 def losses(out):
@@ -49,14 +45,14 @@ def losses(out):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The launches several tests read: FSDP (counted) and DDP for 18 steps, and FSDP for 14 steps
-    with a worker killed at step 12 and restarted (its last checkpoint: step 14)."""
+    """The launches several tests read: FSDP (counted) for 18 steps, FSDP for 14 steps with a
+    worker killed at step 12 and restarted (its last checkpoint: step 14), and chapter 3's 18
+    steps (ddp_reference, shared with chapter 8's tests)."""
     d = tmp_path_factory.mktemp("fsdp")
     (d / "count").mkdir()
     r = {"fsdp": run("tests/probe_fsdp.py", ["count", d / "count", *FLAGS, "--max-steps", 18,
                                              "--save", d / "f18", "--export", d / "f18.pt"],
                      nproc=2),
-         "ddp": run(GPT, FLAGS + ["--max-steps", 18, "--save", d / "d18.pt"], nproc=2),
          "restarted": run("tests/probe_fsdp.py",
                           ["crash", "12:1", *FLAGS, "--max-steps", 14, "--save-every", 10,
                            "--save", d / "f14", "--resume", "auto", "--export", ""], nproc=2,
@@ -64,16 +60,17 @@ def runs(tmp_path_factory):
                           env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})}
     for result in r.values():
         ok(result)
-    return {**r, "dir": d}
+    ddp, ddp_ckpt = ddp_reference()
+    return {**r, "ddp": ddp, "ddp.pt": ddp_ckpt, "dir": d}
 
 
 def test_fsdp_computes_what_ddp_computes(runs):
-    a, b = losses(runs["fsdp"].stdout), losses(runs["ddp"].stdout)
+    a, b = losses(runs["fsdp"].stdout), losses(runs["ddp"])
     assert sorted(a) == list(range(1, 19)) and a[18] < a[1]
     for step in a:
         assert a[step] == pytest.approx(b[step], rel=1e-5), step
     fsdp_weights = torch.load(runs["dir"] / "f18.pt", map_location="cpu", weights_only=True)
-    ddp_weights = torch.load(runs["dir"] / "d18.pt", map_location="cpu", weights_only=True)
+    ddp_weights = torch.load(runs["ddp.pt"], map_location="cpu", weights_only=True)
     assert fsdp_weights["config"] == ddp_weights["config"]
     for key, value in ddp_weights["model"].items():
         torch.testing.assert_close(fsdp_weights["model"][key], value, rtol=1e-4, atol=1e-4)
@@ -113,7 +110,8 @@ def test_a_killed_worker_is_restarted_and_the_job_resumes_from_its_shards(runs):
 
 def test_a_two_process_checkpoint_resumes_at_one_and_three_processes(runs):
     uninterrupted = losses(runs["fsdp"].stdout)
-    flags = TINY_GPT + ["--grad-accum", 2, *CONSTANT_LR, "--max-steps", 18, "--export", ""]
+    flags = TINY_GPT + ["--grad-accum", 2, *CONSTANT_LR, "--max-steps", 18, "--export", "",
+                         "--max-new-tokens", 20]
     at_one = in_process(FSDP, flags + ["--batch-size", 12, "--resume", runs["dir"] / "f14",
                                        "--save", ""])
     at_three = ok(run(FSDP, flags + ["--batch-size", 4, "--resume", "auto",
@@ -169,7 +167,7 @@ def test_a_full_disk_during_a_sharded_save_is_one_line_and_the_last_step_resumes
 
 def test_bad_inputs_are_one_line(runs, capsys):
     with pytest.raises(fsdp.InputError, match=r"is one file, as train_ddp_minigpt.py saves"):
-        in_process(FSDP, FLAGS + ["--max-steps", 1, "--resume", runs["dir"] / "d18.pt"])
+        in_process(FSDP, FLAGS + ["--max-steps", 1, "--resume", runs["ddp.pt"]])
     with pytest.raises(fsdp.InputError, match=r"^--amp fp16: this FSDP trainer runs bf16 or fp32"):
         fsdp.mixed_precision("fp16", torch.device("cuda", 0))  # fp16 on a GPU: refused
     with pytest.raises(SystemExit) as exit_:

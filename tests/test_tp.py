@@ -1,0 +1,138 @@
+"""Chapter 8, train_tp_minigpt.py (tensor parallelism inside FSDP, a 2-D mesh), under real torchrun
+launches on CPU/gloo. These tests prove:
+
+1. the same math as DDP: at the same seed, data and flags (2 accumulation steps, gradient norms
+   above --clip, so clipping binds), dp 2 x tp 2 at 4 processes logs the losses and gradient norms of 2 DDP processes (1e-5
+   relative); this holds only if the two ranks of a tp group read the same batch (data by dp row,
+   not by rank: read by rank, the 4 ranks would read 4 different shares of the windows);
+2. checkpoints reshard across grids: the (dp 2, tp 2) checkpoint resumes at (dp 1, tp 2), two
+   processes that two nodes' agents start through chapter 4's launcher, and at tp 1 (in process),
+   each with the same global batch, and both log the next 8 losses of the uninterrupted DDP run;
+   the (dp 1, tp 2) run's 8 losses are also chapter 3's in one process with that global batch;
+   its export holds DDP's final weights (1e-4) and samples through train_ddp_minigpt.py;
+3. what each rank holds and sends: at dp 2 x tp 2 a rank holds a quarter of each block's
+   matrices and half of the rest; the TP traffic line counts 4 all-reduces per block and
+   micro-batch;
+4. bad input is one line and exit code 2: a --tp that does not divide the world size or --n-head;
+5. benchmark_scaling.py runs it as a --trainer.
+"""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import (GPT, REPO, SHARDED, TINY_GPT, ddp_reference, environment, finish, free_port,
+                     in_process, ok, run, trainer)
+
+TP = "train_tp_minigpt.py"
+tp = trainer(TP)
+FLAGS = SHARDED + ["--max-steps", 18]  # batch 6, 2 accumulation steps, --clip 1.0
+LOG = re.compile(r"^step (\d+)/\d+ \| loss (\d+\.\d+) \| lr \S+ \| grad norm (\d+\.\d+)", re.M)
+
+
+def losses(out):
+    return {int(m.group(1)): float(m.group(2)) for m in LOG.finditer(out)}
+
+
+def grad_norms(out):
+    return {int(m.group(1)): float(m.group(3)) for m in LOG.finditer(out)}
+
+
+def through_the_launcher(script, args):
+    """Two nodes of one process each, started from the commands chapter 4's launcher prints;
+    returns what rank 0's node printed."""
+    printed = subprocess.run(
+        [str(REPO / "launch_multinode_ddp.sh"), "--nnodes", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(free_port()), "--join-timeout", "60", script, *map(str, args)],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+        env={**environment(), "TORCHRUN": f"{sys.executable} -m torch.distributed.run"})
+    nodes = [line for line in printed.stdout.splitlines() if line and not line.startswith("#")]
+    agents = [subprocess.Popen(line, shell=True, cwd=REPO, env=environment(), text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               start_new_session=True) for line in nodes]
+    outs = [ok(finish(agent, ["node", str(i)])) for i, agent in enumerate(agents)]
+    return next(out for out in outs if "world size 2 " in out)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """TP at dp 2 x tp 2 for 10 steps (its checkpoint: step 10); from that checkpoint to step 18
+    at dp 1 x tp 2 (exported) and at tp 1; chapter 3 at 2 processes (ddp_reference, shared with
+    chapter 7's tests) and at 1, for 18 steps."""
+    d = tmp_path_factory.mktemp("tp")
+    ddp, ddp_ckpt = ddp_reference()
+    r = {"ddp": ddp, "ddp.pt": ddp_ckpt,
+         "grid": ok(run(TP, FLAGS + ["--tp", 2, "--max-steps", 10, "--save", d / "ck",
+                                     "--export", ""], nproc=4))}
+    resume = FLAGS + ["--batch-size", 12, "--resume", d / "ck", "--save", ""]
+    r["row"] = through_the_launcher(TP, resume + ["--tp", 2, "--export", d / "tp.pt"])
+    r["column"] = in_process(TP, resume + ["--tp", 1, "--export", ""])
+    r["one"] = in_process(GPT, FLAGS + ["--batch-size", 12, "--save", ""])
+    return {**r, "dir": d}
+
+
+def test_dp2_x_tp2_computes_what_ddp_computes(runs):
+    grid, ddp = runs["grid"], runs["ddp"]
+    assert "world size 4 (2 dp x 2 tp)" in grid
+    assert sorted(losses(grid)) == list(range(1, 11))
+    for step, loss in losses(grid).items():
+        assert loss == pytest.approx(losses(ddp)[step], rel=1e-5), step
+    for step, norm in grad_norms(grid).items():  # above --clip 1.0: clipping binds
+        assert norm > 1.0 and norm == pytest.approx(grad_norms(ddp)[step], abs=2e-3), step
+
+
+def test_the_grid_checkpoint_resumes_at_dp1_x_tp2_and_at_tp1(runs):
+    ddp, one = losses(runs["ddp"]), losses(runs["one"])
+    for out, grid in ((runs["row"], "1 dp x 2 tp"), (runs["column"], "1 dp x 1 tp")):
+        assert f"world size {2 if '2 tp' in grid else 1} ({grid})" in out
+        assert f"resumed from {runs['dir'] / 'ck' / 'step-000010'} at step 10" in out
+        resumed = losses(out)
+        assert sorted(resumed) == list(range(11, 19))
+        for step, loss in resumed.items():  # 12 sequences per micro-step in every run
+            assert loss == pytest.approx(ddp[step], rel=1e-4), (step, out)
+            assert loss == pytest.approx(one[step], rel=1e-4), (step, out)
+
+
+def test_the_export_holds_ddps_weights_and_samples_in_chapter_3(runs):
+    exported = torch.load(runs["dir"] / "tp.pt", map_location="cpu", weights_only=True)
+    ddp = torch.load(runs["ddp.pt"], map_location="cpu", weights_only=True)
+    assert exported["config"] == ddp["config"]
+    for key, value in ddp["model"].items():
+        torch.testing.assert_close(exported["model"][key], value, rtol=1e-4, atol=1e-4, msg=key)
+    sampled = in_process(GPT, ["--sample", "--ckpt", runs["dir"] / "tp.pt", "--prompt", "def ",
+                               "--max-new-tokens", 20])
+    assert sampled.startswith("def ") and len(sampled) > 10
+
+
+def test_each_rank_holds_its_share_and_the_traffic_line_counts_the_all_reduces(runs):
+    model = trainer(GPT).GPT(256, 32, 2, 2, 32, 0.0)
+    blocks = sum(p.numel() for name, p in model.named_parameters()
+                 if re.search(r"\.(qkv|proj|mlp\.[02])\.weight$", name))
+    split_biases = sum(p.numel() for name, p in model.named_parameters()
+                       if re.search(r"\.(qkv|mlp\.0)\.bias$", name))  # column-wise: split too
+    total = sum(p.numel() for p in model.parameters())
+    mine = (blocks + split_biases) // 4 + (total - blocks - split_biases) // 2
+    assert f"({mine:,} of {total:,} parameters; DDP:" in runs["grid"]
+    tensor = 6 * 32 * 32 * 4 / 2**20  # batch x context x width, fp32
+    assert (f"TP traffic per rank: 16 all-reduces of {tensor:.2f} MiB per step, "
+            f"{16 * tensor:.2f} MiB sent (tp 2)") in runs["grid"]  # 2 blocks x 2 micro x 4
+
+
+def test_a_tp_that_does_not_divide_is_one_line(capsys):
+    with pytest.raises(tp.InputError, match=r"^--tp 2 does not divide the world size 1$"):
+        in_process(TP, TINY_GPT + ["--tp", 2, "--max-steps", 1, "--save", "", "--export", ""])
+    with pytest.raises(SystemExit) as exit_:
+        tp.parse_args(["--tp", "3"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert "--tp 3 must divide --n-head 4: each rank holds whole heads" in err
+
+
+def test_benchmark_scaling_runs_the_tp_trainer(tmp_path):
+    out = ok(run("benchmark_scaling.py", ["--device", "cpu", "--trainer", TP, "--nproc", 2,
+                                          "--json", tmp_path / "s.json", "--", "--benchmark",
+                                          "--max-steps", 2, "--tp", 2, *TINY_GPT]))
+    report = json.loads((tmp_path / "s.json").read_text())
+    assert TP in out and report and "tokens" in json.dumps(report), report
