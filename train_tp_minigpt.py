@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # FSDP 3
 from torch.distributed.device_mesh import init_device_mesh  # FSDP 2
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # FSDP 1
 from torch.distributed.tensor import distribute_tensor  # FSDP 2
-from torch.distributed.tensor.parallel import (ColwiseParallel,  # TP 3
+from torch.distributed.tensor.parallel import (ColwiseParallel,  # TP 4
                                                RowwiseParallel, parallelize_module)
 from torch.utils.checkpoint import checkpoint
 
@@ -357,24 +357,24 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
                         f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
                         f"context {args.block_size}")
     print0(run.is_main, memory_line(raw_model))  # FSDP 2: what each rank holds
-    print0(run.is_main, traffic_line(run))  # TP 6: and what it sends
+    print0(run.is_main, traffic_line(run))  # TP 3: and what it sends
     return raw_model, optimizer
 
 
-def shard(run, model):  # TP 3: each block split across its row's tp ranks, then FSDP by column
+def shard(run, model):  # TP 4: each block split across its row's tp ranks, then FSDP by column
     """parallelize_module splits each block's four matrices across the tp ranks of a row (DTensors
     on the tp mesh); then fully_shard shards every parameter over the rows (dp), as in chapter 7:
     a block's matrices end up on the 2-D mesh, the embeddings, norms and head on the dp mesh."""
-    mesh = run.mesh["dp"]  # TP 3: FSDP shards over the rows, within each column
+    mesh = run.mesh["dp"]  # TP 4: FSDP shards over the rows, within each column
     reshard = run.args.reshard_after_forward == "yes"
     for block in model.blocks:
-        if run.args.tp > 1:  # TP 3: --tp 1 is chapter 7
+        if run.args.tp > 1:  # TP 4: --tp 1 is chapter 7
             parallelize_module(block, run.mesh["tp"], block_plan())
         fully_shard(block, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)
 
 
-def block_plan():  # TP 3: Megatron's split of a block, 2 all-reduces in forward, 2 in backward
+def block_plan():  # TP 4: Megatron's split of a block, 2 all-reduces in forward, 2 in backward
     """Column-wise: q, k, v (whole heads, as GPT.qkv orders its outputs) and the MLP's first
     matrix, each rank its share of the outputs, from the whole input. Row-wise: attn.proj and the
     MLP's second matrix take those shares and give partial sums, which one all-reduce adds up."""
@@ -424,7 +424,7 @@ def train_step(run, model, optimizer, windows, step):
     loss = accumulate_gradients(model, batches)  # FSDP 1: the policy casts, no autocast
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, args)
-    grad_norm = clip_gradients(model, args.clip or float("inf"))  # TP 4: over both meshes
+    grad_norm = clip_gradients(model, args.clip or float("inf"))  # TP 5: over both meshes
     loss = mean_over_ranks(loss)  # DDP 7: every rank gets the same mean, so the same verdict
     stop_if_diverged(run, step, loss, grad_norm)
     optimizer.step()  # FSDP 1
@@ -446,8 +446,7 @@ def accumulate_gradients(model, batches):  # FSDP 6: one reduce-scatter per step
     return total
 
 
-@torch.no_grad()
-def clip_gradients(model, max_norm):  # TP 4: DTensors on two meshes
+def clip_gradients(model, max_norm):  # TP 5: DTensors on two meshes
     """clip_grad_norm_ for a model whose parameters live on two meshes (it cannot stack norms from
     both): the norm of each mesh's gradients, over all its ranks (full_tensor), then of those.
     Returns the norm before clipping, the same on every rank."""
@@ -455,10 +454,10 @@ def clip_gradients(model, max_norm):  # TP 4: DTensors on two meshes
     for p in model.parameters():
         on_mesh.setdefault(p.device_mesh, []).append(p)
     norms = [nn.utils.get_total_norm([p.grad for p in ps]).full_tensor() for ps in on_mesh.values()]
-    total = torch.linalg.vector_norm(torch.stack(norms))
+    norm = torch.linalg.vector_norm(torch.stack(norms))
     for ps in on_mesh.values():
-        nn.utils.clip_grads_with_norm_(ps, max_norm, total)
-    return total
+        nn.utils.clip_grads_with_norm_(ps, max_norm, norm)
+    return norm
 
 
 def evaluate(run, model, val):  # FSDP 7: every rank runs as many forwards
@@ -629,9 +628,9 @@ def parse_args(argv=None):
       help="validation sequences per evaluation (default: 128)")
     a("--log-every", type=positive(int), default=10, metavar="N",
       help="steps between log lines (default: 10)")
-    a("--save", default="checkpoints/minigpt_tp", metavar="DIR",  # TP 5
+    a("--save", default="checkpoints/minigpt_tp", metavar="DIR",  # TP 6
       help="checkpoint folder of step-N folders, '' for none (default: %(default)s)")
-    a("--export", default="checkpoints/minigpt_tp.pt", metavar="PATH",  # TP 5
+    a("--export", default="checkpoints/minigpt_tp.pt", metavar="PATH",  # TP 6
       help="the final weights in one file, chapter 3's format, '' for none (default: %(default)s)")
     a("--save-every", type=positive(int, zero_ok=True), default=0, metavar="N",
       help="also save every N steps, 0 = only at the end (default: 0)")
@@ -1038,8 +1037,8 @@ def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
     set_state_dict(raw_model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     if not shards_finite(raw_model):
         raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
-    same_grid = state["args"].get("tp") == run.args.tp and len(state["rng"]) == run.world_size
-    if same_grid:  # TP 5: else the seeds by row stay: a row's ranks must draw alike
+    saved = state["args"].get("tp"), len(state["rng"])  # TP 6: the grid that saved it
+    if saved == (run.args.tp, run.world_size):  # else the seeds by row stay: a row draws alike
         rng = {k: None if v is None else torch.tensor(v, dtype=torch.uint8)  # FSDP 3
                for k, v in state["rng"][run.rank].items()}
         torch.set_rng_state(rng["cpu"])
@@ -1073,10 +1072,10 @@ def memory_line(model):  # FSDP 2: what each rank holds, against DDP's full copy
     where = next(model.parameters()).device.type
     return (f"memory per rank ({where}): weights, gradients and AdamW state "
             f"{16 * mine / 2**20:.2f} MiB "
-            f"({mine:,} of {full:,} parameters; DDP: {16 * full / 2**20:.2f} MiB)")  # TP 6
+            f"({mine:,} of {full:,} parameters; DDP: {16 * full / 2**20:.2f} MiB)")  # TP 3
 
 
-def traffic_line(run):  # TP 6: what each rank sends for TP in one optimizer step
+def traffic_line(run):  # TP 3: what each rank sends for TP in one optimizer step
     """TP's all-reduces per optimizer step, sent by each rank: 4 per block and micro-batch of
     the activations (B, T, C) in the compute dtype; a ring all-reduce sends 2 (tp - 1) / tp of
     a tensor. Evaluation and --grad-checkpointing's recomputed forwards come on top."""

@@ -14,7 +14,10 @@
 6. the LM's training loop holds no fault switch (faults are injected from tests/, by a probe);
 7. chapter 7's lesson, `diff train_ddp_minigpt.py train_fsdp_minigpt.py`: at most 400 changed
    lines (meta-device build, DCP checkpoints and the export are most of them), and every block the FSDP script adds or changes opens with a `# FSDP k` tag (k = 1..8),
-   and the README's chapter 7 has a row for each.
+   and the README's chapter 7 has a row for each;
+8. chapter 8's lesson, `diff train_fsdp_minigpt.py train_tp_minigpt.py`: at most 160 changed lines, every
+   block the TP script adds or changes opens with a `# TP k` tag (k = 1..6, in reading order), and the
+   README's chapter 8 has a row T1..T6 for each.
 """
 import ast
 import difflib
@@ -26,9 +29,10 @@ from helpers import REPO
 TAG = re.compile(r"# DDP (\d+)\b")
 PLUMBING = re.compile(r"^# =+ the plumbing$")
 SCRIPTS = ["train_single_gpu.py", "train_ddp_basic.py", "train_ddp_minigpt.py",
-           "train_fsdp_minigpt.py"]
+           "train_fsdp_minigpt.py", "train_tp_minigpt.py"]
 CHANGES = 9
 FSDP_TAG, FSDP_CHANGES = re.compile(r"# FSDP (\d+)\b"), 8
+TP_TAG, TP_CHANGES = re.compile(r"# TP (\d+)\b"), 6
 
 
 def lines(name):
@@ -108,7 +112,8 @@ def test_the_lm_trainers_read_lesson_first(name):
 
 @pytest.mark.parametrize("name,family", [("train_ddp_basic.py", "DDP"),
                                          ("train_ddp_minigpt.py", "DDP"),
-                                         ("train_fsdp_minigpt.py", "FSDP")])
+                                         ("train_fsdp_minigpt.py", "FSDP"),
+                                         ("train_tp_minigpt.py", "TP")])
 def test_tags_first_appear_in_reading_order(name, family):
     seen = []
     for line in lines(name):
@@ -136,3 +141,18 @@ def test_every_fsdp_block_opens_with_its_tag_and_the_readme_has_every_row():
     chapter_7 = (REPO / "README.md").read_text().split("## Chapter 7")[1]
     for k in range(1, FSDP_CHANGES + 1):
         assert re.search(rf"^\| F{k} \|", chapter_7, re.M), f"chapter 7's table has no row F{k}"
+
+
+def test_every_tp_block_opens_with_its_tag_and_the_readme_has_every_row():
+    tp = "train_tp_minigpt.py"
+    docstring_end = lines(tp).index('"""', 1)
+    blocks, count = changed_blocks("train_fsdp_minigpt.py", tp)
+    assert count <= 160, f"{count} changed lines"  # the issue's "about 150"
+    untagged = [f"line {start}: {block[0]}" for start, block in blocks if start > docstring_end + 1
+                and not TP_TAG.search(next(x for x in block if x.strip()))]
+    assert not untagged, "TP blocks without a tag on their first line:\n" + "\n".join(untagged)
+    numbers = {int(k) for line in lines(tp) for k in TP_TAG.findall(line)}
+    assert numbers == set(range(1, TP_CHANGES + 1))
+    chapter_8 = (REPO / "README.md").read_text().split("## Chapter 8")[1]
+    for k in range(1, TP_CHANGES + 1):
+        assert re.search(rf"^\| T{k} \|", chapter_8, re.M), f"chapter 8's table has no row T{k}"
