@@ -14,7 +14,9 @@ module also runs on a single GPU. These tests prove, on NCCL:
    and exports a file that samples in one process; it compiles with inductor; at 2 GPUs its
    measured peak memory per rank is below DDP's;
 6. a checkpoint saved on the CPU resumes on a GPU with fused AdamW, and FSDP asked for the CPU on a
-   GPU machine keeps its shards on the CPU.
+   GPU machine keeps its shards on the CPU;
+7. chapter 8's TP trainer, its tp group the min(2, GPUs) GPUs, trains on NCCL in bf16 (fused AdamW
+   over two meshes), saves, resumes, and exports a file that samples in one process.
 The CPU tests hide the GPUs (helpers.environment); these launches alone see them (cuda=True).
 """
 import math
@@ -92,6 +94,20 @@ def test_fsdp_in_bf16_on_nccl_saves_resumes_and_exports(tmp_path):
                  nproc=NPROC, cuda=True))
     assert "at step 4" in out and "step 6/6 | loss" in out
     sampled = ok(run(GPT, ["--sample", "--ckpt", tmp_path / "f.pt", "--max-new-tokens", 20], cuda=True))
+    assert sampled.strip()
+
+
+def test_tp_in_bf16_on_nccl_saves_resumes_and_exports(tmp_path):
+    if not torch.cuda.is_bf16_supported(including_emulation=False):
+        pytest.skip("this GPU has no native bf16")
+    flags = LM + ["--amp", "bf16", "--tp", NPROC, "--save", tmp_path / "ck",
+                  "--export", tmp_path / "t.pt"]
+    out = ok(run("train_tp_minigpt.py", flags + ["--max-steps", 4], nproc=NPROC, cuda=True))
+    assert f"(1 dp x {NPROC} tp) | device cuda:0 | amp bfloat16" in out and "step 4/4 | saved" in out
+    out = ok(run("train_tp_minigpt.py", flags + ["--max-steps", 6, "--resume", "auto"],
+                 nproc=NPROC, cuda=True))
+    assert "at step 4" in out and "step 6/6 | loss" in out
+    sampled = ok(run(GPT, ["--sample", "--ckpt", tmp_path / "t.pt", "--max-new-tokens", 20], cuda=True))
     assert sampled.strip()
 
 
