@@ -277,9 +277,10 @@ def grid(tp, device, world_size):  # TP 1: a 2-D mesh, rows of tp ranks
     replica) and column r % tp (its share of every block). A row is consecutive ranks: under
     torchrun, one node's GPUs, so that TP's all-reduces stay on the node's links (NVLink)."""
     if world_size % tp:
-        raise InputError(f"--tp {tp} does not divide the world size {world_size}")
+        raise InputError(f"--tp {tp} does not divide the world size {world_size}: start a "
+                         f"multiple of {tp} processes, or give --tp 1")
     mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
-    # DTensor warns that a 2-D reduction (the gradient norm, a scalar) takes two collectives
+    # DTensor warns when a 2-D redistribution takes two collectives: the norm (a scalar), the export
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     return mesh
 
@@ -1080,6 +1081,8 @@ def traffic_line(run):  # TP 3: what each rank sends for TP in one optimizer ste
     the activations (B, T, C) in the compute dtype; a ring all-reduce sends 2 (tp - 1) / tp of
     a tensor. Evaluation and --grad-checkpointing's recomputed forwards come on top."""
     args, tp = run.args, run.args.tp
+    if tp == 1:
+        return "TP traffic per rank: none (--tp 1: chapter 7's FSDP alone)"
     width = 2 if run.amp in ("bfloat16", "float16") else 4
     tensor = args.batch_size * args.block_size * args.n_embd * width
     sent = 4 * args.n_layer * args.grad_accum * tensor * 2 * (tp - 1) / tp

@@ -86,6 +86,7 @@ def test_dp2_x_tp2_computes_what_ddp_computes(runs):
 
 def test_the_grid_checkpoint_resumes_at_dp1_x_tp2_and_at_tp1(runs):
     ddp, one = losses(runs["ddp"]), losses(runs["one"])
+    assert "TP traffic per rank: none (--tp 1: chapter 7's FSDP alone)" in runs["column"]
     for out, grid in ((runs["row"], "1 dp x 2 tp"), (runs["column"], "1 dp x 1 tp")):
         assert f"world size {2 if '2 tp' in grid else 1} ({grid})" in out
         assert f"resumed from {runs['dir'] / 'ck' / 'step-000010'} at step 10" in out
@@ -122,7 +123,7 @@ def test_each_rank_holds_its_share_and_the_traffic_line_counts_the_all_reduces(r
 
 
 def test_a_tp_that_does_not_divide_is_one_line(capsys):
-    with pytest.raises(tp.InputError, match=r"^--tp 2 does not divide the world size 1$"):
+    with pytest.raises(tp.InputError, match=r"^--tp 2 does not divide the world size 1: start a multiple"):
         in_process(TP, TINY_GPT + ["--tp", 2, "--max-steps", 1, "--save", "", "--export", ""])
     with pytest.raises(SystemExit) as exit_:
         tp.parse_args(["--tp", "3"])
