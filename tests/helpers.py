@@ -167,6 +167,21 @@ def run_many(launches, cwd=None, at_once=2):
     return results
 
 
+def two_nodes(script, args):
+    """Two nodes of one process each on this machine: the commands chapter 4's launcher prints
+    (meeting at 127.0.0.1), each run by its own torchrun agent. Returns what each node printed."""
+    printed = subprocess.run(
+        [str(REPO / "launch_multinode_ddp.sh"), "--nnodes", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(free_port()), "--join-timeout", "60", script, *map(str, args)],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+        env={**environment(), "TORCHRUN": f"{sys.executable} -m torch.distributed.run"})
+    nodes = [line for line in printed.stdout.splitlines() if line and not line.startswith("#")]
+    agents = [subprocess.Popen(line, shell=True, cwd=REPO, env=environment(), text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               start_new_session=True) for line in nodes]
+    return [ok(finish(agent, ["node", str(i)])) for i, agent in enumerate(agents)]
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -25,13 +25,11 @@ These tests prove:
 """
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import (CONSTANT_LR, GPT, REPO, SHARDED, TINY_GPT, ddp_reference, environment,
-                     finish, free_port, hostile_shell, in_process, ok, run, trainer)
+from helpers import (CONSTANT_LR, GPT, SHARDED, TINY_GPT, ddp_reference, hostile_shell, in_process,
+                     ok, run, trainer, two_nodes)
 
 FSDP = "train_fsdp_minigpt.py"
 fsdp = trainer(FSDP)
@@ -190,16 +188,6 @@ def test_two_nodes_through_the_launcher_train_like_one_node(runs):
 
 
 def two_nodes_through_the_launcher_train_like_one_node(runs):
-    printed = subprocess.run(
-        [str(REPO / "launch_multinode_ddp.sh"), "--nnodes", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(free_port()), "--join-timeout", "60", FSDP,
-         *map(str, FLAGS + ["--max-steps", 18, "--save", "", "--export", ""])],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-        env={**environment(), "TORCHRUN": f"{sys.executable} -m torch.distributed.run"})
-    nodes = [line for line in printed.stdout.splitlines() if line and not line.startswith("#")]
-    agents = [subprocess.Popen(line, shell=True, cwd=REPO, env=environment(), text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               start_new_session=True) for line in nodes]
-    outs = [ok(finish(agent, ["node", str(i)])) for i, agent in enumerate(agents)]
+    outs = two_nodes(FSDP, FLAGS + ["--max-steps", 18, "--save", "", "--export", ""])
     logged = [losses(out) for out in outs if "world size 2 |" in out]  # rank 0's node logs
     assert len(logged) == 1 and logged[0] == pytest.approx(losses(runs["fsdp"].stdout), rel=1e-5)

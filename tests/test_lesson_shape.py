@@ -128,31 +128,20 @@ def test_the_lm_training_loop_has_no_fault_switch():
         assert switch not in source, switch
 
 
-def test_every_fsdp_block_opens_with_its_tag_and_the_readme_has_every_row():
-    fsdp = "train_fsdp_minigpt.py"
-    docstring_end = lines(fsdp).index('"""', 1)
-    blocks, count = changed_blocks("train_ddp_minigpt.py", fsdp)
-    assert count <= 400, f"{count} changed lines"  # most of it: meta build, DCP, the export
+@pytest.mark.parametrize("parent,child,tag,changes,limit,chapter,row", [
+    # chapter 7: most of the 400 are the meta build, DCP checkpoints and the export
+    ("train_ddp_minigpt.py", "train_fsdp_minigpt.py", FSDP_TAG, FSDP_CHANGES, 400, "7", "F"),
+    ("train_fsdp_minigpt.py", "train_tp_minigpt.py", TP_TAG, TP_CHANGES, 160, "8", "T")])
+def test_every_changed_block_opens_with_its_tag_and_the_readme_has_every_row(
+        parent, child, tag, changes, limit, chapter, row):
+    docstring_end = lines(child).index('"""', 1)
+    blocks, count = changed_blocks(parent, child)
+    assert count <= limit, f"{child}: {count} changed lines"
     untagged = [f"line {start}: {block[0]}" for start, block in blocks if start > docstring_end + 1
-                and not FSDP_TAG.search(next(x for x in block if x.strip()))]
-    assert not untagged, "FSDP blocks without a tag on their first line:\n" + "\n".join(untagged)
-    numbers = {int(k) for line in lines(fsdp) for k in FSDP_TAG.findall(line)}
-    assert numbers == set(range(1, FSDP_CHANGES + 1))
-    chapter_7 = (REPO / "README.md").read_text().split("## Chapter 7")[1]
-    for k in range(1, FSDP_CHANGES + 1):
-        assert re.search(rf"^\| F{k} \|", chapter_7, re.M), f"chapter 7's table has no row F{k}"
-
-
-def test_every_tp_block_opens_with_its_tag_and_the_readme_has_every_row():
-    tp = "train_tp_minigpt.py"
-    docstring_end = lines(tp).index('"""', 1)
-    blocks, count = changed_blocks("train_fsdp_minigpt.py", tp)
-    assert count <= 160, f"{count} changed lines"  # the issue's "about 150"
-    untagged = [f"line {start}: {block[0]}" for start, block in blocks if start > docstring_end + 1
-                and not TP_TAG.search(next(x for x in block if x.strip()))]
-    assert not untagged, "TP blocks without a tag on their first line:\n" + "\n".join(untagged)
-    numbers = {int(k) for line in lines(tp) for k in TP_TAG.findall(line)}
-    assert numbers == set(range(1, TP_CHANGES + 1))
-    chapter_8 = (REPO / "README.md").read_text().split("## Chapter 8")[1]
-    for k in range(1, TP_CHANGES + 1):
-        assert re.search(rf"^\| T{k} \|", chapter_8, re.M), f"chapter 8's table has no row T{k}"
+                and not tag.search(next(x for x in block if x.strip()))]
+    assert not untagged, f"{child}: blocks without a tag on their first line:\n" + "\n".join(untagged)
+    numbers = {int(k) for line in lines(child) for k in tag.findall(line)}
+    assert numbers == set(range(1, changes + 1))
+    section = (REPO / "README.md").read_text().split(f"## Chapter {chapter}")[1]
+    for k in range(1, changes + 1):
+        assert re.search(rf"^\| {row}{k} \|", section, re.M), f"chapter {chapter} has no row {row}{k}"

@@ -17,13 +17,11 @@ launches on CPU/gloo. These tests prove:
 5. benchmark_scaling.py reads its summary: the global batch counts the dp rows, not the ranks.
 """
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import (GPT, REPO, SHARDED, TINY_GPT, ddp_reference, environment, finish, free_port,
-                     in_process, ok, run, summary, trainer)
+from helpers import (GPT, SHARDED, TINY_GPT, ddp_reference, in_process, ok, run, summary, trainer,
+                     two_nodes)
 
 import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
 
@@ -41,22 +39,6 @@ def grad_norms(out):
     return {int(m.group(1)): float(m.group(3)) for m in LOG.finditer(out)}
 
 
-def through_the_launcher(script, args):
-    """Two nodes of one process each, started from the commands chapter 4's launcher prints;
-    returns what rank 0's node printed."""
-    printed = subprocess.run(
-        [str(REPO / "launch_multinode_ddp.sh"), "--nnodes", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(free_port()), "--join-timeout", "60", script, *map(str, args)],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-        env={**environment(), "TORCHRUN": f"{sys.executable} -m torch.distributed.run"})
-    nodes = [line for line in printed.stdout.splitlines() if line and not line.startswith("#")]
-    agents = [subprocess.Popen(line, shell=True, cwd=REPO, env=environment(), text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               start_new_session=True) for line in nodes]
-    outs = [ok(finish(agent, ["node", str(i)])) for i, agent in enumerate(agents)]
-    return next(out for out in outs if "world size 2 " in out)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """TP at dp 2 x tp 2 for 10 steps (its checkpoint: step 10); from that checkpoint to step 18
@@ -68,7 +50,8 @@ def runs(tmp_path_factory):
          "grid": ok(run(TP, FLAGS + ["--tp", 2, "--max-steps", 10, "--save", d / "ck",
                                      "--export", ""], nproc=4))}
     resume = FLAGS + ["--batch-size", 12, "--resume", d / "ck", "--save", ""]
-    r["row"] = through_the_launcher(TP, resume + ["--tp", 2, "--export", d / "tp.pt"])
+    r["row"] = next(out for out in two_nodes(TP, resume + ["--tp", 2, "--export", d / "tp.pt"])
+                    if "world size 2 " in out)  # rank 0's node logs
     r["column"] = in_process(TP, resume + ["--tp", 1, "--export", ""])
     r["one"] = in_process(GPT, FLAGS + ["--batch-size", 12, "--save", ""])
     return {**r, "dir": d}
