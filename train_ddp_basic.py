@@ -11,9 +11,11 @@ is downloaded; `--dataset mnist --data-dir data` reads the real MNIST files from
 """
 import argparse
 import gc  # DDP 9
+import errno
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -120,6 +122,10 @@ def init_distributed(device):  # DDP 1: join the process group that torchrun des
     if device.type == "cuda":  # DDP 2: one GPU per process, picked by LOCAL_RANK, before CUDA work
         device = pick_device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
+    if device.type == "cpu" and dist.get_debug_level() == dist.DebugLevel.DETAIL:  # the shell's
+        print0(os.environ["RANK"] == "0", "warning: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP "
+                                          "on gloo (docs/troubleshooting.md): going on at INFO")
+        dist.set_debug_level(dist.DebugLevel.INFO)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             device_id=device if device.type == "cuda" else None)  # binds NCCL
     return device, dist.get_rank(), dist.get_world_size()
@@ -318,6 +324,33 @@ def all_finite(state_dict):
     return all(bool(torch.isfinite(t).all()) for t in state_dict.values() if t.is_floating_point())
 
 
+def state_bytes(state):
+    """About the bytes a checkpoint of `state` takes on disk: its tensors', in nested dicts and
+    lists (a DTensor counts whole)."""
+    if torch.is_tensor(state):
+        return state.nbytes
+    if isinstance(state, bytes):  # a file's bytes, ready to write
+        return len(state)
+    if isinstance(state, dict):
+        state = list(state.values())
+    return sum(map(state_bytes, state)) if isinstance(state, (list, tuple)) else 0
+
+
+def why_not_written(err, tmp, needed):
+    """Why writing `tmp` failed, in one line and the user's words: a full disk (or quota) says so,
+    with the room there is once the partial file is gone and the room a checkpoint needs; the
+    system's or torch's own words follow as the detail."""
+    detail = getattr(err, "strerror", None) or (str(err).strip().splitlines() or [repr(err)])[0]
+    folder = os.path.dirname(os.path.abspath(tmp))
+    while not os.path.isdir(folder):  # a folder that could not be made
+        folder = os.path.dirname(folder)
+    free = shutil.disk_usage(folder).free + (os.path.getsize(tmp) if os.path.isfile(tmp) else 0)
+    if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < needed:
+        return (f"the disk holding {folder} is full: {free / 1e6:.1f} MB free, a checkpoint needs "
+                f"about {needed / 1e6:.1f} MB ({detail})")
+    return detail
+
+
 def save_checkpoint(path, model, optimizer, epoch, args):
     """Write atomically: a temp file in the same folder, fsync, then rename over the final name.
     Non-finite weights are never written; any failure leaves the previous file as it was."""
@@ -337,8 +370,8 @@ def save_checkpoint(path, model, optimizer, epoch, args):
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half
     except (OSError, RuntimeError) as err:  # disk full, no permission, a folder at `path`...
-        reason = getattr(err, "strerror", None) or str(err).strip().splitlines()[0]
-        raise SaveFailed(f"cannot save {path}: {reason}") from None
+        needed = state_bytes(state)
+        raise SaveFailed(f"cannot save {path}: {why_not_written(err, tmp, needed)}") from None
     finally:
         if os.path.exists(tmp):  # the write failed: drop the partial file
             os.remove(tmp)

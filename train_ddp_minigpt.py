@@ -30,6 +30,7 @@ import contextlib
 import ctypes
 import dataclasses
 import datetime
+import errno
 import gc  # DDP 9
 import glob
 import hashlib
@@ -37,6 +38,7 @@ import json
 import math
 import os
 import pickle
+import shutil
 import statistics
 import sys
 import sysconfig
@@ -228,6 +230,11 @@ def init_distributed(device_name, timeout_s, debug):  # DDP 1: join the group to
     backend = "nccl" if device.type == "cuda" else "gloo"
     if debug:  # before the group starts; DETAIL checks every collective (not on gloo: docs/)
         dist.set_debug_level(dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO)
+    if backend == "gloo" and dist.get_debug_level() == dist.DebugLevel.DETAIL:  # the shell's
+        if os.environ["RANK"] == "0":  # before the group: torchrun's RANK says who logs
+            print("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on gloo "
+                  "(docs/troubleshooting.md): going on at INFO", flush=True)
+        dist.set_debug_level(dist.DebugLevel.INFO)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=device if backend == "nccl" else None)  # NCCL: bind it
     return device, dist.get_rank(), dist.get_world_size()
@@ -800,6 +807,33 @@ def all_finite(state_dict):
     return all(bool(torch.isfinite(t).all()) for t in state_dict.values() if t.is_floating_point())
 
 
+def state_bytes(state):
+    """About the bytes a checkpoint of `state` takes on disk: its tensors', in nested dicts and
+    lists (a DTensor counts whole)."""
+    if torch.is_tensor(state):
+        return state.nbytes
+    if isinstance(state, bytes):  # a file's bytes, ready to write
+        return len(state)
+    if isinstance(state, dict):
+        state = list(state.values())
+    return sum(map(state_bytes, state)) if isinstance(state, (list, tuple)) else 0
+
+
+def why_not_written(err, tmp, needed):
+    """Why writing `tmp` failed, in one line and the user's words: a full disk (or quota) says so,
+    with the room there is once the partial file is gone and the room a checkpoint needs; the
+    system's or torch's own words follow as the detail."""
+    detail = getattr(err, "strerror", None) or (str(err).strip().splitlines() or [repr(err)])[0]
+    folder = os.path.dirname(os.path.abspath(tmp))
+    while not os.path.isdir(folder):  # a folder that could not be made
+        folder = os.path.dirname(folder)
+    free = shutil.disk_usage(folder).free + (os.path.getsize(tmp) if os.path.isfile(tmp) else 0)
+    if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < needed:
+        return (f"the disk holding {folder} is full: {free / 1e6:.1f} MB free, a checkpoint needs "
+                f"about {needed / 1e6:.1f} MB ({detail})")
+    return detail
+
+
 
 def checkpoint_state(run, raw_model, optimizer, data, step, rng_states):
     """Everything a run needs to go on exactly: weights, optimizer, scaler, step, model config,
@@ -825,8 +859,8 @@ def write_file(path, state):
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half
     except (OSError, RuntimeError) as err:  # disk full, no permission, a folder at `path`...
-        reason = getattr(err, "strerror", None) or str(err).strip().splitlines()[0]
-        raise SaveFailed(f"cannot save {path}: {reason}") from None
+        needed = state_bytes(state)
+        raise SaveFailed(f"cannot save {path}: {why_not_written(err, tmp, needed)}") from None
     finally:
         if os.path.exists(tmp):  # the write failed: drop the partial file
             os.remove(tmp)

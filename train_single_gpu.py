@@ -9,9 +9,11 @@ is downloaded; `--dataset mnist --data-dir data` reads the real MNIST files from
 `diff train_single_gpu.py train_ddp_basic.py` shows every line DDP changes, tagged `# DDP k`.
 """
 import argparse
+import errno
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -297,6 +299,33 @@ def all_finite(state_dict):
     return all(bool(torch.isfinite(t).all()) for t in state_dict.values() if t.is_floating_point())
 
 
+def state_bytes(state):
+    """About the bytes a checkpoint of `state` takes on disk: its tensors', in nested dicts and
+    lists (a DTensor counts whole)."""
+    if torch.is_tensor(state):
+        return state.nbytes
+    if isinstance(state, bytes):  # a file's bytes, ready to write
+        return len(state)
+    if isinstance(state, dict):
+        state = list(state.values())
+    return sum(map(state_bytes, state)) if isinstance(state, (list, tuple)) else 0
+
+
+def why_not_written(err, tmp, needed):
+    """Why writing `tmp` failed, in one line and the user's words: a full disk (or quota) says so,
+    with the room there is once the partial file is gone and the room a checkpoint needs; the
+    system's or torch's own words follow as the detail."""
+    detail = getattr(err, "strerror", None) or (str(err).strip().splitlines() or [repr(err)])[0]
+    folder = os.path.dirname(os.path.abspath(tmp))
+    while not os.path.isdir(folder):  # a folder that could not be made
+        folder = os.path.dirname(folder)
+    free = shutil.disk_usage(folder).free + (os.path.getsize(tmp) if os.path.isfile(tmp) else 0)
+    if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < needed:
+        return (f"the disk holding {folder} is full: {free / 1e6:.1f} MB free, a checkpoint needs "
+                f"about {needed / 1e6:.1f} MB ({detail})")
+    return detail
+
+
 def save_checkpoint(path, model, optimizer, epoch, args):
     """Write atomically: a temp file in the same folder, fsync, then rename over the final name.
     Non-finite weights are never written; any failure leaves the previous file as it was."""
@@ -316,8 +345,8 @@ def save_checkpoint(path, model, optimizer, epoch, args):
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half
     except (OSError, RuntimeError) as err:  # disk full, no permission, a folder at `path`...
-        reason = getattr(err, "strerror", None) or str(err).strip().splitlines()[0]
-        raise SaveFailed(f"cannot save {path}: {reason}") from None
+        needed = state_bytes(state)
+        raise SaveFailed(f"cannot save {path}: {why_not_written(err, tmp, needed)}") from None
     finally:
         if os.path.exists(tmp):  # the write failed: drop the partial file
             os.remove(tmp)

@@ -30,6 +30,7 @@ import contextlib
 import ctypes
 import dataclasses
 import datetime
+import errno
 import gc  # DDP 9
 import glob
 import io  # FSDP 8
@@ -38,7 +39,7 @@ import logging  # TP 1
 import math
 import os
 import pickle
-import shutil  # FSDP 3
+import shutil
 import statistics
 import sys
 import sysconfig
@@ -237,6 +238,11 @@ def init_distributed(device_name, timeout_s, debug):  # DDP 1: join the group to
     backend = "nccl" if device.type == "cuda" else "gloo"
     if debug:  # before the group starts; DETAIL checks every collective (not on gloo: docs/)
         dist.set_debug_level(dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO)
+    if backend == "gloo" and dist.get_debug_level() == dist.DebugLevel.DETAIL:  # the shell's
+        if os.environ["RANK"] == "0":  # before the group: torchrun's RANK says who logs
+            print("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on gloo "
+                  "(docs/troubleshooting.md): going on at INFO", flush=True)
+        dist.set_debug_level(dist.DebugLevel.INFO)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=device if backend == "nccl" else None)  # NCCL: bind it
     return device, dist.get_rank(), dist.get_world_size()
@@ -507,14 +513,14 @@ def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every ran
     folder = os.path.join(run.args.save, f"step-{step:06d}")  # FSDP 3: a folder per step
     if not shards_finite(raw_model):  # a collective: every rank gets the same answer
         raise SaveFailed(f"not saving {folder}: the weights are not finite")
+    state = dict(zip(("model", "optimizer"), get_state_dict(raw_model, optimizer)))
     try:  # rank 0 writes run.json, then every rank its shards
         save_on_rank_0(lambda: write_file(os.path.join(folder, "run.json"),
                                           run_state(run, data, step, rng_states)), run.is_main)
-        model_state, optim_state = get_state_dict(raw_model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=folder)
+        dcp.save(state, checkpoint_id=folder)
     except (SaveFailed, OSError, RuntimeError, CheckpointException) as err:  # DCP: on every rank
         save_on_rank_0(lambda: shutil.rmtree(folder, ignore_errors=True), run.is_main)
-        failed = SaveFailed(f"cannot save {folder}: {first_reason(err)}")
+        failed = SaveFailed(f"cannot save {folder}: {first_reason(err, folder, state)}")
         raise (err if isinstance(err, SaveFailed) else failed) from None
     save_on_rank_0(lambda: drop_older_steps(run.args.save, folder), run.is_main)
     print0(run.is_main, f"step {step}/{run.args.max_steps} | saved {folder}")
@@ -888,6 +894,33 @@ def all_finite(state_dict):
     return all(bool(torch.isfinite(t).all()) for t in state_dict.values() if t.is_floating_point())
 
 
+def state_bytes(state):
+    """About the bytes a checkpoint of `state` takes on disk: its tensors', in nested dicts and
+    lists (a DTensor counts whole)."""
+    if torch.is_tensor(state):
+        return state.nbytes
+    if isinstance(state, bytes):  # a file's bytes, ready to write
+        return len(state)
+    if isinstance(state, dict):
+        state = list(state.values())
+    return sum(map(state_bytes, state)) if isinstance(state, (list, tuple)) else 0
+
+
+def why_not_written(err, tmp, needed):
+    """Why writing `tmp` failed, in one line and the user's words: a full disk (or quota) says so,
+    with the room there is once the partial file is gone and the room a checkpoint needs; the
+    system's or torch's own words follow as the detail."""
+    detail = getattr(err, "strerror", None) or (str(err).strip().splitlines() or [repr(err)])[0]
+    folder = os.path.dirname(os.path.abspath(tmp))
+    while not os.path.isdir(folder):  # a folder that could not be made
+        folder = os.path.dirname(folder)
+    free = shutil.disk_usage(folder).free + (os.path.getsize(tmp) if os.path.isfile(tmp) else 0)
+    if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < needed:
+        return (f"the disk holding {folder} is full: {free / 1e6:.1f} MB free, a checkpoint needs "
+                f"about {needed / 1e6:.1f} MB ({detail})")
+    return detail
+
+
 
 def run_state(run, data, step, rng_states):  # FSDP 3: all of a step but the shards
     """What a step needs besides its shards, as JSON: the step, model config, flags and every
@@ -897,20 +930,20 @@ def run_state(run, data, step, rng_states):  # FSDP 3: all of a step but the sha
                        "args": vars(run.args), "rng": rng}).encode()
 
 
-def write_file(path, payload):  # FSDP 3: bytes: run.json, or the export
+def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
     """Write atomically: a temp file in the same folder, fsync, then rename over the final name.
     Any failure is SaveFailed and leaves the previous file as it was."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(tmp, "wb") as f:
-            f.write(payload)  # FSDP 3
+            f.write(state)  # FSDP 3
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half
     except (OSError, RuntimeError) as err:  # disk full, no permission, a folder at `path`...
-        reason = getattr(err, "strerror", None) or str(err).strip().splitlines()[0]
-        raise SaveFailed(f"cannot save {path}: {reason}") from None
+        needed = state_bytes(state)
+        raise SaveFailed(f"cannot save {path}: {why_not_written(err, tmp, needed)}") from None
     finally:
         if os.path.exists(tmp):  # the write failed: drop the partial file
             os.remove(tmp)
@@ -929,10 +962,12 @@ def shards_finite(model):  # FSDP 3
     return bool(flag.item())
 
 
-def first_reason(err):  # FSDP 3
-    """One line for a failed save or load; DCP's CheckpointException holds each rank's error."""
+def first_reason(err, folder=None, state=None):  # FSDP 3
+    """One line for a failed load, or save of `state` into `folder`; DCP's holds each rank's."""
     if isinstance(err, CheckpointException):
         err = next(iter(err.failures.values()))[0]
+    if folder:
+        return why_not_written(err, folder, state_bytes(state))
     return getattr(err, "strerror", None) or (str(err).strip().splitlines() or [repr(err)])[0]
 
 

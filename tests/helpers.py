@@ -5,6 +5,7 @@ chapter 2 runs that several test modules compare against (run once per test sess
 
 Tests import what they use from here by name; there is no conftest.py.
 """
+import concurrent.futures
 import contextlib
 import functools
 import importlib
@@ -167,6 +168,23 @@ def run_many(launches, cwd=None, at_once=2):
     return results
 
 
+def in_background(at_once=3, **jobs):
+    """Start each job (a function of no arguments that launches and waits, as run() or two_nodes()
+    do) in a thread, at most `at_once` at a time, and return {name: Future} at once: .result()
+    waits and gives the job's value or raises what it raised. Launches side by side keep both cores
+    busy through what one launch waits for (rendezvous, teardown, a timeout); jobs that depend on
+    each other, or that time themselves, do not belong together."""
+    pool = concurrent.futures.ThreadPoolExecutor(at_once)
+    futures = {name: pool.submit(job) for name, job in jobs.items()}
+    pool.shutdown(wait=False)  # the threads end with their jobs
+    return futures
+
+
+def together(at_once=3, **jobs):
+    """in_background(), then wait for every job: {name: its value}."""
+    return {name: future.result() for name, future in in_background(at_once, **jobs).items()}
+
+
 def two_nodes(script, args):
     """Two nodes of one process each on this machine: the commands chapter 4's launcher prints
     (meeting at 127.0.0.1), each run by its own torchrun agent. Returns what each node printed."""
@@ -230,19 +248,22 @@ def run_as_script(module):
 
 
 @contextlib.contextmanager
-def one_process_group():
+def one_process_group(extra=None):
     """The environment torchrun gives a world of one (loopback, a free port) and one thread, as in
-    the launched runs (OMP_NUM_THREADS=1: the same float sums); afterwards, all as it was."""
+    the launched runs (OMP_NUM_THREADS=1: the same float sums), with `extra` on top; afterwards,
+    all as it was."""
     import torch
     import torch.distributed as dist
     saved, threads = dict(os.environ), torch.get_num_threads()
     # nothing of the user's torchrun, SLURM or debug settings; the GPUs stay as they were: CUDA may
     # start up in this process (an optimizer step asks whether a CUDA stream is capturing) and must
     # find the devices torch counted at import. The runs are told --device cpu instead.
+    clean = environment(extra, cuda=True)  # built from the shell's, before it is cleared
     os.environ.clear()
-    os.environ.update(environment(cuda=True))
+    os.environ.update(clean)
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))
+    dist.set_debug_level_from_env()  # torch read the shell's TORCH_DISTRIBUTED_DEBUG at import
     torch.set_num_threads(1)
     try:
         yield
@@ -251,15 +272,16 @@ def one_process_group():
             dist.destroy_process_group()
         os.environ.clear()
         os.environ.update(saved)
+        dist.set_debug_level_from_env()
         torch.set_num_threads(threads)
 
 
-def in_process(script, args):
+def in_process(script, args, env=None):
     """Run a trainer's main(args) in this process, as one process of a torchrun world of one (no
     launch, no torch import to wait for), on the CPU unless args say otherwise, and return what it
-    printed. Errors propagate."""
+    printed. `env`: variables on top of the clean environment. Errors propagate."""
     printed = io.StringIO()
-    with one_process_group(), contextlib.redirect_stdout(printed):
+    with one_process_group(env), contextlib.redirect_stdout(printed):
         trainer(script).main(["--device", "cpu", *map(str, args)])
     return printed.getvalue()
 

@@ -6,20 +6,23 @@ processes on CPU/gloo (and in process for what needs no launch). These tests pro
    code 4, and the good checkpoint already at --save stays byte for byte what it was;
 2. a save that fails (the disk fills up, or --save names a folder) stops every rank with one line
    naming the path and the reason and exit code 5, no rank waits at the save, the previous
-   checkpoint is intact, finite and loads, and no temporary file is left behind;
+   checkpoint is intact, finite and loads, and no temporary file is left behind; a full disk is
+   named in the user's words (the disk holding the folder, MB free, MB a checkpoint needs) in
+   every trainer, on a real 64 KiB tmpfs where root can mount one (torch's words are no errno);
 3. --resume of a checkpoint holding non-finite weights is refused in one line (exit code 2), and a
    checkpoint is never written from non-finite weights;
 4. the `summary` line is strict JSON whatever the values: NaN and infinity are written as null.
 A write that fails half-way (the partial file removed) is in test_faults.py.
 """
+import functools
 import json
 import math
 import re
+import subprocess
 
 import pytest
 import torch
-from helpers import (DDP, GPT, SINGLE, SMALL, TINY_GPT, command, finish, in_process, run, start,
-                     trainer)
+from helpers import DDP, GPT, SINGLE, SMALL, TINY_GPT, in_process, run, together, trainer
 
 PROBE = "tests/probe_minigpt.py"
 
@@ -43,63 +46,112 @@ def only_the_checkpoint(folder, name):
     assert sorted(p.name for p in folder.iterdir()) == [name]  # no temporary file left behind
 
 
-def test_the_classifier_stops_at_a_non_finite_step_and_keeps_the_good_checkpoint(tmp_path):
-    good = tmp_path / "ck.pt"
-    in_process(SINGLE, SMALL + ["--epochs", 1, "--save", good])  # the same format in both chapters
-    before = good.read_bytes()
-    cmd = command(DDP, SMALL + ["--lr", "1e20", "--epochs", 2, "--save-every", 1, "--save", good],
-                  nproc=2)
-    result = finish(start(cmd, tmp_path), cmd)
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """The module's four 2-process launches, side by side: {name: (CompletedProcess, its folder)}.
+    The classifier and the LM resumed with a learning rate far too high, the LM whose disk fills
+    up at its 2nd save (a probe), and the classifier saving to a path that is a folder."""
+    d = {name: tmp_path_factory.mktemp(name) for name in ("classifier", "lm", "disk", "folder")}
+    in_process(SINGLE, SMALL + ["--epochs", 1, "--save", d["classifier"] / "ck.pt"])  # both formats
+    in_process(GPT, TINY_GPT + ["--max-steps", 4, "--save", d["lm"] / "ck.pt"])
+    (d["folder"] / "ck.pt").mkdir()
+    launches = {
+        "classifier": (DDP, SMALL + ["--lr", "1e20", "--epochs", 2, "--save-every", 1, "--save",
+                                     d["classifier"] / "ck.pt"]),
+        "lm": (GPT, TINY_GPT + ["--max-steps", 8, "--save-every", 1, "--save", d["lm"] / "ck.pt",
+                                "--resume", "auto", "--lr", "1e4"]),
+        "disk": (PROBE, ["nospace", 2, *TINY_GPT, "--max-steps", 6, "--save-every", 2,
+                         "--save", d["disk"] / "ck.pt"]),  # the 1st save works, the 2nd cannot
+        "folder": (DDP, SMALL + ["--epochs", 1, "--save", "ck.pt"])}
+    before = {name: (d[name] / "ck.pt").read_bytes() for name in ("classifier", "lm")}
+    results = together(**{name: functools.partial(run, script, args, nproc=2, cwd=d[name])
+                          for name, (script, args) in launches.items()})
+    return {name: (result, d[name], before.get(name)) for name, result in results.items()}
+
+
+def test_the_classifier_stops_at_a_non_finite_step_and_keeps_the_good_checkpoint(launched):
+    result, folder, before = launched["classifier"]
     stopped_on_every_rank(result, 4, r"^error: epoch 1 step \d+: loss \S+, gradient norm (nan|inf): "
                                      r"not finite, step not applied; try a lower --lr \(now 1e\+20\)")
     assert "epoch 1/2 | train loss" not in result.stdout  # no epoch finished, no summary
-    assert good.read_bytes() == before
-    only_the_checkpoint(tmp_path, "ck.pt")
+    assert (folder / "ck.pt").read_bytes() == before
+    only_the_checkpoint(folder, "ck.pt")
 
 
-def test_the_lm_stops_at_a_non_finite_step_and_keeps_the_last_good_checkpoint(tmp_path):
-    path = tmp_path / "ck.pt"
-    in_process(GPT, TINY_GPT + ["--max-steps", 4, "--save", path])
-    flags = TINY_GPT + ["--max-steps", 8, "--save-every", 1, "--save", path, "--resume", "auto"]
-    cmd = command(GPT, flags + ["--lr", "1e4"], nproc=2)  # resumed with a learning rate far too high
-    result = finish(start(cmd, tmp_path), cmd)
+def test_the_lm_stops_at_a_non_finite_step_and_keeps_the_last_good_checkpoint(launched):
+    result, folder, _ = launched["lm"]
     line = stopped_on_every_rank(result, 4, r"^error: step (\d+)/8: loss \S+, grad norm \S+: not "
                                             r"finite, step not applied; try a lower --lr \(now "
                                             r"10000\), a --clip \(now 1\)$")
     step = int(re.search(r"step (\d+)/8", line).group(1))
     assert step >= 5 and f"step {step}/8 | loss" not in result.stdout  # that step was not applied
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = torch.load(folder / "ck.pt", map_location="cpu", weights_only=True)
     assert state["step"] == step - 1  # the last applied step's checkpoint, never the bad one
     assert trainer(GPT).all_finite(state["model"])
-    only_the_checkpoint(tmp_path, "ck.pt")
+    only_the_checkpoint(folder, "ck.pt")
 
 
-def test_a_full_disk_stops_every_rank_with_one_line_and_keeps_the_last_checkpoint(tmp_path):
-    path = tmp_path / "ck.pt"
-    cmd = command(PROBE, ["nospace", 2, *TINY_GPT, "--max-steps", 6, "--save-every", 2,
-                          "--save", path], nproc=2)  # the 1st save works, the 2nd finds a full disk
-    result = finish(start(cmd, tmp_path), cmd)
+def full_disk(folder):
+    """The words of a save that found the disk holding `folder` (or a folder in it) full: a regex."""
+    return (rf"the disk holding {re.escape(str(folder))}\S* is full: \d+\.\d MB free, a checkpoint "
+            r"needs about \d+\.\d MB \(")
+
+
+def test_a_full_disk_stops_every_rank_with_one_line_and_keeps_the_last_checkpoint(launched):
+    result, folder, _ = launched["disk"]
+    path = folder / "ck.pt"
     stopped_on_every_rank(result, 5, f"^error: cannot save {re.escape(str(path))}: "
-                                     r"No space left on device$")
+                                     f"{full_disk(folder)}No space left on device\\)$")
     assert "step 2/6 | saved" in result.stdout and "step 5/6" not in result.stdout
     state = torch.load(path, map_location="cpu", weights_only=True)
     assert state["step"] == 2 and trainer(GPT).all_finite(state["model"])
-    only_the_checkpoint(tmp_path, "ck.pt")
+    only_the_checkpoint(folder, "ck.pt")
 
 
-def test_a_save_path_that_is_a_folder_stops_every_rank_with_one_line(tmp_path):
-    (tmp_path / "ck.pt").mkdir()
-    result = run(DDP, SMALL + ["--epochs", 1, "--save", "ck.pt"], nproc=2, cwd=tmp_path)
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real file system of 64 KiB, too small for any checkpoint here (a tmpfs: root mounts it)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a real full disk needs a tmpfs mounted by root: {mounted.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.parametrize("script,args", [
+    (SINGLE, SMALL + ["--epochs", 1]), (DDP, SMALL + ["--epochs", 1]),
+    (GPT, TINY_GPT + ["--max-steps", 1]),
+    ("train_fsdp_minigpt.py", TINY_GPT + ["--max-steps", 1, "--export", ""]),
+    ("train_tp_minigpt.py", TINY_GPT + ["--max-steps", 1, "--tp", 1, "--export", ""])])
+def test_a_real_full_disk_is_named_in_the_users_words(script, args, small_disk):
+    save = small_disk / ("ck" if "fsdp" in script or "tp_" in script else "ck.pt")
+    with pytest.raises(trainer(script).SaveFailed) as err:
+        in_process(script, args + ["--save", save])
+    message = str(err.value)
+    assert re.match(rf"cannot save {re.escape(str(save))}\S*: {full_disk(small_disk)}", message)
+    assert "\n" not in message and err.value.code == 5
+    assert not [p for p in small_disk.rglob("*") if p.is_file()]  # nothing half-written is left
+
+
+def test_a_save_path_that_is_a_folder_stops_every_rank_with_one_line(launched):
+    result, folder, _ = launched["folder"]
     stopped_on_every_rank(result, 5, r"^error: cannot save ck\.pt: Is a directory$")
     assert "done | val loss" in result.stdout  # training finished; only the save failed
-    only_the_checkpoint(tmp_path, "ck.pt")
-    assert not any((tmp_path / "ck.pt").iterdir())
+    only_the_checkpoint(folder, "ck.pt")
+    assert not any((folder / "ck.pt").iterdir())
 
 
-def test_chapter_1_reports_a_failed_save_in_one_line(tmp_path):
+def test_chapter_1_reports_a_failed_save_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "ck.pt").mkdir()
-    result = run(SINGLE, SMALL + ["--epochs", 1, "--save", "ck.pt"], cwd=tmp_path)
-    assert result.returncode == 5 and result.stderr == "error: cannot save ck.pt: Is a directory\n"
+    with pytest.raises(trainer(SINGLE).SaveFailed) as err:
+        in_process(SINGLE, SMALL + ["--epochs", 1, "--save", "ck.pt"])
+    assert str(err.value) == "cannot save ck.pt: Is a directory" and err.value.code == 5
 
 
 def poisoned(path, key):
@@ -115,10 +167,10 @@ def test_the_lm_refuses_to_resume_from_non_finite_weights(tmp_path):
     good = tmp_path / "ck.pt"
     in_process(GPT, TINY_GPT + ["--max-steps", 2, "--save", good])
     bad = poisoned(good, "tok_emb.weight")
-    result = run(GPT, TINY_GPT + ["--max-steps", 4, "--resume", bad, "--save", ""], nproc=2)
-    assert result.returncode != 0 and "exitcode  : 2" in result.stderr
-    assert error_lines(result.stderr) == [f"error: {bad} holds weights that are not finite: use "
-                                          "an earlier checkpoint"] * 2
+    with pytest.raises(trainer(GPT).InputError) as err:
+        in_process(GPT, TINY_GPT + ["--max-steps", 4, "--resume", bad, "--save", ""])
+    assert str(err.value) == f"{bad} holds weights that are not finite: use an earlier checkpoint"
+    assert err.value.code == 2
     with pytest.raises(trainer(GPT).InputError, match="holds weights that are not finite"):
         in_process(GPT, ["--sample", "--ckpt", bad, "--device", "cpu"])
 

@@ -11,11 +11,25 @@ TORCHRUN set, with torch's and NCCL's debug variables, on a machine with GPUs. T
    refuses bad input as in a clean shell. Two launches elsewhere run under the same shell, so that
    one run serves both proofs: the 2-process trainer run of
    test_minigpt.py::test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact and the
-   two-node run of test_fsdp.py::test_two_nodes_through_the_launcher_train_like_one_node.
+   two-node run of test_fsdp.py::test_two_nodes_through_the_launcher_train_like_one_node;
+4. nothing of that shell reaches a trainer run in the test process either: not its variables, and
+   not the TORCH_DISTRIBUTED_DEBUG level that torch read when this process imported it;
+5. a user's TORCH_DISTRIBUTED_DEBUG=DETAIL, which crashes DDP on gloo (a segfault in torch 2.13
+   and 2.14), is one warning line and the run goes on at INFO: every LM trainer and chapter 2 in
+   this process, and chapter 3 launched at 2 processes.
 """
+import functools
+import os
+
 import pytest
 import test_launcher
-from helpers import GPT, HOSTILE_SHELL, TINY_GPT, environment, hostile_shell, in_process, trainer
+import torch.distributed as dist
+from helpers import (DDP, GPT, HOSTILE_SHELL, SMALL, TINY_GPT, environment, hostile_shell,
+                     in_background, in_process, ok, run, trainer)
+
+DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+WARNING = ("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on gloo (docs/troubleshooting.md): "
+           "going on at INFO")
 
 
 @pytest.fixture
@@ -47,3 +61,29 @@ def test_the_launcher_answers_as_in_a_clean_shell(hostile):
                  if m.name == "parametrize").args[1]
     for args, message in cases:  # "--nnodes is required" among them: no allocation is seen
         test_launcher.test_each_bad_input_exits_2_with_one_line(args, message)
+
+
+def test_a_trainer_in_this_process_sees_nothing_of_the_shell(hostile, monkeypatch):
+    level = dist.get_debug_level()
+    dist.set_debug_level_from_env()  # DETAIL: what torch reads on import in such a shell
+    module, seen = trainer(GPT), []
+    monkeypatch.setattr(module, "main", lambda argv: seen.append(
+        (dist.get_debug_level(), {k for k, v in HOSTILE_SHELL.items() if os.environ.get(k) == v})))
+    try:
+        in_process(GPT, [])
+        assert seen == [(dist.DebugLevel.OFF, {"CUDA_VISIBLE_DEVICES", "MASTER_ADDR"})]
+        assert dist.get_debug_level() == dist.DebugLevel.DETAIL  # the shell's again, afterwards
+    finally:
+        dist.set_debug_level(level)
+
+
+def test_detail_debugging_on_gloo_is_one_warning_and_the_run_goes_on_at_info():
+    flags = TINY_GPT + ["--max-steps", 2, "--save", ""]
+    launch = in_background(ch3=functools.partial(run, GPT, flags, nproc=2, env=DETAIL))["ch3"]
+    for script, args in ((GPT, flags), (DDP, SMALL + ["--epochs", 1, "--save", ""]),
+                         ("train_fsdp_minigpt.py", flags + ["--export", ""]),
+                         ("train_tp_minigpt.py", flags + ["--tp", 1, "--export", ""])):
+        out = in_process(script, args, env=DETAIL)  # without the warning, a segfault ends pytest
+        assert out.splitlines().count(WARNING) == 1 and "\nsummary {" in out, (script, out)
+    out = ok(launch.result())  # rank 0 alone warns; both ranks finish
+    assert out.splitlines().count(WARNING) == 1 and "\nsummary {" in out, out

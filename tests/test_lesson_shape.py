@@ -1,7 +1,9 @@
 """The scripts stay lessons a reader can follow and copy from. These tests prove that
 
-1. `diff train_single_gpu.py train_ddp_basic.py`, chapter 2's lesson, holds at most 50 changed
-   lines counting both sides, and most of the trainer is shared line for line;
+1. `diff train_single_gpu.py train_ddp_basic.py`, chapter 2's lesson, holds at most 54 changed
+   lines counting both sides (its docstring's launch commands and the 4-line guard against
+   TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo among them), and most of the trainer is shared line for
+   line;
 2. every block of lines the DDP script adds or changes (outside its docstring, which holds the
    launch commands) opens with a short `# DDP k` tag on its first line; the tags 1..9 are all
    there, and the README's table of changes has a row for each;
@@ -55,7 +57,7 @@ def changed_blocks(parent="train_single_gpu.py", child="train_ddp_basic.py"):
 
 def test_the_chapter_2_diff_is_small_and_leaves_the_shared_lines_alone():
     _, count = changed_blocks()
-    assert count <= 50, f"{count} changed lines"
+    assert count <= 54, f"{count} changed lines"
     assert len(lines("train_ddp_basic.py")) - count > 250  # most of the trainer is shared
 
 
