@@ -321,9 +321,14 @@ def why_not_written(err, tmp, needed):
         folder = os.path.dirname(folder)
     free = shutil.disk_usage(folder).free + (os.path.getsize(tmp) if os.path.isfile(tmp) else 0)
     if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < needed:
-        return (f"the disk holding {folder} is full: {free / 1e6:.1f} MB free, a checkpoint needs "
-                f"about {needed / 1e6:.1f} MB ({detail})")
+        return (f"the disk holding {folder} is full: {size(free)} free, a checkpoint needs about "
+                f"{size(needed)} ({detail})")
     return detail
+
+
+def size(n):
+    """A number of bytes for a person: MB, or kB below 0.1 MB."""
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 
 
 def save_checkpoint(path, model, optimizer, epoch, args):

@@ -12,6 +12,7 @@ import importlib
 import io
 import json
 import os
+import runpy
 import shutil
 import signal
 import socket
@@ -157,37 +158,27 @@ def run(script, args=(), nproc=None, cwd=None, env=None, torchrun_args=(), cuda=
     return finish(start(cmd, cwd or REPO, env, cuda), cmd)
 
 
-def run_many(launches, cwd=None, at_once=2):
-    """One-process launches, `at_once` side by side (the machine has two cores); each is
-    (script, args). Returns their CompletedProcesses in the order given."""
-    cmds = [command(script, args) for script, args in launches]
-    results = []
-    for i in range(0, len(cmds), at_once):
-        procs = [(start(cmd, cwd or REPO), cmd) for cmd in cmds[i:i + at_once]]
-        results += [finish(proc, cmd) for proc, cmd in procs]
-    return results
-
-
-def in_background(at_once=3, **jobs):
-    """Start each job (a function of no arguments that launches and waits, as run() or two_nodes()
-    do) in a thread, at most `at_once` at a time, and return {name: Future} at once: .result()
-    waits and gives the job's value or raises what it raised. Launches side by side keep both cores
-    busy through what one launch waits for (rendezvous, teardown, a timeout); jobs that depend on
-    each other, or that time themselves, do not belong together."""
-    pool = concurrent.futures.ThreadPoolExecutor(at_once)
-    futures = {name: pool.submit(job) for name, job in jobs.items()}
-    pool.shutdown(wait=False)  # the threads end with their jobs
-    return futures
-
-
 def together(at_once=3, **jobs):
-    """in_background(), then wait for every job: {name: its value}."""
-    return {name: future.result() for name, future in in_background(at_once, **jobs).items()}
+    """Run each job (a function of no arguments that launches and waits, as run() does) in a
+    thread of its own, at most `at_once` at a time, and return {name: its value} once all are
+    done (a job's failure is raised here). Launches side by side keep both cores busy through what
+    one launch waits for (imports, rendezvous, teardown). Not for jobs that depend on each other
+    or time themselves, nor beside an in-process run: a job reads os.environ when it starts, and
+    in_process() swaps it."""
+    with concurrent.futures.ThreadPoolExecutor(at_once) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+    return {name: future.result() for name, future in futures.items()}
 
 
 def two_nodes(script, args):
     """Two nodes of one process each on this machine: the commands chapter 4's launcher prints
     (meeting at 127.0.0.1), each run by its own torchrun agent. Returns what each node printed."""
+    return start_two_nodes(script, args)()
+
+
+def start_two_nodes(script, args):
+    """two_nodes(), started: the environment is read now, and the returned function waits for
+    both nodes and returns what each printed."""
     printed = subprocess.run(
         [str(REPO / "launch_multinode_ddp.sh"), "--nnodes", "2", "--master-addr", "127.0.0.1",
          "--master-port", str(free_port()), "--join-timeout", "60", script, *map(str, args)],
@@ -197,13 +188,35 @@ def two_nodes(script, args):
     agents = [subprocess.Popen(line, shell=True, cwd=REPO, env=environment(), text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                start_new_session=True) for line in nodes]
-    return [ok(finish(agent, ["node", str(i)])) for i, agent in enumerate(agents)]
+    return lambda: [ok(finish(agent, ["node", str(i)])) for i, agent in enumerate(agents)]
 
 
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def as_script(script, args=()):
+    """`python script args` run inside this process (runpy, as __main__: the script's own exit
+    path) in the environment a launch gets, for what needs no process of its own: a refusal, its
+    one line and its exit code. Returns a CompletedProcess."""
+    cmd, code = [str(REPO / script), *map(str, args)], 0
+    saved_env, saved_argv = dict(os.environ), sys.argv
+    out, err, clean = io.StringIO(), io.StringIO(), environment()
+    os.environ.clear()
+    os.environ.update(clean)
+    sys.argv = cmd
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(cmd[0], run_name="__main__")
+    except SystemExit as exit_:  # as the interpreter maps it: None is 0, a text is 1
+        code = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.argv = saved_argv
+    return subprocess.CompletedProcess(cmd, code, out.getvalue(), err.getvalue())
 
 
 # ------------------------------------------------------------------------------------------ outputs
@@ -327,10 +340,18 @@ def demo_run():
 
 @functools.cache
 def ddp_reference():
-    """Chapter 3 at 2 processes for 18 steps of SHARDED, the run that chapters 7 and 8 must
-    reproduce, run once: (what it printed, its checkpoint)."""
-    ckpt = scratch("ddp_reference") / "ddp.pt"
-    return ok(run(GPT, SHARDED + ["--max-steps", 18, "--save", ckpt], nproc=2)), ckpt
+    """Chapter 3 at 2 processes for 18 steps of SHARDED, run once: the run that chapters 7 and 8
+    must reproduce, and chapter 3's own proofs of its data and communication (test_minigpt.py). It
+    runs through tests/probe_minigpt.py's `record` (each rank's windows and gradient all-reduces,
+    written to the folder), with --debug (each rank's windows logged, replicas checked in sync),
+    launched from a hostile shell (test_hermetic.py). Returns (what it printed, its checkpoint,
+    the folder of the records)."""
+    folder = scratch("ddp_reference")
+    cmd = command("tests/probe_minigpt.py", ["record", folder, *SHARDED, "--max-steps", 18,
+                                             "--debug", "--save", folder / "ddp.pt"], nproc=2)
+    with hostile_shell():  # the launch ignores a user's SLURM, torchrun and debug settings
+        proc = start(cmd, REPO)
+    return ok(finish(proc, cmd)), folder / "ddp.pt", folder
 
 
 @functools.cache
@@ -340,14 +361,16 @@ def classifier_runs():
     d = scratch("runs")
     single, ddp = SMALL + ["--batch-size", "32"], SMALL + ["--batch-size", "16"]  # global batch 32
     in_process(SINGLE, single + ["--epochs", "1", "--save", d / "s1.pt"])  # to resume from
-    # the single-process script under torchrun ignores torchrun's variables and runs as usual
-    cmd = command(SINGLE, single + ["--epochs", 2, "--resume", d / "s1.pt", "--save", d / "s1r.pt"],
-                  nproc=1)
-    resumed = start(cmd, REPO)
-    r = {"s2": run(SINGLE, single + ["--epochs", 2, "--save", d / "s2.pt"])}
-    r["s1_resumed"] = finish(resumed, cmd)
-    r["d2"] = run(DDP, ddp + ["--epochs", 2, "--save", d / "d2.pt"], nproc=2)
-    r["w3_eval"] = run(DDP, ddp + ["--eval-only", "--resume", d / "s2.pt"], nproc=3)
+    cmds = {  # the single-process script under torchrun ignores torchrun's variables
+        "s1_resumed": command(SINGLE, single + ["--epochs", 2, "--resume", d / "s1.pt", "--save",
+                                                d / "s1r.pt"], nproc=1),
+        "d2": command(DDP, ddp + ["--epochs", 2, "--save", d / "d2.pt"], nproc=2),
+        "w3_eval": command(DDP, ddp + ["--eval-only", "--resume", d / "s2.pt"], nproc=3)}
+    started = {name: start(cmds[name], REPO) for name in ("s1_resumed", "d2")}
+    s2 = single + ["--epochs", 2, "--save", d / "s2.pt"]  # meanwhile, in this process
+    r = {"s2": subprocess.CompletedProcess(s2, 0, in_process(SINGLE, s2), "")}
+    started["w3_eval"] = start(cmds["w3_eval"], REPO)  # it evaluates s2.pt
+    r.update({name: finish(proc, cmds[name]) for name, proc in started.items()})
     for result in r.values():
         ok(result)
     return {**r, "dir": d, "ddp_flags": ddp + ["--epochs", "2"]}

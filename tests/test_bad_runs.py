@@ -93,8 +93,8 @@ def test_the_lm_stops_at_a_non_finite_step_and_keeps_the_last_good_checkpoint(la
 
 def full_disk(folder):
     """The words of a save that found the disk holding `folder` (or a folder in it) full: a regex."""
-    return (rf"the disk holding {re.escape(str(folder))}\S* is full: \d+\.\d MB free, a checkpoint "
-            r"needs about \d+\.\d MB \(")
+    return (rf"the disk holding {re.escape(str(folder))}\S* is full: \d+\.\d [kM]B free, a checkpoint "
+            r"needs about \d+\.\d [kM]B \(")
 
 
 def test_a_full_disk_stops_every_rank_with_one_line_and_keeps_the_last_checkpoint(launched):

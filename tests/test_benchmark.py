@@ -37,8 +37,7 @@ if rank == 0:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """The three launches of this module: {name: (CompletedProcess, folder)}. The failing trainer's launch
-    (one process) runs beside the stand-in's first run (one process), the collectives after them."""
+    """The three launches of this module, side by side: {name: (CompletedProcess, folder)}."""
     d = tmp_path_factory.mktemp("bench")
     (d / "stand_in.py").write_text(STAND_IN)
     (d / "broken_trainer.py").write_text("import sys\nprint('loading the data')\n"
@@ -48,10 +47,8 @@ def launched(tmp_path_factory):
             "collectives": ["--device", "cpu", "--collectives", "--nproc", 2, "--max-bytes", "16K", "--iters", 3,
                             "--warmup", 1, "--json", d / "c.json"],
             "broken": ["--device", "cpu", "--nproc", 1, 2, "--trainer", d / "broken_trainer.py"]}
-    broken = start(command(BENCH, args["broken"]), d)
-    weak = run(BENCH, args["weak"], cwd=d)
-    return {"weak": (weak, d), "broken": (finish(broken, command(BENCH, args["broken"])), d),
-            "collectives": (run(BENCH, args["collectives"], cwd=d), d)}
+    started = {name: (start(command(BENCH, a), d), command(BENCH, a)) for name, a in args.items()}
+    return {name: (finish(proc, cmd), d) for name, (proc, cmd) in started.items()}
 
 
 def test_weak_scaling_table_chart_json_and_svg_agree(launched):

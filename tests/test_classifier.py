@@ -4,7 +4,8 @@ and `torchrun` on CPU/gloo. These tests prove:
 1. the README demo (`torchrun --nproc_per_node=2 train_ddp_basic.py`, default flags) learns
    (>= 90% val accuracy), prints each log line once and writes exactly one checkpoint, with no
    `module.` keys;
-2. DDP on 2 processes with --batch-size B ends with the weights of one process with batch 2B;
+2. DDP on 2 processes with --batch-size B each (per process; a global batch of 2B) ends with the
+   weights of one process with --batch-size 2B (the same global batch);
 3. validation metrics count each sample once at world size 1, 2 and 3 on a set of odd size, and
    checkpoints cross-load between the two scripts;
 4. evaluating the plain module (not the DDP wrapper) lets ranks with unequal numbers of batches

@@ -7,7 +7,8 @@ Most cases call the scripts' own parse_args()/main() in this process (a launch c
 torch import); the last tests launch real processes to prove that such an error becomes exit code
 2 with one line, and that under torchrun it stops every worker instead of hanging."""
 import pytest
-from helpers import DDP, SINGLE, in_process, make_mnist, run, run_many, trainer
+from helpers import (DDP, REPO, SINGLE, as_script, command, finish, in_process, make_mnist, start,
+                     trainer)
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +67,13 @@ def test_bad_files_and_options_raise_one_line_input_errors(script, args, message
 
 @pytest.fixture(scope="module")
 def launched(files):
-    """The real launches of this module: two plain `python` runs, side by side (a bad flag; the DDP
-    script without torchrun), and a 2-process torchrun job given a checkpoint that is not there."""
+    """A 2-process torchrun job given a checkpoint that is not there, and meanwhile two scripts run
+    as `python SCRIPT` would run them (in this process: helpers.as_script), a bad flag and the DDP
+    script without torchrun."""
+    cmd = command(DDP, ["--resume", files / "missing.pt", "--save", ""], nproc=2)
+    launched = start(cmd, REPO)
     cases = [(SINGLE, ["--epochs", "0"]), (DDP, [])]
-    missing = files / "missing.pt"
-    return cases, run_many(cases), run(DDP, ["--resume", missing, "--save", ""], nproc=2)
+    return cases, [as_script(script, args) for script, args in cases], finish(launched, cmd)
 
 
 def test_input_errors_exit_2_with_one_line_and_no_traceback(launched):

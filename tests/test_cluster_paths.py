@@ -19,31 +19,58 @@ in test_gpu.py, which skips itself without CUDA). These tests prove:
    under fp16 (a fresh GradScaler) instead of being refused;
 7. on GPUs the LM trainers print every rank's measured peak memory, gathered to rank 0 in rank
    order (a monkeypatched CUDA device: the gather runs on gloo), and nothing on a CPU;
-8. the classifiers run cuDNN in exact fp32 with deterministic algorithms, so that 2 x 16 and 1 x 32
-   pick comparable kernels (the GPU equivalence itself: test_gpu.py);
+8. the classifiers run cuDNN in exact fp32 with deterministic algorithms, so that 2 processes with
+   --batch-size 16 each (per process; a global batch of 32) and 1 with --batch-size 32 (the same
+   global batch) pick comparable kernels (the GPU equivalence itself: test_gpu.py);
 9. --compile with --grad-checkpointing trains under DDP (DDP's graph splitting is turned off for that
    combination: some torch 2.x releases raise "DDPOptimizer backend: Found a higher order op"
    without it; the torch this suite installs trains either way, so this guards the combination).
 """
+import functools
 import re
 import time
 
 import pytest
 import torch
 from helpers import (DDP, GPT, SINGLE, SMALL, TINY_GPT, in_process, ok, one_process_group, run,
-                     trainer)
+                     together, trainer)
 
 gpt = trainer(GPT)
+DETAIL_WARNING = ("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on gloo "
+                  "(docs/troubleshooting.md): going on at INFO")
 
 
-def test_the_lm_resumes_only_when_rank_0_finds_the_checkpoint_and_every_rank_follows(tmp_path):
-    path = tmp_path / "ck.pt"
-    in_process(GPT, TINY_GPT + ["--max-steps", 2, "--save", path])
-    flags = [*TINY_GPT, "--max-steps", 4, "--save", path]
-    hidden_on_0 = run("tests/probe_minigpt.py", ["hide", 0, *flags, "--resume", "auto"], nproc=2)
-    out = ok(hidden_on_0)  # rank 1 sees the file, but follows rank 0: a fresh start on every rank
-    assert "step 0/4 | val loss" in out and "resumed from" not in out
-    hidden_on_1 = run("tests/probe_minigpt.py", ["hide", 1, *flags, "--resume", path], nproc=2)
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """The module's three 2-process launches, side by side, each with a probe that hides the
+    checkpoint from one rank: the LM told --resume auto with it hidden from rank 0 (and
+    TORCH_DISTRIBUTED_DEBUG=DETAIL in its environment: test_hermetic.py), and told --resume PATH
+    with it hidden from rank 1; the classifier with it hidden from rank 1.
+    {name: (CompletedProcess, the checkpoint's path)}."""
+    d = tmp_path_factory.mktemp("hidden")
+    lm, classifier = d / "lm.pt", d / "classifier.pt"
+    in_process(GPT, TINY_GPT + ["--max-steps", 2, "--save", lm])
+    in_process(SINGLE, SMALL + ["--epochs", 1, "--save", classifier])
+    lm_flags, flags = [*TINY_GPT, "--max-steps", 4, "--save", lm], [*SMALL, "--epochs", 2]
+    launches = {"lm_hidden_on_0": ("tests/probe_minigpt.py", ["hide", 0, *lm_flags, "--resume",
+                                                               "auto"]),
+                "lm_hidden_on_1": ("tests/probe_minigpt.py", ["hide", 1, *lm_flags, "--resume",
+                                                               lm]),
+                "classifier": ("tests/probe_classifier.py", ["hide", 1, *flags, "--save",
+                                                             classifier, "--resume", "auto"])}
+    detail = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}  # the healthy run also carries a user's DETAIL
+    results = together(**{name: functools.partial(run, script, args, nproc=2,
+                                                  env=detail if name == "lm_hidden_on_0" else None)
+                          for name, (script, args) in launches.items()})
+    return {name: (result, classifier if name == "classifier" else lm)
+            for name, result in results.items()}
+
+
+def test_the_lm_resumes_only_when_rank_0_finds_the_checkpoint_and_every_rank_follows(launched):
+    out = ok(launched["lm_hidden_on_0"][0])  # rank 1 sees the file, but follows rank 0: a fresh
+    assert "step 0/4 | val loss" in out and "resumed from" not in out  # start on every rank
+    assert out.splitlines().count(DETAIL_WARNING) == 1  # DETAIL (a segfault) became INFO, rank 0 said
+    hidden_on_1, path = launched["lm_hidden_on_1"]
     assert hidden_on_1.returncode != 0 and "exitcode  : 2" in hidden_on_1.stderr
     lines = [line for line in hidden_on_1.stderr.splitlines() if line.startswith("error: ")]
     assert lines == [f"error: rank 1: checkpoint not found: {path} (every rank reads --resume: "
@@ -51,13 +78,10 @@ def test_the_lm_resumes_only_when_rank_0_finds_the_checkpoint_and_every_rank_fol
                      "docs/multinode.md)"] * 2
 
 
-def test_the_classifier_follows_rank_0s_decision_to_resume(tmp_path):
-    path = tmp_path / "ck.pt"
-    in_process(SINGLE, SMALL + ["--epochs", 1, "--save", path])
-    flags = [*SMALL, "--epochs", 2, "--save", path, "--resume", "auto"]
-    result = run("tests/probe_classifier.py", ["hide", 1, *flags], nproc=2)  # rank 0 finds it: all
-    assert result.returncode != 0 and "exitcode  : 2" in result.stderr  # resume, and rank 1 cannot
-    assert f"error: checkpoint not found: {path}\n" in result.stderr  # (torchrun stops the job)
+def test_the_classifier_follows_rank_0s_decision_to_resume(launched):
+    result, path = launched["classifier"]  # rank 0 finds it: all resume, and rank 1 cannot
+    assert result.returncode != 0 and "exitcode  : 2" in result.stderr  # (torchrun stops the job)
+    assert f"error: checkpoint not found: {path}\n" in result.stderr
 
 
 @pytest.fixture

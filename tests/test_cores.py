@@ -21,7 +21,7 @@ import re
 import runpy
 
 import torch
-from helpers import GPT, REPO, ok, run
+from helpers import GPT, REPO, as_script, command, finish, ok, start
 
 CORES = ["init_distributed", "accumulate_gradients", "mean_loss_over_ranks", "mean_over_ranks",
          "save_on_rank_0", "leave_distributed"]
@@ -81,8 +81,12 @@ def test_the_cores_stand_alone_under_torchrun(tmp_path, monkeypatch):
     single, ddp, _ = page_blocks()
     first, last = ddp.index("def init_distributed("), ddp.index("def main(")
     fresh = ddp[:first] + "\n\n\n".join(cores()[name] for name in CORES) + "\n\n\n" + ddp[last:]
-    (tmp_path / "my_trainer.py").write_text(fresh)
+    mine = tmp_path / "ddp"  # the DDP trainer's own folder: both trainers save classifier.pt
+    mine.mkdir()
+    (mine / "my_trainer.py").write_text(fresh)
     (tmp_path / "single.py").write_text(single)
+    cmd = command(mine / "my_trainer.py", nproc=2)
+    launched = start(cmd, mine)  # while the single-process trainer runs here
     printed, threads = io.StringIO(), torch.get_num_threads()
     torch.set_num_threads(1)  # as in the launched processes: the same float sums
     monkeypatch.chdir(tmp_path)  # where it saves classifier.pt
@@ -91,13 +95,12 @@ def test_the_cores_stand_alone_under_torchrun(tmp_path, monkeypatch):
             runpy.run_path(str(tmp_path / "single.py"), run_name="__main__")
     finally:
         torch.set_num_threads(threads)
-    (tmp_path / "classifier.pt").unlink()
-    out = ok(run(tmp_path / "my_trainer.py", nproc=2, cwd=tmp_path))
+    out = ok(finish(launched, cmd))
     numbers = [re.findall(r"loss (\d+\.\d+)", text) for text in (out, printed.getvalue())]
     assert len(numbers[0]) == 4 and numbers[0] == numbers[1], (out, printed.getvalue())
-    assert out.count("saved classifier.pt") == 1 and (tmp_path / "classifier.pt").exists()
+    assert out.count("saved classifier.pt") == 1 and (mine / "classifier.pt").exists()
     model = runpy.run_path(str(tmp_path / "single.py"))["Classifier"]()
-    model.load_state_dict(torch.load(tmp_path / "classifier.pt", weights_only=True))  # no module.
-    alone = run(tmp_path / "my_trainer.py", cwd=tmp_path)
+    model.load_state_dict(torch.load(mine / "classifier.pt", weights_only=True))  # no module.
+    alone = as_script(mine / "my_trainer.py")  # `python my_trainer.py`: no torchrun
     assert alone.returncode == 2 and alone.stderr == (
         "error: not launched by torchrun: see the commands at the top of this script\n")

@@ -6,18 +6,23 @@
 2. every runnable block runs as its first line says: `# python NAME.py` (here, in this test process) or
    `# torchrun --standalone --nproc_per_node=N NAME.py` (under real torchrun, on CPU/gloo);
 3. the unused-parameter block of docs/troubleshooting.md reproduces DDP's real error and both fixes work;
-4. every link from the docs into a script (``[`code`](../script.py)``) quotes code that the
+4. every sentence that states the batch equivalence (N processes with one batch size train as one
+   process with another: README, docs, tests/README and the test modules' docstrings) says which
+   batch it means the same way: per process, and the same global batch;
+5. every link from the docs into a script (``[`code`](../script.py)``) quotes code that the
    script holds (a name, a tag such as `# DDP 4`, a line), no link points at a line number (those
    break with every edit), and every `tests/FILE.py::test_name` the docs cite exists.
 """
+import ast
 import contextlib
+import functools
 import io
 import re
 import runpy
 
 import pytest
 
-from helpers import REPO, run
+from helpers import REPO, run, together
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "tests" / "README.md"]
 FENCE = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
@@ -68,14 +73,14 @@ def test_plain_python_blocks_run(name, nproc, fails_with, code, tmp_path, monkey
 
 @pytest.fixture(scope="module")
 def torchrun_results(tmp_path_factory):
-    """Every torchrun block, launched once, one after the other: {file name: CompletedProcess}."""
+    """Every torchrun block, launched once, side by side: {file name: CompletedProcess}."""
     folder = tmp_path_factory.mktemp("snippets")
-    results = {}
+    jobs = {}
     for param in runnable("torchrun"):
         name, nproc, _, code = param.values
         (folder / name).write_text(code)
-        results[name] = run(folder / name, nproc=int(nproc), cwd=folder)
-    return results
+        jobs[name] = functools.partial(run, folder / name, nproc=int(nproc), cwd=folder)
+    return together(**jobs)
 
 
 @pytest.mark.parametrize("name, nproc, fails_with, code", runnable("torchrun"))
@@ -105,3 +110,24 @@ def test_links_into_the_scripts_quote_code_they_hold():
         for path, name in re.findall(r"(tests/test_\w+\.py)::(test_\w+)", text):
             assert f"def {name}(" in (REPO / path).read_text(), f"{doc.name} cites {path}::{name}"
     assert links >= 10
+
+
+# a sentence comparing runs of two batch sizes: "2B", two different --batch-size values, 16 and 32
+EQUIVALENCE = re.compile(r"\b2B\b|--batch-size (\d+)\b.*--batch-size (?!\1\b)\d+|x 16\b.*x 32\b", re.S)
+
+
+def test_every_statement_of_the_batch_equivalence_says_which_batch_it_means():
+    texts = {str(doc.relative_to(REPO)): doc.read_text() for doc in DOCS}
+    texts.update({path.name: ast.get_docstring(ast.parse(path.read_text())) or ""
+                  for path in sorted((REPO / "tests").glob("test_*.py"))})
+    found = []
+    for name, text in texts.items():
+        for paragraph in re.split(r"\n\s*\n|\n(?=\|)|\n(?=\d+\. )", text):
+            for sentence in re.split(r"(?<=[.;])\s+(?=[A-Z`(])", paragraph):
+                sentence = " ".join(sentence.split())
+                if EQUIVALENCE.search(sentence):
+                    found.append(name)
+                    assert "per process" in sentence and "the same global batch" in sentence, \
+                        f"{name}: say which batch (per process, the same global batch):\n{sentence}"
+    assert {"README.md", "docs/concepts.md", "docs/troubleshooting.md", "tests/README.md",
+            "test_classifier.py", "test_cluster_paths.py"} <= set(found), found

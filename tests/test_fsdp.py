@@ -19,21 +19,30 @@ These tests prove:
    `--resume auto` goes on from step 10 with the uninterrupted run's losses;
 5. bad input is one line and exit code 2: a DDP checkpoint file given to --resume, --amp fp16,
    a wrong --reshard-after-forward;
-6. benchmark_scaling.py runs it as a --trainer, and chapter 4's launcher runs it on two nodes (two
-   agents on this machine, meeting at 127.0.0.1) with the losses of one node's two processes, from a
-   shell that holds a SLURM allocation and debug switches (test_hermetic.py).
+6. benchmark_scaling.py reads its summary (tokens per step over the ranks; the launches through
+   benchmark_scaling.py are test_benchmark.py's), and chapter 4's launcher runs it on two nodes (two
+   agents on this machine, meeting at 127.0.0.1) with the losses of one node's two DDP processes,
+   from a shell that holds a SLURM allocation and debug switches (test_hermetic.py).
+The launches run side by side in one module fixture (`runs`); the counted run of 1-3 is the
+two-node run of 6; the 3-process resume runs in the background while the in-process tests run.
 """
+import functools
 import json
 import re
+import subprocess
 
 import pytest
 import torch
-from helpers import (CONSTANT_LR, GPT, SHARDED, TINY_GPT, ddp_reference, hostile_shell, in_process,
-                     ok, run, trainer, two_nodes)
+from helpers import (CONSTANT_LR, GPT, REPO, SHARDED, TINY_GPT, command, ddp_reference, finish,
+                     hostile_shell, in_process, ok, start, start_two_nodes, summary, trainer)
+
+import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
 
 FSDP = "train_fsdp_minigpt.py"
 fsdp = trainer(FSDP)
 FLAGS = SHARDED
+RESUMED = TINY_GPT + ["--grad-accum", 2, *CONSTANT_LR, "--max-steps", 18, "--export", "",
+                      "--max-new-tokens", 20]  # from step 14, 12 sequences per micro-step
 
 
 def losses(out):
@@ -43,23 +52,39 @@ def losses(out):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The launches several tests read: FSDP (counted) for 18 steps, FSDP for 14 steps with a
-    worker killed at step 12 and restarted (its last checkpoint: step 14), and chapter 3's 18
-    steps (ddp_reference, shared with chapter 8's tests)."""
+    """The module's launches, side by side: FSDP (counted) for 18 steps on two nodes through the
+    launcher, from a hostile shell (`fsdp`: rank 0's node's output); FSDP for 14 steps with a
+    worker killed at step 12 and restarted (its last checkpoint: step 14); FSDP whose rank 1 finds
+    the disk full at its 2nd save; chapter 3's 18 steps (ddp_reference, shared with chapters 3 and
+    8's tests). Then, in the background while the module's other tests run, the restarted run's
+    checkpoint resumed at 3 processes (`at_three`: call it to wait for it)."""
     d = tmp_path_factory.mktemp("fsdp")
     (d / "count").mkdir()
-    r = {"fsdp": run("tests/probe_fsdp.py", ["count", d / "count", *FLAGS, "--max-steps", 18,
-                                             "--save", d / "f18", "--export", d / "f18.pt"],
-                     nproc=2),
-         "restarted": run("tests/probe_fsdp.py",
-                          ["crash", "12:1", *FLAGS, "--max-steps", 14, "--save-every", 10,
-                           "--save", d / "f14", "--resume", "auto", "--export", ""], nproc=2,
-                          torchrun_args=["--max-restarts=1"],
-                          env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})}
-    for result in r.values():
-        ok(result)
-    ddp, ddp_ckpt = ddp_reference()
-    return {**r, "ddp": ddp, "ddp.pt": ddp_ckpt, "dir": d}
+    cmds = {"restarted": command("tests/probe_fsdp.py",
+                                 ["crash", "12:1", *FLAGS, "--max-steps", 14, "--save-every", 10,
+                                  "--save", d / "f14", "--resume", "auto", "--export", ""],
+                                 nproc=2, torchrun_args=["--max-restarts=1"]),
+            "nospace": command("tests/probe_fsdp.py", ["nospace", "2:1", *FLAGS, "--save-every",
+                                                       2, "--save", d / "full", "--export", "",
+                                                       "--max-steps", 4], nproc=2)}
+    restart_fix = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch/pytorch#135712
+    started = {name: start(cmd, REPO, restart_fix if name == "restarted" else None)
+               for name, cmd in cmds.items()}
+    with hostile_shell():  # a SLURM allocation, debug switches...: the helpers' launches ignore it
+        nodes = start_two_nodes("tests/probe_fsdp.py", ["count", d / "count", *FLAGS, "--max-steps",
+                                                        18, "--save", d / "f18", "--export",
+                                                        d / "f18.pt"])
+    ddp, ddp_ckpt, _ = ddp_reference()
+    outs = nodes()
+    r = {name: finish(proc, cmds[name]) for name, proc in started.items()}
+    ok(r["restarted"])
+    logged = [out for out in outs if "world size 2 |" in out]  # rank 0's node logs
+    assert len(logged) == 1, outs
+    r["fsdp"] = subprocess.CompletedProcess("two nodes", 0, logged[0], "")
+    at_three = command(FSDP, RESUMED + ["--batch-size", 4, "--resume", "auto", "--save",
+                                        d / "f14"], nproc=3)
+    return {**r, "ddp": ddp, "ddp.pt": ddp_ckpt, "dir": d,
+            "at_three": functools.partial(finish, start(at_three, REPO), at_three)}
 
 
 def test_fsdp_computes_what_ddp_computes(runs):
@@ -108,12 +133,9 @@ def test_a_killed_worker_is_restarted_and_the_job_resumes_from_its_shards(runs):
 
 def test_a_two_process_checkpoint_resumes_at_one_and_three_processes(runs):
     uninterrupted = losses(runs["fsdp"].stdout)
-    flags = TINY_GPT + ["--grad-accum", 2, *CONSTANT_LR, "--max-steps", 18, "--export", "",
-                         "--max-new-tokens", 20]
-    at_one = in_process(FSDP, flags + ["--batch-size", 12, "--resume", runs["dir"] / "f14",
-                                       "--save", ""])
-    at_three = ok(run(FSDP, flags + ["--batch-size", 4, "--resume", "auto",
-                                     "--save", runs["dir"] / "f14"], nproc=3))
+    at_one = in_process(FSDP, RESUMED + ["--batch-size", 12, "--resume", runs["dir"] / "f14",
+                                         "--save", ""])
+    at_three = ok(runs["at_three"]())
     for out in (at_one, at_three):  # 12 sequences per micro-step in all three runs
         assert "resumed from" in out and "at step 14" in out
         resumed = losses(out)
@@ -149,13 +171,15 @@ def test_at_one_process_fsdp_ends_with_chapter_3s_weights(tmp_path):
         torch.testing.assert_close(exported[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
-def test_a_full_disk_during_a_sharded_save_is_one_line_and_the_last_step_resumes(tmp_path):
-    ck = tmp_path / "ck"
-    flags = [*FLAGS, "--save-every", 2, "--save", ck, "--export", ""]
-    result = run("tests/probe_fsdp.py", ["nospace", "2:1", *flags, "--max-steps", 4], nproc=2)
+def test_a_full_disk_during_a_sharded_save_is_one_line_and_the_last_step_resumes(runs):
+    result, ck = runs["nospace"], runs["dir"] / "full"
     assert result.returncode != 0 and "exitcode  : 5" in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert lines == [f"error: cannot save {ck / 'step-000004'}: No space left on device"] * 2
+    assert len(lines) == 2, lines  # each rank measures the room on its own disk
+    for line in lines:
+        assert re.match(rf"error: cannot save {re.escape(str(ck / 'step-000004'))}: the disk "
+                        rf"holding {re.escape(str(ck))} is full: \d+\.\d [kM]B free, a checkpoint "
+                        r"needs about \d+\.\d [kM]B \(No space left on device\)$", line), line
     assert not re.search(r"\[rank\d\]: Traceback", result.stderr)  # no worker's traceback
     assert sorted(p.name for p in ck.iterdir()) == ["step-000002"]  # no half-written step
     out = in_process(FSDP, [*FLAGS, "--batch-size", 12, "--max-steps", 3, "--resume", "auto",
@@ -174,20 +198,17 @@ def test_bad_inputs_are_one_line(runs, capsys):
     assert exit_.value.code == 2 and err.count("\n") == 1 and "invalid choice: 'maybe'" in err
 
 
-def test_benchmark_scaling_runs_the_fsdp_trainer(tmp_path):
-    out = ok(run("benchmark_scaling.py", ["--device", "cpu", "--trainer", FSDP, "--nproc", 2,
-                                          "--json", tmp_path / "s.json", "--", "--benchmark",
-                                          "--max-steps", 2, *TINY_GPT]))
-    report = json.loads((tmp_path / "s.json").read_text())
-    assert "train_fsdp_minigpt.py" in out and "tokens" in json.dumps(report), report
+def test_benchmark_scaling_reads_the_fsdp_trainers_summary(runs):
+    """What benchmark_scaling.py needs of a trainer is its summary's pace keys (its launches:
+    test_benchmark.py, with a stand-in trainer); chapter 7's are tokens per step over the ranks."""
+    row = bench.pace_row(summary(runs["fsdp"].stdout), 2, 0.0)
+    assert row["per_step"] == 6 * 32 * 2 * 2 and row["unit"] == "tokens/s"  # batch x T x K x 2
+    assert row["throughput"] == pytest.approx(768 / (row["step_ms"] / 1000), rel=0.01)
 
 
 def test_two_nodes_through_the_launcher_train_like_one_node(runs):
-    with hostile_shell():  # a SLURM allocation, debug switches...: the helpers' launches ignore it
-        two_nodes_through_the_launcher_train_like_one_node(runs)
-
-
-def two_nodes_through_the_launcher_train_like_one_node(runs):
-    outs = two_nodes(FSDP, FLAGS + ["--max-steps", 18, "--save", "", "--export", ""])
-    logged = [losses(out) for out in outs if "world size 2 |" in out]  # rank 0's node logs
-    assert len(logged) == 1 and logged[0] == pytest.approx(losses(runs["fsdp"].stdout), rel=1e-5)
+    """The counted run above is two nodes (two torchrun agents meeting at 127.0.0.1 through the
+    launcher's commands): it logs one node's DDP losses (test_fsdp_computes_what_ddp_computes);
+    here, that it was two agents of one process each that the launcher started."""
+    out = runs["fsdp"].stdout
+    assert "world size 2 |" in out and losses(out) == pytest.approx(losses(runs["ddp"]), rel=1e-5)

@@ -3,11 +3,12 @@ empty or too-short data file, a .bin file without --vocab-size, with an odd byte
 token ids >= the vocabulary, impossible model, timeout or AMP settings, a missing, corrupt or
 mismatched checkpoint for --resume or --sample, a start without torchrun, a GPU asked for that is
 not there. Most cases call the script's own main() in this
-process (a launch costs seconds of torch import); one test launches it to prove that such an error
-becomes exit code 2 and one line."""
+process (a launch costs seconds of torch import); one test runs it as `python` would (its
+`__main__` block, in this process: helpers.as_script) to prove that such an error becomes exit code
+2 and one line."""
 import numpy as np
 import pytest
-from helpers import GPT, in_process, run_many, trainer
+from helpers import GPT, as_script, in_process, trainer
 
 gpt = trainer(GPT)
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
@@ -69,7 +70,7 @@ def test_bad_flags_are_refused_in_one_line(args, message, capsys):
 def test_input_errors_exit_2_with_one_line_and_no_traceback(files):
     cases = [(GPT, [*TINY, "--data", files / "ids.bin"]),  # plain python: refused before the data
              (GPT, ["--sample", "--ckpt", files / "truncated.pt"])]
-    results = run_many(cases)
+    results = [as_script(script, args) for script, args in cases]
     for (_, args), result in zip(cases, results):
         where = f"{args}: exit {result.returncode}\n{result.stderr}"
         assert result.returncode == 2 and "Traceback" not in result.stderr, where

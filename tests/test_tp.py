@@ -20,8 +20,8 @@ import re
 
 import pytest
 import torch
-from helpers import (GPT, SHARDED, TINY_GPT, ddp_reference, in_process, ok, run, summary, trainer,
-                     two_nodes)
+from helpers import (GPT, SHARDED, TINY_GPT, ddp_reference, in_process, ok, run, start_two_nodes,
+                     summary, trainer)
 
 import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
 
@@ -45,15 +45,15 @@ def runs(tmp_path_factory):
     at dp 1 x tp 2 (exported) and at tp 1; chapter 3 at 2 processes (ddp_reference, shared with
     chapter 7's tests) and at 1, for 18 steps."""
     d = tmp_path_factory.mktemp("tp")
-    ddp, ddp_ckpt = ddp_reference()
+    ddp, ddp_ckpt, _ = ddp_reference()
     r = {"ddp": ddp, "ddp.pt": ddp_ckpt,
          "grid": ok(run(TP, FLAGS + ["--tp", 2, "--max-steps", 10, "--save", d / "ck",
                                      "--export", ""], nproc=4))}
     resume = FLAGS + ["--batch-size", 12, "--resume", d / "ck", "--save", ""]
-    r["row"] = next(out for out in two_nodes(TP, resume + ["--tp", 2, "--export", d / "tp.pt"])
-                    if "world size 2 " in out)  # rank 0's node logs
+    row = start_two_nodes(TP, resume + ["--tp", 2, "--export", d / "tp.pt"])  # while these run:
     r["column"] = in_process(TP, resume + ["--tp", 1, "--export", ""])
     r["one"] = in_process(GPT, FLAGS + ["--batch-size", 12, "--save", ""])
+    r["row"] = next(out for out in row() if "world size 2 " in out)  # rank 0's node logs
     return {**r, "dir": d}
 
 
