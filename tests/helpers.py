@@ -330,12 +330,11 @@ def scratch(name):
     return folder
 
 
-@functools.cache
 def demo_run():
     """The README's demo, `torchrun --standalone --nproc_per_node=2 train_ddp_basic.py`, run once
-    from an empty folder: (its CompletedProcess, that folder)."""
-    folder = scratch("demo")
-    return run(DDP, nproc=2, cwd=folder), folder
+    from an empty folder (with classifier_runs()): (its CompletedProcess, that folder)."""
+    runs = classifier_runs()
+    return runs["demo"], runs["demo_dir"]
 
 
 @functools.cache
@@ -356,21 +355,36 @@ def ddp_reference():
 
 @functools.cache
 def classifier_runs():
-    """Small chapter 1-2 runs that the equivalence, resume, world-size, benchmark and two-node
-    tests compare against, run once: {name: CompletedProcess, "dir": their folder, "ddp_flags"}."""
-    d = scratch("runs")
+    """The chapter 1-2 runs that several modules compare against, run once, the launches side by
+    side with the in-process runs: {name: CompletedProcess, "dir": their folder, "ddp_flags",
+    "d2_nodes": what each node of d2 printed, "demo_dir"}.
+    - s1, s2: chapter 1 (SMALL, batch 32) for 1 and 2 epochs; s1_resumed: s1 resumed to 2 epochs,
+      with torchrun's variables (RANK...) set, which chapter 1 ignores (all three in process);
+    - d2: chapter 2 at 2 processes of batch 16 for 2 epochs, started as two nodes of one process by
+      chapter 4's launcher, through tests/probe_classifier.py's `record` ("dir"/rankN.json: the
+      samples each rank read);
+    - w3_eval: chapter 2 evaluating s2.pt at 3 processes;
+    - bn: chapter 2 with ResNet-18 (BatchNorm) and 9 validation samples at 2 processes;
+    - demo: the README's demo, from an empty folder."""
+    d, demo_dir = scratch("runs"), scratch("demo")
     single, ddp = SMALL + ["--batch-size", "32"], SMALL + ["--batch-size", "16"]  # global batch 32
-    in_process(SINGLE, single + ["--epochs", "1", "--save", d / "s1.pt"])  # to resume from
-    cmds = {  # the single-process script under torchrun ignores torchrun's variables
-        "s1_resumed": command(SINGLE, single + ["--epochs", 2, "--resume", d / "s1.pt", "--save",
-                                                d / "s1r.pt"], nproc=1),
-        "d2": command(DDP, ddp + ["--epochs", 2, "--save", d / "d2.pt"], nproc=2),
-        "w3_eval": command(DDP, ddp + ["--eval-only", "--resume", d / "s2.pt"], nproc=3)}
-    started = {name: start(cmds[name], REPO) for name in ("s1_resumed", "d2")}
-    s2 = single + ["--epochs", 2, "--save", d / "s2.pt"]  # meanwhile, in this process
-    r = {"s2": subprocess.CompletedProcess(s2, 0, in_process(SINGLE, s2), "")}
+    cmds = {"demo": command(DDP, nproc=2),
+            "bn": command(DDP, ["--model", "resnet18", "--train-samples", 16, "--val-samples", 9,
+                                "--batch-size", 4, "--epochs", 1, "--save", ""], nproc=2),
+            "w3_eval": command(DDP, ddp + ["--eval-only", "--resume", d / "s2.pt"], nproc=3)}
+    started = {"demo": start(cmds["demo"], demo_dir), "bn": start(cmds["bn"], REPO)}
+    nodes = start_two_nodes("tests/probe_classifier.py",
+                            ["record", d, *ddp, "--epochs", 2, "--save", d / "d2.pt"])
+    r = {}  # meanwhile, in this process
+    for name, args in (("s1", ["--epochs", 1]), ("s2", ["--epochs", 2]),
+                       ("s1_resumed", ["--epochs", 2, "--resume", d / "s1.pt"])):
+        args = single + args + ["--save", d / f"{name.replace('_resumed', 'r')}.pt"]
+        r[name] = subprocess.CompletedProcess(args, 0, in_process(SINGLE, args), "")
     started["w3_eval"] = start(cmds["w3_eval"], REPO)  # it evaluates s2.pt
-    r.update({name: finish(proc, cmds[name]) for name, proc in started.items()})
-    for result in r.values():
-        ok(result)
-    return {**r, "dir": d, "ddp_flags": ddp + ["--epochs", "2"]}
+    for name, proc in started.items():
+        r[name] = finish(proc, cmds[name])
+        ok(r[name])
+    r["d2_nodes"] = nodes()
+    r["d2"] = subprocess.CompletedProcess("two nodes", 0, next(
+        out for out in r["d2_nodes"] if "world size 2 |" in out), "")
+    return {**r, "dir": d, "ddp_flags": ddp + ["--epochs", "2"], "demo_dir": demo_dir}

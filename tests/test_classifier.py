@@ -81,8 +81,7 @@ def test_val_metrics_identical_at_world_size_1_2_and_3_and_checkpoints_cross_loa
 def test_unequal_eval_batches_with_batchnorm_finish_on_every_rank():
     """9 val samples on 2 ranks: 5 and 4, so with batch 4 two batches against one. Through the DDP
     wrapper, ResNet-18's BatchNorm buffer broadcast would wait for a forward that never comes."""
-    out = ok(run(DDP, ["--model", "resnet18", "--train-samples", 16, "--val-samples", 9,
-                       "--batch-size", 4, "--epochs", 1, "--save", ""], nproc=2))
+    out = ok(classifier_runs()["bn"])  # --model resnet18, 16 train and 9 val samples, batch 4
     assert "epoch 1/1 | train loss" in out and summary(out)["val_samples"] == 9
 
 

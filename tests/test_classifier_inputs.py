@@ -4,11 +4,11 @@ truncated or mismatched checkpoint, missing or unreadable MNIST files, a CUDA de
 there, the DDP script started without torchrun.
 
 Most cases call the scripts' own parse_args()/main() in this process (a launch costs seconds of
-torch import); the last tests launch real processes to prove that such an error becomes exit code
-2 with one line, and that under torchrun it stops every worker instead of hanging."""
+torch import); the last test runs each script's own exit path (its __main__ block) to prove that
+such an error becomes exit code 2 with one line; that under torchrun it stops every worker instead
+of hanging is test_cluster_paths.py's classifier launch."""
 import pytest
-from helpers import (DDP, REPO, SINGLE, as_script, command, finish, in_process, make_mnist, start,
-                     trainer)
+from helpers import DDP, SINGLE, as_script, in_process, make_mnist, trainer
 
 
 @pytest.fixture(scope="module")
@@ -65,28 +65,15 @@ def test_bad_files_and_options_raise_one_line_input_errors(script, args, message
     assert not (tmp_path / "x.pt").exists()
 
 
-@pytest.fixture(scope="module")
-def launched(files):
-    """A 2-process torchrun job given a checkpoint that is not there, and meanwhile two scripts run
-    as `python SCRIPT` would run them (in this process: helpers.as_script), a bad flag and the DDP
-    script without torchrun."""
-    cmd = command(DDP, ["--resume", files / "missing.pt", "--save", ""], nproc=2)
-    launched = start(cmd, REPO)
+def test_input_errors_exit_2_with_one_line_and_no_traceback():
+    """Each script run as `python SCRIPT` runs it (its __main__ block, here: helpers.as_script): a
+    bad flag, and the DDP script without torchrun. Under torchrun, an input error on one rank
+    stops every worker with exit code 2: test_cluster_paths.py's classifier launch (rank 1 cannot
+    find the checkpoint rank 0 resumes from)."""
     cases = [(SINGLE, ["--epochs", "0"]), (DDP, [])]
-    return cases, [as_script(script, args) for script, args in cases], finish(launched, cmd)
-
-
-def test_input_errors_exit_2_with_one_line_and_no_traceback(launched):
-    cases, results, _ = launched
+    results = [as_script(script, args) for script, args in cases]
     for (script, args), result in zip(cases, results):
         where = f"{script} {args}: exit {result.returncode}\n{result.stderr}"
         assert result.returncode == 2 and "Traceback" not in result.stderr, where
         assert len(result.stderr.strip().splitlines()) == 1 and "error: " in result.stderr, where
     assert "not launched by torchrun" in results[1].stderr
-
-
-def test_an_input_error_under_torchrun_stops_every_worker(launched):
-    result = launched[2]
-    assert result.returncode != 0  # torchrun reports the workers' exit code 2 and exits 1 itself
-    assert "error: checkpoint not found:" in result.stderr  # torchrun stops the other rank
-    assert "exitcode  : 2" in result.stderr or "exitcode: 2" in result.stderr

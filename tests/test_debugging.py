@@ -13,28 +13,42 @@ test_docs.py.
 import re
 import time
 
+import pytest
 from helpers import TINY_GPT, command, finish, start
 
 PROBE = "tests/probe_minigpt.py"
 FLAGS = TINY_GPT + ["--max-steps", 8, "--eval-every", 4]
 
 
-def test_check_sync_stops_a_desynchronised_replica_before_it_saves(tmp_path):
-    cmd = command(PROBE, ["desync", "2:1", *FLAGS, "--check-sync", "--save", tmp_path / "ck.pt",
-                          "--save-every", 4], nproc=2)
-    result = finish(start(cmd, tmp_path), cmd)
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """The module's two launches, side by side: {name: (CompletedProcess, seconds it took, folder)}.
+    A --dist-timeout of 5 s, not less: two launches side by side must still join in time."""
+    d = {name: tmp_path_factory.mktemp(name) for name in ("desync", "hang")}
+    cmds = {"desync": command(PROBE, ["desync", "2:1", *FLAGS, "--check-sync", "--save",
+                                      d["desync"] / "ck.pt", "--save-every", 4], nproc=2),
+            "hang": command(PROBE, ["hang", "3:1", *FLAGS, "--dist-timeout", 5, "--save", ""],
+                            nproc=2)}
+    began = time.monotonic()
+    started = {name: start(cmd, d[name]) for name, cmd in cmds.items()}
+    results = {}
+    for name, proc in started.items():
+        result = finish(proc, cmds[name], time_limit=120)
+        results[name] = (result, time.monotonic() - began, d[name])
+    return results
+
+
+def test_check_sync_stops_a_desynchronised_replica_before_it_saves(launched):
+    result, _, folder = launched["desync"]
     assert result.returncode != 0 and "exitcode  : 3" in result.stderr, result.stderr[-2000:]
     assert "error: --check-sync: replicas differ after step 4" in result.stderr
     assert "step 4/8 | val loss" in result.stdout and "step 5/8" not in result.stdout
-    assert not (tmp_path / "ck.pt").exists()  # the diverged weights were never written
+    assert not (folder / "ck.pt").exists()  # the diverged weights were never written
 
 
-def test_a_stuck_rank_is_caught_by_the_timeout_not_a_hang(tmp_path):
-    cmd = command(PROBE, ["hang", "3:1", *FLAGS, "--dist-timeout", 2, "--save", ""], nproc=2)
-    began = time.monotonic()
-    result = finish(start(cmd, tmp_path), cmd, time_limit=120)
-    took = time.monotonic() - began
+def test_a_stuck_rank_is_caught_by_the_timeout_not_a_hang(launched):
+    result, took, _ = launched["hang"]  # at most: the desync run was finished first
     assert result.returncode != 0 and took < 60, f"exit {result.returncode} after {took:.0f}s"
     assert "step 2/8 | loss" in result.stdout and "step 3/8 | loss" not in result.stdout
-    assert re.search(r"\[rank0\]: RuntimeError: .*Timed out waiting 2000ms", result.stderr), \
+    assert re.search(r"\[rank0\]: RuntimeError: .*Timed out waiting 5000ms", result.stderr), \
         result.stderr[-2000:]

@@ -9,8 +9,8 @@ TORCHRUN set, with torch's and NCCL's debug variables, on a machine with GPUs. T
    TORCHRUN=false, a MASTER_PORT where nothing listens, WORLD_SIZE=64, RANK=3, DETAIL debugging,
    GLOO_SOCKET_IFNAME naming no interface, a visible GPU) the launcher prints its commands and
    refuses bad input as in a clean shell. Two launches elsewhere run under the same shell, so that
-   one run serves both proofs: the 2-process trainer run of
-   test_minigpt.py::test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact and the
+   one run serves both proofs: the shared 2-process chapter 3 run (helpers.ddp_reference, read by
+   test_minigpt.py::test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact) and the
    two-node run of test_fsdp.py::test_two_nodes_through_the_launcher_train_like_one_node;
 4. nothing of that shell reaches a trainer run in the test process either: not its variables, and
    not the TORCH_DISTRIBUTED_DEBUG level that torch read when this process imported it;
