@@ -5,7 +5,6 @@ chapter 2 runs that several test modules compare against (run once per test sess
 
 Tests import what they use from here by name; there is no conftest.py.
 """
-import concurrent.futures
 import contextlib
 import functools
 import importlib
@@ -158,16 +157,13 @@ def run(script, args=(), nproc=None, cwd=None, env=None, torchrun_args=(), cuda=
     return finish(start(cmd, cwd or REPO, env, cuda), cmd)
 
 
-def together(at_once=3, **jobs):
-    """Run each job (a function of no arguments that launches and waits, as run() does) in a
-    thread of its own, at most `at_once` at a time, and return {name: its value} once all are
-    done (a job's failure is raised here). Launches side by side keep both cores busy through what
-    one launch waits for (imports, rendezvous, teardown). Not for jobs that depend on each other
-    or time themselves, nor beside an in-process run: a job reads os.environ when it starts, and
-    in_process() swaps it."""
-    with concurrent.futures.ThreadPoolExecutor(at_once) as pool:
-        futures = {name: pool.submit(job) for name, job in jobs.items()}
-    return {name: future.result() for name, future in futures.items()}
+def started(launches):
+    """Start every launch now ({name: (command, cwd, env)}) and return a function that waits for
+    them all, once, and returns {name: CompletedProcess}. Launches side by side keep both cores busy
+    through what one launch waits for (imports, rendezvous, teardown); a module starts its launches
+    first, runs its in-process tests meanwhile, and reads the launches last."""
+    procs = {name: (start(cmd, cwd, env), cmd) for name, (cmd, cwd, env) in launches.items()}
+    return functools.cache(lambda: {name: finish(proc, cmd) for name, (proc, cmd) in procs.items()})
 
 
 def two_nodes(script, args):

@@ -14,7 +14,6 @@ processes on CPU/gloo (and in process for what needs no launch). These tests pro
 4. the `summary` line is strict JSON whatever the values: NaN and infinity are written as null.
 A write that fails half-way (the partial file removed) is in test_faults.py.
 """
-import functools
 import json
 import math
 import re
@@ -22,7 +21,7 @@ import subprocess
 
 import pytest
 import torch
-from helpers import DDP, GPT, SINGLE, SMALL, TINY_GPT, in_process, run, together, trainer
+from helpers import DDP, GPT, SINGLE, SMALL, TINY_GPT, command, in_process, started, trainer
 
 PROBE = "tests/probe_minigpt.py"
 
@@ -46,11 +45,12 @@ def only_the_checkpoint(folder, name):
     assert sorted(p.name for p in folder.iterdir()) == [name]  # no temporary file left behind
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """The module's four 2-process launches, side by side: {name: (CompletedProcess, its folder)}.
-    The classifier and the LM resumed with a learning rate far too high, the LM whose disk fills
-    up at its 2nd save (a probe), and the classifier saving to a path that is a folder."""
+@pytest.fixture(scope="module", autouse=True)
+def starting(tmp_path_factory):
+    """The module's four 2-process launches, started side by side as the module starts (the tests
+    that read them come last: the in-process tests run meanwhile). The classifier and the LM
+    resumed with a learning rate far too high, the LM whose disk fills up at its 2nd save (a
+    probe), and the classifier saving to a path that is a folder."""
     d = {name: tmp_path_factory.mktemp(name) for name in ("classifier", "lm", "disk", "folder")}
     in_process(SINGLE, SMALL + ["--epochs", 1, "--save", d["classifier"] / "ck.pt"])  # both formats
     in_process(GPT, TINY_GPT + ["--max-steps", 4, "--save", d["lm"] / "ck.pt"])
@@ -64,48 +64,22 @@ def launched(tmp_path_factory):
                          "--save", d["disk"] / "ck.pt"]),  # the 1st save works, the 2nd cannot
         "folder": (DDP, SMALL + ["--epochs", 1, "--save", "ck.pt"])}
     before = {name: (d[name] / "ck.pt").read_bytes() for name in ("classifier", "lm")}
-    results = together(**{name: functools.partial(run, script, args, nproc=2, cwd=d[name])
-                          for name, (script, args) in launches.items()})
-    return {name: (result, d[name], before.get(name)) for name, result in results.items()}
+    wait = started({name: (command(script, args, nproc=2), d[name], None)
+                    for name, (script, args) in launches.items()})
+    yield lambda: {name: (result, d[name], before.get(name)) for name, result in wait().items()}
+    wait()  # never leave one running
 
 
-def test_the_classifier_stops_at_a_non_finite_step_and_keeps_the_good_checkpoint(launched):
-    result, folder, before = launched["classifier"]
-    stopped_on_every_rank(result, 4, r"^error: epoch 1 step \d+: loss \S+, gradient norm (nan|inf): "
-                                     r"not finite, step not applied; try a lower --lr \(now 1e\+20\)")
-    assert "epoch 1/2 | train loss" not in result.stdout  # no epoch finished, no summary
-    assert (folder / "ck.pt").read_bytes() == before
-    only_the_checkpoint(folder, "ck.pt")
-
-
-def test_the_lm_stops_at_a_non_finite_step_and_keeps_the_last_good_checkpoint(launched):
-    result, folder, _ = launched["lm"]
-    line = stopped_on_every_rank(result, 4, r"^error: step (\d+)/8: loss \S+, grad norm \S+: not "
-                                            r"finite, step not applied; try a lower --lr \(now "
-                                            r"10000\), a --clip \(now 1\)$")
-    step = int(re.search(r"step (\d+)/8", line).group(1))
-    assert step >= 5 and f"step {step}/8 | loss" not in result.stdout  # that step was not applied
-    state = torch.load(folder / "ck.pt", map_location="cpu", weights_only=True)
-    assert state["step"] == step - 1  # the last applied step's checkpoint, never the bad one
-    assert trainer(GPT).all_finite(state["model"])
-    only_the_checkpoint(folder, "ck.pt")
+@pytest.fixture(scope="module")
+def launched(starting):
+    """{name: (CompletedProcess, its folder, the checkpoint's bytes before it started)}."""
+    return starting()
 
 
 def full_disk(folder):
     """The words of a save that found the disk holding `folder` (or a folder in it) full: a regex."""
     return (rf"the disk holding {re.escape(str(folder))}\S* is full: \d+\.\d [kM]B free, a checkpoint "
             r"needs about \d+\.\d [kM]B \(")
-
-
-def test_a_full_disk_stops_every_rank_with_one_line_and_keeps_the_last_checkpoint(launched):
-    result, folder, _ = launched["disk"]
-    path = folder / "ck.pt"
-    stopped_on_every_rank(result, 5, f"^error: cannot save {re.escape(str(path))}: "
-                                     f"{full_disk(folder)}No space left on device\\)$")
-    assert "step 2/6 | saved" in result.stdout and "step 5/6" not in result.stdout
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    assert state["step"] == 2 and trainer(GPT).all_finite(state["model"])
-    only_the_checkpoint(folder, "ck.pt")
 
 
 @pytest.fixture
@@ -136,14 +110,6 @@ def test_a_real_full_disk_is_named_in_the_users_words(script, args, small_disk):
     assert re.match(rf"cannot save {re.escape(str(save))}\S*: {full_disk(small_disk)}", message)
     assert "\n" not in message and err.value.code == 5
     assert not [p for p in small_disk.rglob("*") if p.is_file()]  # nothing half-written is left
-
-
-def test_a_save_path_that_is_a_folder_stops_every_rank_with_one_line(launched):
-    result, folder, _ = launched["folder"]
-    stopped_on_every_rank(result, 5, r"^error: cannot save ck\.pt: Is a directory$")
-    assert "done | val loss" in result.stdout  # training finished; only the save failed
-    only_the_checkpoint(folder, "ck.pt")
-    assert not any((folder / "ck.pt").iterdir())
 
 
 def test_chapter_1_reports_a_failed_save_in_one_line(tmp_path, monkeypatch):
@@ -210,3 +176,46 @@ def test_the_summary_line_is_strict_json_whatever_the_values(script):
     assert line.startswith("summary ")
     parsed = json.loads(line[len("summary "):], parse_constant=pytest.fail)  # NaN literals fail
     assert parsed == {"val_loss": None, "throughput": None, "steps": 3, "train_s": 1.5}
+
+
+# ------------------------------------------ the launches, started with the module, read last
+
+def test_the_classifier_stops_at_a_non_finite_step_and_keeps_the_good_checkpoint(launched):
+    result, folder, before = launched["classifier"]
+    stopped_on_every_rank(result, 4, r"^error: epoch 1 step \d+: loss \S+, gradient norm (nan|inf): "
+                                     r"not finite, step not applied; try a lower --lr \(now 1e\+20\)")
+    assert "epoch 1/2 | train loss" not in result.stdout  # no epoch finished, no summary
+    assert (folder / "ck.pt").read_bytes() == before
+    only_the_checkpoint(folder, "ck.pt")
+
+
+def test_the_lm_stops_at_a_non_finite_step_and_keeps_the_last_good_checkpoint(launched):
+    result, folder, _ = launched["lm"]
+    line = stopped_on_every_rank(result, 4, r"^error: step (\d+)/8: loss \S+, grad norm \S+: not "
+                                            r"finite, step not applied; try a lower --lr \(now "
+                                            r"10000\), a --clip \(now 1\)$")
+    step = int(re.search(r"step (\d+)/8", line).group(1))
+    assert step >= 5 and f"step {step}/8 | loss" not in result.stdout  # that step was not applied
+    state = torch.load(folder / "ck.pt", map_location="cpu", weights_only=True)
+    assert state["step"] == step - 1  # the last applied step's checkpoint, never the bad one
+    assert trainer(GPT).all_finite(state["model"])
+    only_the_checkpoint(folder, "ck.pt")
+
+
+def test_a_full_disk_stops_every_rank_with_one_line_and_keeps_the_last_checkpoint(launched):
+    result, folder, _ = launched["disk"]
+    path = folder / "ck.pt"
+    stopped_on_every_rank(result, 5, f"^error: cannot save {re.escape(str(path))}: "
+                                     f"{full_disk(folder)}No space left on device\\)$")
+    assert "step 2/6 | saved" in result.stdout and "step 5/6" not in result.stdout
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    assert state["step"] == 2 and trainer(GPT).all_finite(state["model"])
+    only_the_checkpoint(folder, "ck.pt")
+
+
+def test_a_save_path_that_is_a_folder_stops_every_rank_with_one_line(launched):
+    result, folder, _ = launched["folder"]
+    stopped_on_every_rank(result, 5, r"^error: cannot save ck\.pt: Is a directory$")
+    assert "done | val loss" in result.stdout  # training finished; only the save failed
+    only_the_checkpoint(folder, "ck.pt")
+    assert not any((folder / "ck.pt").iterdir())

@@ -21,7 +21,7 @@ import os
 import pytest
 import torch
 from helpers import (DDP, SINGLE, SMALL, classifier_runs, demo_run, in_process, make_mnist, ok,
-                     run, summary, weights)
+                     summary, weights)
 
 
 def test_readme_demo_learns_logs_once_and_saves_once():

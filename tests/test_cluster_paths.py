@@ -26,62 +26,49 @@ in test_gpu.py, which skips itself without CUDA). These tests prove:
    combination: some torch 2.x releases raise "DDPOptimizer backend: Found a higher order op"
    without it; the torch this suite installs trains either way, so this guards the combination).
 """
-import functools
 import re
 import time
 
 import pytest
 import torch
-from helpers import (DDP, GPT, SINGLE, SMALL, TINY_GPT, in_process, ok, one_process_group, run,
-                     together, trainer)
+from helpers import (DDP, GPT, REPO, SINGLE, SMALL, TINY_GPT, command, in_process, ok,
+                     one_process_group, started, trainer)
 
 gpt = trainer(GPT)
 DETAIL_WARNING = ("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on gloo "
                   "(docs/troubleshooting.md): going on at INFO")
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """The module's three 2-process launches, side by side, each with a probe that hides the
-    checkpoint from one rank: the LM told --resume auto with it hidden from rank 0 (and
+@pytest.fixture(scope="module", autouse=True)
+def starting(tmp_path_factory):
+    """The module's three 2-process launches, started side by side as the module starts (the tests
+    that read them come last: the in-process tests run meanwhile), each with a probe that hides
+    the checkpoint from one rank: the LM told --resume auto with it hidden from rank 0 (and
     TORCH_DISTRIBUTED_DEBUG=DETAIL in its environment: test_hermetic.py), and told --resume PATH
-    with it hidden from rank 1; the classifier with it hidden from rank 1.
-    {name: (CompletedProcess, the checkpoint's path)}."""
+    with it hidden from rank 1; the classifier with it hidden from rank 1."""
     d = tmp_path_factory.mktemp("hidden")
     lm, classifier = d / "lm.pt", d / "classifier.pt"
     in_process(GPT, TINY_GPT + ["--max-steps", 2, "--save", lm])
     in_process(SINGLE, SMALL + ["--epochs", 1, "--save", classifier])
     lm_flags, flags = [*TINY_GPT, "--max-steps", 4, "--save", lm], [*SMALL, "--epochs", 2]
-    launches = {"lm_hidden_on_0": ("tests/probe_minigpt.py", ["hide", 0, *lm_flags, "--resume",
-                                                               "auto"]),
-                "lm_hidden_on_1": ("tests/probe_minigpt.py", ["hide", 1, *lm_flags, "--resume",
-                                                               lm]),
-                "classifier": ("tests/probe_classifier.py", ["hide", 1, *flags, "--save",
-                                                             classifier, "--resume", "auto"])}
     detail = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}  # the healthy run also carries a user's DETAIL
-    results = together(**{name: functools.partial(run, script, args, nproc=2,
-                                                  env=detail if name == "lm_hidden_on_0" else None)
-                          for name, (script, args) in launches.items()})
-    return {name: (result, classifier if name == "classifier" else lm)
-            for name, result in results.items()}
+    wait = started({
+        "lm_hidden_on_0": (command("tests/probe_minigpt.py", ["hide", 0, *lm_flags, "--resume",
+                                                              "auto"], nproc=2), REPO, detail),
+        "lm_hidden_on_1": (command("tests/probe_minigpt.py", ["hide", 1, *lm_flags, "--resume",
+                                                              lm], nproc=2), REPO, None),
+        "classifier": (command("tests/probe_classifier.py", ["hide", 1, *flags, "--save",
+                                                             classifier, "--resume", "auto"],
+                               nproc=2), REPO, None)})
+    yield lambda: {name: (result, classifier if name == "classifier" else lm)
+                   for name, result in wait().items()}
+    wait()  # never leave one running
 
 
-def test_the_lm_resumes_only_when_rank_0_finds_the_checkpoint_and_every_rank_follows(launched):
-    out = ok(launched["lm_hidden_on_0"][0])  # rank 1 sees the file, but follows rank 0: a fresh
-    assert "step 0/4 | val loss" in out and "resumed from" not in out  # start on every rank
-    assert out.splitlines().count(DETAIL_WARNING) == 1  # DETAIL (a segfault) became INFO, rank 0 said
-    hidden_on_1, path = launched["lm_hidden_on_1"]
-    assert hidden_on_1.returncode != 0 and "exitcode  : 2" in hidden_on_1.stderr
-    lines = [line for line in hidden_on_1.stderr.splitlines() if line.startswith("error: ")]
-    assert lines == [f"error: rank 1: checkpoint not found: {path} (every rank reads --resume: "
-                     "on several nodes it must be on a filesystem they share, "
-                     "docs/multinode.md)"] * 2
-
-
-def test_the_classifier_follows_rank_0s_decision_to_resume(launched):
-    result, path = launched["classifier"]  # rank 0 finds it: all resume, and rank 1 cannot
-    assert result.returncode != 0 and "exitcode  : 2" in result.stderr  # (torchrun stops the job)
-    assert f"error: checkpoint not found: {path}\n" in result.stderr
+@pytest.fixture(scope="module")
+def launched(starting):
+    """{name: (CompletedProcess, the checkpoint's path)}."""
+    return starting()
 
 
 @pytest.fixture
@@ -239,3 +226,23 @@ def test_a_classifier_step_waits_for_the_device_once(script, monkeypatch):
         module.train_one_epoch(model, loader, optimizer, torch.device("cpu"), [], 0)
     # 4 steps of 16: one check each, after the DataLoader's .item() of a CPU seed for the epoch
     assert waits == ["item"] + ["__bool__"] * 4, waits
+
+
+# ------------------------------------------ the launches, started with the module, read last
+
+def test_the_lm_resumes_only_when_rank_0_finds_the_checkpoint_and_every_rank_follows(launched):
+    out = ok(launched["lm_hidden_on_0"][0])  # rank 1 sees the file, but follows rank 0: a fresh
+    assert "step 0/4 | val loss" in out and "resumed from" not in out  # start on every rank
+    assert out.splitlines().count(DETAIL_WARNING) == 1  # DETAIL (a segfault) became INFO, rank 0 said
+    hidden_on_1, path = launched["lm_hidden_on_1"]
+    assert hidden_on_1.returncode != 0 and "exitcode  : 2" in hidden_on_1.stderr
+    lines = [line for line in hidden_on_1.stderr.splitlines() if line.startswith("error: ")]
+    assert lines == [f"error: rank 1: checkpoint not found: {path} (every rank reads --resume: "
+                     "on several nodes it must be on a filesystem they share, "
+                     "docs/multinode.md)"] * 2
+
+
+def test_the_classifier_follows_rank_0s_decision_to_resume(launched):
+    result, path = launched["classifier"]  # rank 0 finds it: all resume, and rank 1 cannot
+    assert result.returncode != 0 and "exitcode  : 2" in result.stderr  # (torchrun stops the job)
+    assert f"error: checkpoint not found: {path}\n" in result.stderr

@@ -15,14 +15,13 @@
 """
 import ast
 import contextlib
-import functools
 import io
 import re
 import runpy
 
 import pytest
 
-from helpers import REPO, run, together
+from helpers import REPO, command, started
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "tests" / "README.md"]
 FENCE = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
@@ -75,12 +74,12 @@ def test_plain_python_blocks_run(name, nproc, fails_with, code, tmp_path, monkey
 def torchrun_results(tmp_path_factory):
     """Every torchrun block, launched once, side by side: {file name: CompletedProcess}."""
     folder = tmp_path_factory.mktemp("snippets")
-    jobs = {}
+    launches = {}
     for param in runnable("torchrun"):
         name, nproc, _, code = param.values
         (folder / name).write_text(code)
-        jobs[name] = functools.partial(run, folder / name, nproc=int(nproc), cwd=folder)
-    return together(**jobs)
+        launches[name] = (command(folder / name, nproc=int(nproc)), folder, None)
+    return started(launches)()
 
 
 @pytest.mark.parametrize("name, nproc, fails_with, code", runnable("torchrun"))

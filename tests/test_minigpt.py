@@ -28,8 +28,8 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import (GPT, SHARDED, TINY_GPT, ddp_reference, in_process, ok, run, summary, trainer,
-                     weights)
+from helpers import (GPT, REPO, SHARDED, TINY_GPT, command, ddp_reference, in_process, ok, started,
+                     summary, trainer, weights)
 
 gpt = trainer(GPT)
 
@@ -42,6 +42,21 @@ def steps_logged(out):
 
 def val_losses(out):
     return [float(m.group(1)) for m in re.finditer(r"^step \d+/\d+ \| val loss (\d+\.\d+)", out, re.M)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def crashed(tmp_path_factory):
+    """The module's own launch, started as the module starts (its test comes last: the in-process
+    tests run meanwhile): rank 1 crashes as step 6 begins, under torchrun --max-restarts=1. Call
+    it for (its CompletedProcess, its folder)."""
+    folder = tmp_path_factory.mktemp("crash")
+    flags = TINY_GPT + ["--max-steps", 8, "--save-every", 4, "--dropout", 0.1, "--batch-size", 4,
+                        "--grad-accum", 2, "--save", folder / "ck.pt", "--resume", "auto"]
+    wait = started({"crash": (command("tests/probe_minigpt.py", ["crash", "6:1", *flags], nproc=2,
+                                      torchrun_args=["--max-restarts=1"]),
+                              REPO, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})})
+    yield lambda: (wait()["crash"], folder)
+    wait()  # never leave it running
 
 
 def test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact(tmp_path):
@@ -71,25 +86,6 @@ def test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact(tmp_p
     a, b = weights(ckpt), weights(tmp_path / "one.pt")
     for key in a:  # 18 steps of AdamW carry the order of float sums to ~3e-5: chapter 7's 1e-4
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-4, msg=key)
-
-
-def test_a_crashed_worker_is_restarted_and_resumes_exactly(tmp_path):
-    """torchrun --max-restarts=1: rank 1 dies as step 6 begins (first attempt only); torchrun
-    restarts both workers, --resume auto picks up the step-4 checkpoint, and the restarted run's
-    step 5 is the first attempt's step 5 to the printed digit (loss, lr, grad norm): weights,
-    optimizer, data position and every rank's dropout stream came back exactly."""
-    flags = TINY_GPT + ["--max-steps", 8, "--save-every", 4, "--dropout", 0.1, "--batch-size", 4,
-                        "--grad-accum", 2, "--save", tmp_path / "ck.pt", "--resume", "auto"]
-    out = ok(run("tests/probe_minigpt.py", ["crash", "6:1", *flags], nproc=2,
-                 torchrun_args=["--max-restarts=1"],
-                 env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}))
-    folder = tmp_path
-    first, _, second = out.partition(f"resumed from {folder / 'ck.pt'} at step 4")
-    assert second, out  # the restart resumed from the step-4 checkpoint
-    before, after = steps_logged(first), steps_logged(second)
-    assert sorted(before) == [1, 2, 3, 4, 5] and sorted(after) == [5, 6, 7, 8]
-    assert after[5].split(" | ")[:4] == before[5].split(" | ")[:4]
-    assert torch.load(folder / "ck.pt", weights_only=True)["step"] == 8
 
 
 def test_bf16_on_cpu_compile_free_keys_and_sampling_without_torchrun(tmp_path):
@@ -185,3 +181,18 @@ def test_no_sync_holds_the_forward_too_or_every_micro_batch_all_reduces():
             counts[form], grads[form] = len(calls), model.module.linear.weight.grad.clone()
     assert counts == {"the script's": 3, "backward only": 6}
     torch.testing.assert_close(grads["the script's"], grads["backward only"])
+
+
+def test_a_crashed_worker_is_restarted_and_resumes_exactly(crashed):
+    """torchrun --max-restarts=1: rank 1 dies as step 6 begins (first attempt only); torchrun
+    restarts both workers, --resume auto picks up the step-4 checkpoint, and the restarted run's
+    step 5 is the first attempt's step 5 to the printed digit (loss, lr, grad norm): weights,
+    optimizer, data position and every rank's dropout stream came back exactly."""
+    result, folder = crashed()
+    out = ok(result)
+    first, _, second = out.partition(f"resumed from {folder / 'ck.pt'} at step 4")
+    assert second, out  # the restart resumed from the step-4 checkpoint
+    before, after = steps_logged(first), steps_logged(second)
+    assert sorted(before) == [1, 2, 3, 4, 5] and sorted(after) == [5, 6, 7, 8]
+    assert after[5].split(" | ")[:4] == before[5].split(" | ")[:4]
+    assert torch.load(folder / "ck.pt", weights_only=True)["step"] == 8
