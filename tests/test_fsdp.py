@@ -75,16 +75,17 @@ def runs(tmp_path_factory):
                                                         18, "--save", d / "f18", "--export",
                                                         d / "f18.pt"])
     ddp, ddp_ckpt, _ = ddp_reference()
-    outs = nodes()
-    r = {name: finish(proc, cmds[name]) for name, proc in started.items()}
+    r = {"restarted": finish(started["restarted"], cmds["restarted"])}
     ok(r["restarted"])
+    at_three = command(FSDP, RESUMED + ["--batch-size", 4, "--resume", "auto", "--save",
+                                        d / "f14"], nproc=3)
+    three = start(at_three, REPO)  # as soon as its checkpoint is there
+    outs, r["nospace"] = nodes(), finish(started["nospace"], cmds["nospace"])
     logged = [out for out in outs if "world size 2 |" in out]  # rank 0's node logs
     assert len(logged) == 1, outs
     r["fsdp"] = subprocess.CompletedProcess("two nodes", 0, logged[0], "")
-    at_three = command(FSDP, RESUMED + ["--batch-size", 4, "--resume", "auto", "--save",
-                                        d / "f14"], nproc=3)
     return {**r, "ddp": ddp, "ddp.pt": ddp_ckpt, "dir": d,
-            "at_three": functools.partial(finish, start(at_three, REPO), at_three)}
+            "at_three": functools.partial(finish, three, at_three)}
 
 
 def test_fsdp_computes_what_ddp_computes(runs):

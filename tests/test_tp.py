@@ -116,7 +116,7 @@ def test_a_tp_that_does_not_divide_is_one_line(capsys):
 
 
 def test_benchmark_scaling_reads_the_tp_trainers_summary(runs):
-    """benchmark_scaling.py runs any trainer the same way (test_fsdp.py launches it on chapter 7);
+    """benchmark_scaling.py runs any trainer the same way (its launches: test_benchmark.py);
     what it needs of a trainer is its summary's pace keys: tokens per step over the dp rows."""
     row = bench.pace_row(summary(runs["grid"]), 4, 0.0)
     assert row["per_step"] == 6 * 32 * 2 * 2 and row["unit"] == "tokens/s"  # batch x T x K x dp
