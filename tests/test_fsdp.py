@@ -9,7 +9,8 @@ These tests prove:
 3. memory: each of 2 ranks holds about half the parameters (and so of the gradients and AdamW
    state) that 1 process holds;
 4. checkpoints are shards that resume at another world size: saved at 2 processes, resumed at 1
-   (in process) and at 3 with `--resume auto`, with the same global batch, the next losses are
+   (in process, step 14) and at 3 (step 2, of the full-disk run below), with the same global
+   batch, the next losses are
    the uninterrupted 2-process run's (the windows of each global batch are the same; only the
    order of float sums differs); a step folder without DCP's .metadata (a save killed half-way)
    is named in one line and never resumed, and a --resume that names no complete step is an
@@ -55,9 +56,9 @@ def runs(tmp_path_factory):
     """The module's launches, side by side: FSDP (counted) for 18 steps on two nodes through the
     launcher, from a hostile shell (`fsdp`: rank 0's node's output); FSDP for 14 steps with a
     worker killed at step 12 and restarted (its last checkpoint: step 14); FSDP whose rank 1 finds
-    the disk full at its 2nd save; chapter 3's 18 steps (ddp_reference, shared with chapters 3 and
-    8's tests). Then, in the background while the module's other tests run, the restarted run's
-    checkpoint resumed at 3 processes (`at_three`: call it to wait for it)."""
+    the disk full at its 2nd save (its step 2 stays); chapter 3's 18 steps (ddp_reference, shared
+    with chapters 3 and 8's tests). Then, in the background while the module's other tests run,
+    that step 2 resumed at 3 processes (`at_three`: call it to wait for it)."""
     d = tmp_path_factory.mktemp("fsdp")
     (d / "count").mkdir()
     cmds = {"restarted": command("tests/probe_fsdp.py",
@@ -66,26 +67,27 @@ def runs(tmp_path_factory):
                                  nproc=2, torchrun_args=["--max-restarts=1"]),
             "nospace": command("tests/probe_fsdp.py", ["nospace", "2:1", *FLAGS, "--save-every",
                                                        2, "--save", d / "full", "--export", "",
-                                                       "--max-steps", 4], nproc=2)}
+                                                       "--max-steps", 4], nproc=2),
+            "at_three": command(FSDP, RESUMED + ["--batch-size", 4, "--resume", d / "full",
+                                                 "--save", ""], nproc=3)}
     restart_fix = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch/pytorch#135712
-    started = {name: start(cmd, REPO, restart_fix if name == "restarted" else None)
-               for name, cmd in cmds.items()}
+    started = {name: start(cmds[name], REPO, restart_fix if name == "restarted" else None)
+               for name in ("restarted", "nospace")}
     with hostile_shell():  # a SLURM allocation, debug switches...: the helpers' launches ignore it
         nodes = start_two_nodes("tests/probe_fsdp.py", ["count", d / "count", *FLAGS, "--max-steps",
                                                         18, "--save", d / "f18", "--export",
                                                         d / "f18.pt"])
     ddp, ddp_ckpt, _ = ddp_reference()
-    r = {"restarted": finish(started["restarted"], cmds["restarted"])}
+    r = {"nospace": finish(started["nospace"], cmds["nospace"])}
+    three = start(cmds["at_three"], REPO)  # its checkpoint is there: step 2 of the full disk
+    at_three = functools.cache(functools.partial(finish, three, cmds["at_three"]))
+    r["restarted"], outs = finish(started["restarted"], cmds["restarted"]), nodes()
     ok(r["restarted"])
-    at_three = command(FSDP, RESUMED + ["--batch-size", 4, "--resume", "auto", "--save",
-                                        d / "f14"], nproc=3)
-    three = start(at_three, REPO)  # as soon as its checkpoint is there
-    outs, r["nospace"] = nodes(), finish(started["nospace"], cmds["nospace"])
     logged = [out for out in outs if "world size 2 |" in out]  # rank 0's node logs
     assert len(logged) == 1, outs
     r["fsdp"] = subprocess.CompletedProcess("two nodes", 0, logged[0], "")
-    return {**r, "ddp": ddp, "ddp.pt": ddp_ckpt, "dir": d,
-            "at_three": functools.partial(finish, three, at_three)}
+    yield {**r, "ddp": ddp, "ddp.pt": ddp_ckpt, "dir": d, "at_three": at_three}
+    at_three()  # never leave it running
 
 
 def test_fsdp_computes_what_ddp_computes(runs):
@@ -136,11 +138,11 @@ def test_a_two_process_checkpoint_resumes_at_one_and_three_processes(runs):
     uninterrupted = losses(runs["fsdp"].stdout)
     at_one = in_process(FSDP, RESUMED + ["--batch-size", 12, "--resume", runs["dir"] / "f14",
                                          "--save", ""])
-    at_three = ok(runs["at_three"]())
-    for out in (at_one, at_three):  # 12 sequences per micro-step in all three runs
-        assert "resumed from" in out and "at step 14" in out
+    at_three = ok(runs["at_three"]())  # from the full-disk run's step 2, 2 processes' too
+    for out, saved in ((at_one, 14), (at_three, 2)):  # 12 sequences per micro-step in all runs
+        assert "resumed from" in out and f"at step {saved}" in out
         resumed = losses(out)
-        assert sorted(resumed) == [15, 16, 17, 18]
+        assert sorted(resumed) == list(range(saved + 1, 19))
         for step, loss in resumed.items():
             assert loss == pytest.approx(uninterrupted[step], rel=1e-4), (step, out)
 
@@ -183,8 +185,8 @@ def test_a_full_disk_during_a_sharded_save_is_one_line_and_the_last_step_resumes
                         r"needs about \d+\.\d [kM]B \(No space left on device\)$", line), line
     assert not re.search(r"\[rank\d\]: Traceback", result.stderr)  # no worker's traceback
     assert sorted(p.name for p in ck.iterdir()) == ["step-000002"]  # no half-written step
-    out = in_process(FSDP, [*FLAGS, "--batch-size", 12, "--max-steps", 3, "--resume", "auto",
-                            "--save", ck, "--export", ""])
+    out = in_process(FSDP, [*FLAGS, "--batch-size", 12, "--max-steps", 3, "--resume", ck,
+                            "--save", "", "--export", ""])  # (the 3-process resume reads it too)
     assert f"resumed from {ck / 'step-000002'} at step 2" in out
 
 
