@@ -43,7 +43,7 @@ FSDP = "train_fsdp_minigpt.py"
 fsdp = trainer(FSDP)
 FLAGS = SHARDED
 RESUMED = TINY_GPT + ["--grad-accum", 2, *CONSTANT_LR, "--max-steps", 18, "--export", "",
-                      "--max-new-tokens", 20]  # from step 14, 12 sequences per micro-step
+                      "--max-new-tokens", 1]  # resumed runs: 12 sequences per micro-step
 
 
 def losses(out):
