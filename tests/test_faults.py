@@ -9,6 +9,7 @@
   under the final name: the previous checkpoint is still there, whole, in all three trainers.
 The LM's exact resume after a crash at a chosen step is in test_minigpt.py.
 """
+import concurrent.futures
 import os
 import re
 import signal
@@ -64,30 +65,53 @@ def lonely_node():
     result()  # never leave it running
 
 
-def test_sigkill_with_a_restart_resumes_to_the_uninterrupted_result(tmp_path):
-    cmd = command(DDP, ["--save-every", 1, "--resume", "auto"], nproc=2,
-                  torchrun_args=["--max-restarts=1"])
-    agent = start(cmd, tmp_path, RESTART_FIX)  # the demo's flags otherwise: the same training
-    wait_for(tmp_path / "checkpoints" / "classifier.pt", agent)
+def kill_rank_1_once_saved(path, agent):
+    """Wait for the job's first checkpoint at `path`, then SIGKILL its rank 1 worker; returns when
+    (time.monotonic()). Run in a thread: it reads /proc and sends a signal, nothing else."""
+    wait_for(path, agent)
     os.kill(worker_of_rank(agent, 1), signal.SIGKILL)
-    out = ok(finish(agent, cmd))
+    return time.monotonic()
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """The module's two SIGKILL runs, side by side, each worker killed by a thread of its own as
+    soon as its job's first checkpoint is on disk: the README demo's flags under
+    `torchrun --max-restarts=1` with --resume auto ("restarted"), and a 40-epoch run without
+    restarts ("ended"). {name: (CompletedProcess, its folder, seconds from the kill to its end)}."""
+    d = {name: tmp_path_factory.mktemp(name) for name in ("restarted", "ended")}
+    cmds = {"restarted": command(DDP, ["--save-every", 1, "--resume", "auto"], nproc=2,
+                                 torchrun_args=["--max-restarts=1"]),
+            "ended": command(DDP, ["--epochs", 40, "--save-every", 1, "--save", "ck.pt"], nproc=2)}
+    agents = {"restarted": start(cmds["restarted"], d["restarted"], RESTART_FIX),
+              "ended": start(cmds["ended"], d["ended"])}
+    saved = {"restarted": d["restarted"] / "checkpoints" / "classifier.pt",
+             "ended": d["ended"] / "ck.pt"}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        kills = {name: pool.submit(kill_rank_1_once_saved, saved[name], agent)
+                 for name, agent in agents.items()}
+    results = {}
+    for name in ("ended", "restarted"):  # the one that ends at once first: its time is exact
+        result = finish(agents[name], cmds[name], time_limit=60 if name == "ended" else 240)
+        results[name] = (result, d[name], time.monotonic() - kills[name].result())
+    return results
+
+
+def test_sigkill_with_a_restart_resumes_to_the_uninterrupted_result(killed):
+    result, folder, _ = killed["restarted"]  # the demo's flags otherwise: the same training
+    out = ok(result)
     assert "resumed from checkpoints/classifier.pt after epoch" in out  # the restarted group went on
     demo_folder = demo_run()[1]
-    a = weights(tmp_path / "checkpoints" / "classifier.pt")
+    a = weights(folder / "checkpoints" / "classifier.pt")
     b = weights(demo_folder / "checkpoints" / "classifier.pt")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(a[key], b[key]) for key in a)
 
 
-def test_sigkill_without_restarts_ends_the_job_within_60s_and_keeps_the_checkpoint(tmp_path):
-    cmd = command(DDP, ["--epochs", 40, "--save-every", 1, "--save", "ck.pt"], nproc=2)
-    agent = start(cmd, tmp_path)
-    wait_for(tmp_path / "ck.pt", agent)
-    killed = time.monotonic()
-    os.kill(worker_of_rank(agent, 1), signal.SIGKILL)
-    result = finish(agent, cmd, time_limit=60)
-    assert result.returncode != 0 and time.monotonic() - killed < 60
+def test_sigkill_without_restarts_ends_the_job_within_60s_and_keeps_the_checkpoint(killed):
+    result, folder, since_kill = killed["ended"]
+    assert result.returncode != 0 and since_kill < 60
     assert "Signal 9 (SIGKILL)" in result.stderr  # torchrun's report names the cause
-    state = torch.load(tmp_path / "ck.pt", map_location="cpu", weights_only=True)
+    state = torch.load(folder / "ck.pt", map_location="cpu", weights_only=True)
     assert 1 <= state["epoch"] < 40 and state["model"]
 
 
