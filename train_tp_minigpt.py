@@ -916,12 +916,12 @@ def why_not_written(err, tmp, needed):
         folder = os.path.dirname(folder)
     free = shutil.disk_usage(folder).free + (os.path.getsize(tmp) if os.path.isfile(tmp) else 0)
     if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < needed:
-        return (f"the disk holding {folder} is full: {size(free)} free, a checkpoint needs about "
-                f"{size(needed)} ({detail})")
+        return (f"the disk holding {folder} is full: {readable_size(free)} free, a checkpoint "
+                f"needs about {readable_size(needed)} ({detail})")
     return detail
 
 
-def size(n):
+def readable_size(n):
     """A number of bytes for a person: MB, or kB below 0.1 MB."""
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 

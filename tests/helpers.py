@@ -369,16 +369,16 @@ def classifier_runs():
             "bn": command(DDP, ["--model", "resnet18", "--train-samples", 16, "--val-samples", 9,
                                 "--batch-size", 4, "--epochs", 1, "--save", ""], nproc=2),
             "w3_eval": command(DDP, ddp + ["--eval-only", "--resume", d / "s2.pt"], nproc=3)}
-    started = {"demo": start(cmds["demo"], demo_dir), "bn": start(cmds["bn"], REPO)}
+    launched = {"demo": start(cmds["demo"], demo_dir), "bn": start(cmds["bn"], REPO)}
     nodes = start_two_nodes("tests/probe_classifier.py",
                             ["record", d, *ddp, "--epochs", 2, "--save", d / "d2.pt"])
     r = {}  # meanwhile, in this process
-    for name, args in (("s1", ["--epochs", 1]), ("s2", ["--epochs", 2]),
-                       ("s1_resumed", ["--epochs", 2, "--resume", d / "s1.pt"])):
-        args = single + args + ["--save", d / f"{name.replace('_resumed', 'r')}.pt"]
+    for name, args, saved in (("s1", ["--epochs", 1], "s1.pt"), ("s2", ["--epochs", 2], "s2.pt"),
+                              ("s1_resumed", ["--epochs", 2, "--resume", d / "s1.pt"], "s1r.pt")):
+        args = single + args + ["--save", d / saved]
         r[name] = subprocess.CompletedProcess(args, 0, in_process(SINGLE, args), "")
-    started["w3_eval"] = start(cmds["w3_eval"], REPO)  # it evaluates s2.pt
-    for name, proc in started.items():
+    launched["w3_eval"] = start(cmds["w3_eval"], REPO)  # it evaluates s2.pt
+    for name, proc in launched.items():
         r[name] = finish(proc, cmds[name])
         ok(r[name])
     r["d2_nodes"] = nodes()
