@@ -8,14 +8,13 @@ These tests prove:
    step, not once per micro-batch (a counting probe);
 3. memory: each of 2 ranks holds about half the parameters (and so of the gradients and AdamW
    state) that 1 process holds;
-4. checkpoints are shards that resume at another world size: saved at 2 processes, resumed at 1
-   (in process, step 14) and at 3 (step 2, of the full-disk run below), with the same global
-   batch, the next losses are
-   the uninterrupted 2-process run's (the windows of each global batch are the same; only the
-   order of float sums differs); a step folder without DCP's .metadata (a save killed half-way)
-   is named in one line and never resumed, and a --resume that names no complete step is an
-   error; a full disk during a sharded save is one line on every rank (exit code 5), leaves no
-   half-written step, and the previous step resumes; at one process FSDP, built on the meta
+4. checkpoints are shards that resume at another world size: saved at 2 processes (step 14) and
+   at 3 (step 2, of the full-disk run below), resumed at 1, with the same global batch, the next
+   losses are the uninterrupted 2-process run's (the windows of each global batch are the same;
+   only the order of float sums differs); a step folder without DCP's .metadata (a save killed
+   half-way) is named in one line and never resumed, and a --resume that names no complete step
+   is an error; a full disk during a sharded save (3 processes) is one line on every rank (exit
+   code 5), leaves no half-written step, and the previous step resumes; at one process FSDP, built on the meta
    device, ends with chapter 3's weights; a worker killed at step 12 under `torchrun --max-restarts=1` is restarted with its peer and
    `--resume auto` goes on from step 10 with the uninterrupted run's losses;
 5. bad input is one line and exit code 2: a DDP checkpoint file given to --resume, --amp fp16,
@@ -25,9 +24,8 @@ These tests prove:
    agents on this machine, meeting at 127.0.0.1) with the losses of one node's two DDP processes,
    from a shell that holds a SLURM allocation and debug switches (test_hermetic.py).
 The launches run side by side in one module fixture (`runs`); the counted run of 1-3 is the
-two-node run of 6; the 3-process resume runs in the background while the in-process tests run.
+two-node run of 6.
 """
-import functools
 import json
 import re
 import subprocess
@@ -55,39 +53,33 @@ def losses(out):
 def runs(tmp_path_factory):
     """The module's launches, side by side: FSDP (counted) for 18 steps on two nodes through the
     launcher, from a hostile shell (`fsdp`: rank 0's node's output); FSDP for 14 steps with a
-    worker killed at step 12 and restarted (its last checkpoint: step 14); FSDP whose rank 1 finds
-    the disk full at its 2nd save (its step 2 stays); chapter 3's 18 steps (ddp_reference, shared
-    with chapters 3 and 8's tests). Then, in the background while the module's other tests run,
-    that step 2 resumed at 3 processes (`at_three`: call it to wait for it)."""
+    worker killed at step 12 and restarted (its last checkpoint: step 14); FSDP at 3 processes
+    whose rank 1 finds the disk full at its 2nd save (its step 2 stays); chapter 3's 18 steps
+    (ddp_reference, shared with chapters 3 and 8's tests)."""
     d = tmp_path_factory.mktemp("fsdp")
     (d / "count").mkdir()
     cmds = {"restarted": command("tests/probe_fsdp.py",
                                  ["crash", "12:1", *FLAGS, "--max-steps", 14, "--save-every", 10,
                                   "--save", d / "f14", "--resume", "auto", "--export", ""],
                                  nproc=2, torchrun_args=["--max-restarts=1"]),
-            "nospace": command("tests/probe_fsdp.py", ["nospace", "2:1", *FLAGS, "--save-every",
-                                                       2, "--save", d / "full", "--export", "",
-                                                       "--max-steps", 4], nproc=2),
-            "at_three": command(FSDP, RESUMED + ["--batch-size", 4, "--resume", d / "full",
-                                                 "--save", ""], nproc=3)}
+            "nospace": command("tests/probe_fsdp.py", ["nospace", "2:1", *FLAGS, "--batch-size", 4,
+                                                       "--save-every", 2, "--save", d / "full",
+                                                       "--export", "", "--max-steps", 4], nproc=3)}
     restart_fix = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch/pytorch#135712
-    started = {name: start(cmds[name], REPO, restart_fix if name == "restarted" else None)
-               for name in ("restarted", "nospace")}
+    started = {name: start(cmd, REPO, restart_fix if name == "restarted" else None)
+               for name, cmd in cmds.items()}
     with hostile_shell():  # a SLURM allocation, debug switches...: the helpers' launches ignore it
         nodes = start_two_nodes("tests/probe_fsdp.py", ["count", d / "count", *FLAGS, "--max-steps",
                                                         18, "--save", d / "f18", "--export",
                                                         d / "f18.pt"])
     ddp, ddp_ckpt, _ = ddp_reference()
-    r = {"nospace": finish(started["nospace"], cmds["nospace"])}
-    three = start(cmds["at_three"], REPO)  # its checkpoint is there: step 2 of the full disk
-    at_three = functools.cache(functools.partial(finish, three, cmds["at_three"]))
-    r["restarted"], outs = finish(started["restarted"], cmds["restarted"]), nodes()
+    r = {name: finish(proc, cmds[name]) for name, proc in started.items()}
     ok(r["restarted"])
+    outs = nodes()
     logged = [out for out in outs if "world size 2 |" in out]  # rank 0's node logs
     assert len(logged) == 1, outs
     r["fsdp"] = subprocess.CompletedProcess("two nodes", 0, logged[0], "")
-    yield {**r, "ddp": ddp, "ddp.pt": ddp_ckpt, "dir": d, "at_three": at_three}
-    at_three()  # never leave it running
+    return {**r, "ddp": ddp, "ddp.pt": ddp_ckpt, "dir": d}
 
 
 def test_fsdp_computes_what_ddp_computes(runs):
@@ -134,13 +126,14 @@ def test_a_killed_worker_is_restarted_and_the_job_resumes_from_its_shards(runs):
         assert loss == uninterrupted[step], step
 
 
-def test_a_two_process_checkpoint_resumes_at_one_and_three_processes(runs):
+def test_checkpoints_of_two_and_three_processes_resume_at_one(runs):
+    """The restarted run's step 14 (2 processes) and the full-disk run's intact step 2 (3
+    processes, shards padded unevenly) resume in one process, with 12 sequences per micro-step as
+    in every run here: the next losses are the uninterrupted 2-process run's."""
     uninterrupted = losses(runs["fsdp"].stdout)
-    at_one = in_process(FSDP, RESUMED + ["--batch-size", 12, "--resume", runs["dir"] / "f14",
-                                         "--save", ""])
-    at_three = ok(runs["at_three"]())  # from the full-disk run's step 2, 2 processes' too
-    for out, saved in ((at_one, 14), (at_three, 2)):  # 12 sequences per micro-step in all runs
-        assert "resumed from" in out and f"at step {saved}" in out
+    for saved, folder in ((14, runs["dir"] / "f14"), (2, runs["dir"] / "full")):
+        out = in_process(FSDP, RESUMED + ["--batch-size", 12, "--resume", folder, "--save", ""])
+        assert f"resumed from {folder / f'step-{saved:06d}'} at step {saved}" in out
         resumed = losses(out)
         assert sorted(resumed) == list(range(saved + 1, 19))
         for step, loss in resumed.items():
@@ -175,19 +168,17 @@ def test_at_one_process_fsdp_ends_with_chapter_3s_weights(tmp_path):
 
 
 def test_a_full_disk_during_a_sharded_save_is_one_line_and_the_last_step_resumes(runs):
-    result, ck = runs["nospace"], runs["dir"] / "full"
+    result, ck = runs["nospace"], runs["dir"] / "full"  # 3 processes; rank 1's disk is full
     assert result.returncode != 0 and "exitcode  : 5" in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 2, lines  # each rank measures the room on its own disk
+    assert len(lines) == 3, lines  # each rank measures the room on its own disk
     for line in lines:
         assert re.match(rf"error: cannot save {re.escape(str(ck / 'step-000004'))}: the disk "
                         rf"holding {re.escape(str(ck))} is full: \d+\.\d [kM]B free, a checkpoint "
                         r"needs about \d+\.\d [kM]B \(No space left on device\)$", line), line
     assert not re.search(r"\[rank\d\]: Traceback", result.stderr)  # no worker's traceback
     assert sorted(p.name for p in ck.iterdir()) == ["step-000002"]  # no half-written step
-    out = in_process(FSDP, [*FLAGS, "--batch-size", 12, "--max-steps", 3, "--resume", ck,
-                            "--save", "", "--export", ""])  # (the 3-process resume reads it too)
-    assert f"resumed from {ck / 'step-000002'} at step 2" in out
+    # step 2 resumes: test_checkpoints_of_two_and_three_processes_resume_at_one
 
 
 def test_bad_inputs_are_one_line(runs, capsys):
