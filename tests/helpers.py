@@ -75,6 +75,12 @@ INHERITED_NOT = (
 )
 
 
+# A user's TORCH_DISTRIBUTED_DEBUG=DETAIL (it crashes DDP on gloo), and what the trainers answer.
+DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+DETAIL_WARNING = ("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on gloo "
+                  "(docs/troubleshooting.md): going on at INFO")
+
+
 # A shell the suite must ignore: a two-node SLURM allocation, a launcher that fails, a rendezvous where
 # nothing listens, a world of 64, debug switches, interfaces that do not exist, a GPU. Every address is
 # loopback: even if the stripping broke, nothing would leave this machine.
@@ -167,15 +173,10 @@ def started(launches):
     return functools.cache(lambda: {name: finish(proc, cmd) for name, (proc, cmd) in procs.items()})
 
 
-def two_nodes(script, args):
-    """Two nodes of one process each on this machine: the commands chapter 4's launcher prints
-    (meeting at 127.0.0.1), each run by its own torchrun agent. Returns what each node printed."""
-    return start_two_nodes(script, args)()
-
-
 def start_two_nodes(script, args):
-    """two_nodes(), started: the environment is read now, and the returned function waits for
-    both nodes and returns what each printed."""
+    """Two nodes of one process each on this machine: the commands chapter 4's launcher prints
+    (meeting at 127.0.0.1), each run by its own torchrun agent, started now (the environment is
+    read now). Returns a function that waits for both and returns what each node printed."""
     printed = subprocess.run(
         [str(REPO / "launch_multinode_ddp.sh"), "--nnodes", "2", "--master-addr", "127.0.0.1",
          "--master-port", str(free_port()), "--join-timeout", "60", script, *map(str, args)],

@@ -31,12 +31,10 @@ import time
 
 import pytest
 import torch
-from helpers import (DDP, GPT, REPO, SINGLE, SMALL, TINY_GPT, command, in_process, ok,
-                     one_process_group, started, trainer)
+from helpers import (DDP, DETAIL, DETAIL_WARNING, GPT, REPO, SINGLE, SMALL, TINY_GPT, command,
+                     in_process, ok, one_process_group, started, trainer)
 
 gpt = trainer(GPT)
-DETAIL_WARNING = ("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on gloo "
-                  "(docs/troubleshooting.md): going on at INFO")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,10 +49,9 @@ def starting(tmp_path_factory):
     in_process(GPT, TINY_GPT + ["--max-steps", 2, "--save", lm])
     in_process(SINGLE, SMALL + ["--epochs", 1, "--save", classifier])
     lm_flags, flags = [*TINY_GPT, "--max-steps", 4, "--save", lm], [*SMALL, "--epochs", 2]
-    detail = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}  # the healthy run also carries a user's DETAIL
     wait = started({
         "lm_hidden_on_0": (command("tests/probe_minigpt.py", ["hide", 0, *lm_flags, "--resume",
-                                                              "auto"], nproc=2), REPO, detail),
+                                                              "auto"], nproc=2), REPO, DETAIL),
         "lm_hidden_on_1": (command("tests/probe_minigpt.py", ["hide", 1, *lm_flags, "--resume",
                                                               lm], nproc=2), REPO, None),
         "classifier": (command("tests/probe_classifier.py", ["hide", 1, *flags, "--save",

@@ -10,6 +10,7 @@
 The LM's exact resume after a crash at a chosen step is in test_minigpt.py.
 """
 import concurrent.futures
+import functools
 import os
 import re
 import signal
@@ -54,13 +55,8 @@ def lonely_node():
            "--master-port", str(free_port()), "--join-timeout", "3", "--node-rank", "0", "--run", DDP]
     began = time.monotonic()
     agent = start(cmd, REPO, {"TORCHRUN": f"{sys.executable} -m torch.distributed.run"})
-    ended = []
-
-    def result():
-        if not ended:
-            ended.append(finish(agent, cmd, time_limit=90))
-            ended.append(time.monotonic() - began)  # the upper bound: it may have ended earlier
-        return tuple(ended)
+    result = functools.cache(lambda: (finish(agent, cmd, time_limit=90),
+                                      time.monotonic() - began))  # an upper bound on its time
     yield result
     result()  # never leave it running
 
@@ -90,11 +86,12 @@ def killed(tmp_path_factory):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         kills = {name: pool.submit(kill_rank_1_once_saved, saved[name], agent)
                  for name, agent in agents.items()}
-    results = {}
+    ended = {}
     for name in ("ended", "restarted"):  # the one that ends at once first: its time is exact
-        result = finish(agents[name], cmds[name], time_limit=60 if name == "ended" else 240)
-        results[name] = (result, d[name], time.monotonic() - kills[name].result())
-    return results
+        ended[name] = (finish(agents[name], cmds[name], time_limit=60 if name == "ended" else 240),
+                       time.monotonic())
+    return {name: (result, d[name], at - kills[name].result())
+            for name, (result, at) in ended.items()}
 
 
 def test_sigkill_with_a_restart_resumes_to_the_uninterrupted_result(killed):

@@ -24,12 +24,8 @@ import os
 import pytest
 import test_launcher
 import torch.distributed as dist
-from helpers import (DDP, GPT, HOSTILE_SHELL, SMALL, TINY_GPT, environment, hostile_shell,
-                     in_process, trainer)
-
-DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
-WARNING = ("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on gloo (docs/troubleshooting.md): "
-           "going on at INFO")
+from helpers import (DDP, DETAIL, DETAIL_WARNING, GPT, HOSTILE_SHELL, SMALL, TINY_GPT, environment,
+                     hostile_shell, in_process, trainer)
 
 
 @pytest.fixture
@@ -83,4 +79,4 @@ def test_detail_debugging_on_gloo_is_one_warning_and_the_run_goes_on_at_info():
                          ("train_fsdp_minigpt.py", flags + ["--export", ""]),
                          ("train_tp_minigpt.py", flags + ["--tp", 1, "--export", ""])):
         out = in_process(script, args, env=DETAIL)  # without the warning, a segfault ends pytest
-        assert out.splitlines().count(WARNING) == 1 and "\nsummary {" in out, (script, out)
+        assert out.splitlines().count(DETAIL_WARNING) == 1 and "\nsummary {" in out, (script, out)

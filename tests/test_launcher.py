@@ -129,7 +129,7 @@ def test_bash_syntax_and_shellcheck():
 
 def test_two_nodes_on_one_machine_train_like_one_node_with_two_processes():
     """Chapter 2's shared 2-process run (helpers.classifier_runs' d2) is two nodes of one process
-    each on this machine, started with the very commands the launcher prints (helpers.two_nodes),
+    each on this machine, started with the very commands the launcher prints (helpers.start_two_nodes),
     through the recording probe; one process with twice the batch is its reference."""
     runs = classifier_runs()
     outs, d = runs["d2_nodes"], runs["dir"]
