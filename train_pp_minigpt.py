@@ -1,0 +1,1529 @@
+"""Chapter 9: the chapter-7 GPT trainer split into a pipeline (pipeline parallelism, PP): each
+group of ranks holds a run of consecutive blocks, and the micro-batches of a step flow through
+them, FSDP over the data-parallel ranks of each stage. The same math as one process.
+
+    torchrun --standalone --nproc_per_node=2 train_pp_minigpt.py --pp 2    # 2 stages: CPU or 2 GPUs
+    torchrun --standalone --nproc_per_node=4 train_pp_minigpt.py --pp 2    # 2 stages x 2 dp
+    torchrun --standalone --nproc_per_node=gpu train_pp_minigpt.py --pp 2  # the GPUs here, 2 stages
+    ./launch_multinode_ddp.sh --nnodes 2 --nproc-per-node 8 --master-addr N0 \
+        train_pp_minigpt.py --pp 2 --grad-accum 8
+    python train_ddp_minigpt.py --sample --ckpt checkpoints/minigpt_pp.pt --prompt "def main("
+
+The multi-node line prints the torchrun command to run on each node (chapter 4): with --pp 2 on 2
+nodes, each node is one stage. Sampling runs in one plain process. Default data: the first
+2,000,000 bytes of this Python's own standard library, one token per byte (vocab 256), so nothing
+is downloaded; `--data` also takes a text file, a .bin of uint16 token ids, or a nanoGPT folder.
+
+What PP adds to FSDP (`diff train_fsdp_minigpt.py train_pp_minigpt.py`: the `# PP k` lines):
+- The ranks form a grid of --pp stages by (world size / pp) data-parallel ranks. A stage is
+  consecutive ranks (a node, or several), so that only activations cross between nodes.
+- Stage 0 holds the embeddings and the first blocks, the last stage the last blocks, the final norm
+  and the head; every parameter keeps the whole model's name. FSDP shards each stage over its dp
+  ranks as in chapter 7.
+- A step's --grad-accum micro-batches flow through the stages (GPipe: all forwards, then all
+  backwards; 1F1B: one forward, one backward, holding fewer micro-batches' activations). Between
+  stages only activations go forward and their gradients back. Only the last stage has a loss.
+- The tied embedding and head are two copies on two stages: they start equal and each step both
+  get the sum of both gradients (one all-reduce between the first and the last stage).
+- The gradient norm adds up over every stage and shard; evaluation and sampling are forward-only
+  pipelines; data follows the dp column, the same batch on every stage of a column.
+"""
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import datetime
+import errno
+import gc  # DDP 9
+import glob
+import io  # FSDP 8
+import json
+import math
+import os
+import pickle
+import shutil
+import statistics
+import sys
+import sysconfig
+import time
+import zlib
+
+import numpy as np
+import torch
+import torch.distributed as dist  # DDP 1
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.distributed.checkpoint as dcp  # FSDP 3
+from torch.distributed.checkpoint.api import CheckpointException  # FSDP 3
+from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # FSDP 3
+                                                     get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh  # FSDP 2
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # FSDP 1
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # PP 4
+from torch.distributed.tensor import distribute_tensor  # FSDP 2
+from torch.utils.checkpoint import checkpoint
+
+
+# ------------------------------------------------------- the model: a GPT, nothing distributed
+
+def causal_attention(q, k, v):
+    """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
+    attention on GPUs); is_causal builds no mask. No dropout on the attention weights: on a CPU it
+    forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
+    bf16 CPU backward kernel is 3x slower than the fp32 one (measured: docs/performance.md)."""
+    if q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with torch.autocast("cpu", enabled=False):
+        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    return y.to(q.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        # qkv's outputs come head by head (head 0's q, k, v, then head 1's...), so a split of them
+        # into equal parts gives each part whole heads (chapter 8); -1: the heads this module holds
+        qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
+        y = causal_attention(q, k, v)
+        return self.proj(y.transpose(1, 2).flatten(2))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attention(norm(x)), then x + MLP(norm(x))."""
+
+    def __init__(self, n_embd, n_head, dropout):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
+                                 nn.Linear(4 * n_embd, n_embd))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd, dropout):
+        super().__init__()
+        self.block_size = block_size
+        self.grad_checkpointing = False  # True: recompute each block's activations in backward
+        self.tok_emb = nn.Embedding(vocab_size, n_embd)
+        self.pos_emb = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # weight tying: one matrix embeds and un-embeds
+        if not self.head.weight.is_meta:  # on the meta device there is nothing to fill yet
+            self.init_weights(seed=0)
+
+    @torch.no_grad()
+    def init_weights(self, seed):
+        """Every parameter from initial_value(): the same weights for the same seed, whether
+        the model is made whole here or one parameter at a time (chapter 7)."""
+        for name, p in self.named_parameters():
+            p.copy_(initial_value(name, p.shape, seed, len(self.blocks)))
+
+    def forward(self, idx, targets=None):
+        """Logits (B, T, vocab), and the mean cross-entropy per token if targets are given."""
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+        for block in self.blocks:
+            if self.grad_checkpointing and self.training:  # keep block inputs; recompute the rest
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature, top_k):
+        """Append max_new_tokens tokens to idx (1, T), each drawn from the model's prediction."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.block_size:])[0][:, -1] / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            idx = torch.cat([idx, torch.multinomial(logits.softmax(-1), 1)], dim=1)
+        return idx
+
+
+
+
+def initial_value(name, shape, seed, n_layer):
+    """The initial value of parameter `name`, GPT-2's scheme: N(0, 0.02) for matrices (residual
+    projections shrink with depth), zero biases, unit norm weights. Each parameter draws from a
+    generator of its own, seeded by (seed, name), so any one can be made without the others."""
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if len(shape) == 1:  # a LayerNorm's weight
+        return torch.ones(shape)
+    residual = name.endswith(("attn.proj.weight", "mlp.2.weight"))
+    std = 0.02 / math.sqrt(2 * n_layer) if residual else 0.02
+    generator = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=generator) * std
+
+
+# ------------------------------------- the distributed lesson: main() and its steps, in order
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.sample:  # inference: one plain process, no process group
+        return sample(args)
+    # setup: one process per device, joined in one group; rank 0 logs and saves
+    device, rank, world_size = init_distributed(args.device, args.dist_timeout, args.debug)
+    run = make_run(args, device, rank, world_size)
+    # data: every rank reads its own windows of the training tokens
+    data = build_data(run)
+    # model: the same initial weights on every rank, resumed if asked, then wrapped
+    raw_model, optimizer = build_model(run, data.vocab_size)
+    start = resumed_step(run, raw_model, optimizer, data)
+    schedule = wrap_model(run, raw_model)  # PP 4: this rank's stage in a pipeline schedule
+    if args.benchmark:
+        return benchmark(run, schedule, raw_model, optimizer, data.windows)
+    # train: log, evaluate and save on schedule
+    val_loss = evaluate(run, raw_model, data.val)
+    print0(run.is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
+    meter = Meter(run, raw_model, start)  # the training clock starts now
+    for step in range(start, args.max_steps):
+        loss, grad_norm = train_step(run, schedule, raw_model, optimizer, data.windows, step)
+        done = step + 1
+        if done % args.log_every == 0 or done == args.max_steps:
+            print0(run.is_main, meter.log_line(done, loss.item(), grad_norm.item()))
+        meter.stop_clock()  # evaluation and checkpoints are not training time
+        if done % args.eval_every == 0 or done == args.max_steps:
+            val_loss = evaluate(run, raw_model, data.val)
+            print0(run.is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | "
+                                f"baseline {data.baseline:.4f}")
+        # save: rank 0 writes, every rank waits for it
+        due = done == args.max_steps or (args.save_every and done % args.save_every == 0)
+        if args.save and due:
+            save_checkpoint(run, raw_model, optimizer, data, done)
+        meter.start_clock()
+    # cleanup: the summary and a sample here; the group is left by __main__'s `finally`
+    report(run, raw_model, data, val_loss, meter)
+
+
+def init_distributed(device_name, timeout_s, debug):  # DDP 1: join the group torchrun describes
+    """Join the process group of the processes torchrun started, one device each: a collective,
+    every process calls it. Returns (device, rank, world size). Started without torchrun, or with
+    more processes than GPUs: one line on stderr and exit code 2."""
+    def refuse(problem):
+        sys.stderr.write(f"error: {problem}\n")
+        sys.exit(2)
+
+    if "RANK" not in os.environ:  # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT
+        refuse("not launched by torchrun: see the commands at the top of this script")
+    if device_name == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device("cpu")
+    if device_name == "cuda":  # DDP 2: one GPU per process, picked by LOCAL_RANK, before CUDA work
+        local_rank, visible = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+        if local_rank >= visible:
+            refuse(f"--device cuda: GPU {local_rank} asked for, but {visible} visible: start at "
+                   "most one process per GPU (--nproc_per_node), or --device cpu")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if debug:  # before the group starts; DETAIL checks every collective (not on gloo: docs/)
+        dist.set_debug_level(dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO)
+    if backend == "gloo" and dist.get_debug_level() == dist.DebugLevel.DETAIL:  # the shell's
+        if os.environ["RANK"] == "0":  # before the group: torchrun's RANK says who logs
+            print("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on gloo "
+                  "(docs/troubleshooting.md): going on at INFO", flush=True)
+        dist.set_debug_level(dist.DebugLevel.INFO)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device if backend == "nccl" else None)  # NCCL: bind it
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+@dataclasses.dataclass
+class Run:
+    """What every step of one process's run shares, set once at the start."""
+    args: argparse.Namespace  # the flags
+    device: torch.device
+    rank: int
+    world_size: int
+    is_main: bool  # rank 0: the one process that logs and writes files
+    amp: str  # FSDP 1: the compute dtype's name ("bfloat16"), or "off"
+    policy: MixedPrecisionPolicy  # FSDP 1: casts the gathered weights; no autocast, no scaler
+    mesh: object  # PP 1: the (pp, dp) grid of ranks, a DeviceMesh
+    stage: int  # PP 1: this rank's stage, 0 to pp - 1: the blocks it holds
+    dp_rank: int  # PP 3: this rank's column: the data it reads
+    dp_size: int  # PP 3: the ranks of a stage, data-parallel replicas: world size / pp
+    tied: object  # PP 5: this column's first and last stage, a process group; None elsewhere
+
+
+def make_run(args, device, rank, world_size):
+    """This process's Run; logs the run's shape (world size, device, precision, batch)."""
+    is_main = rank == 0  # DDP 3: rank 0 alone logs and saves
+    keep_freed_memory_on_cpu(device)
+    amp, policy = mixed_precision(args.amp, device)  # FSDP 1
+    mesh = grid(args.pp, device, world_size)  # PP 1: pp stages x (world size / pp) ranks
+    stage, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    run = Run(args, device, rank, world_size, is_main, amp, policy, mesh, stage, dp_rank,
+              mesh.size(1), ends_group(mesh, stage, dp_rank))
+    print0(is_main, f"world size {world_size} ({args.pp} pp x {run.dp_size} dp) | device "
+                    f"{device} | amp {amp} | {tokens_per_step(run):,} tokens per step "
+                    f"({args.batch_size} x {args.block_size} x {args.grad_accum} micro-batches x "
+                    f"{run.dp_size} replicas) | schedule {args.schedule}")  # PP 3: per column
+    return run
+
+
+def grid(pp, device, world_size):  # PP 1: a 2-D mesh, a stage of consecutive ranks
+    """The ranks as a pp x (world size / pp) DeviceMesh: rank r is in stage r // (world / pp) and
+    data-parallel column r % (world / pp). A stage is consecutive ranks: under torchrun, one node
+    or several, so that FSDP's all-gathers stay inside a node and only activations cross nodes."""
+    if world_size % pp:
+        raise InputError(f"--pp {pp} does not divide the world size {world_size}: start a "
+                         f"multiple of {pp} processes, or give --pp 1")
+    return init_device_mesh(device.type, (pp, world_size // pp), mesh_dim_names=("pp", "dp"))
+
+
+def ends_group(mesh, stage, dp_rank):  # PP 5: where the two copies of the tied matrix live
+    """A collective: a process group of the first and the last stage of each dp column (every
+    rank makes every group, in the same order). Returns this rank's, or None on a middle stage
+    and with one stage, whose embedding and head are one matrix."""
+    pp = mesh.size(0)
+    groups = [dist.new_group(ranks) for ranks in mesh.mesh[[0, -1]].T.tolist()] if pp > 1 else []
+    return groups[dp_rank] if pp > 1 and stage in (0, pp - 1) else None
+
+
+@dataclasses.dataclass
+class Data:
+    windows: "Windows"  # this rank's training batches
+    val: np.ndarray  # the validation tokens
+    vocab_size: int
+    itos: dict  # id -> text, from a nanoGPT folder's meta.pkl; None for bytes or plain ids
+    baseline: float  # the loss of predicting each token by its frequency: the loss to beat
+
+
+def build_data(run):
+    """This rank's training windows and the validation tokens (--debug: a collective)."""
+    args = run.args
+    train, val, vocab_size, itos = load_data(args, run.dp_size)  # PP 3: a batch per column
+    windows = Windows(train, args.block_size, args.batch_size, run.dp_rank, run.dp_size,
+                      args.seed)  # PP 3: each column its own windows, the same on every stage
+    baseline = unigram_loss(train, val, vocab_size)
+    unit = "byte" if vocab_size == 256 else "token"
+    print0(run.is_main, f"data {args.data or 'Python standard library'} | {len(train):,} train "
+                        f"/ {len(val):,} val tokens | vocab {vocab_size} | "
+                        f"{unit}-frequency baseline loss {baseline:.4f}")
+    if args.debug:
+        log_windows(run, windows)
+    return Data(windows, val, vocab_size, itos, baseline)
+
+
+class Windows:
+    """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
+    block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
+    ranks round-robin, like DistributedSampler: ranks read different windows, and an epoch reads
+    each token once. Micro-batch k is a function of k alone, so a resumed run reads what the
+    uninterrupted one would have."""
+
+    def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
+        self.tokens, self.block, self.batch = tokens, block_size, batch_size
+        self.rank, self.world, self.seed = rank, world_size, seed
+        per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size  # at any offset
+        self.per_epoch = per_rank // batch_size  # micro-batches per rank per epoch
+        self.span = np.arange(block_size + 1)
+        self.epoch, self.starts = None, None
+
+    def starts_of_epoch(self, epoch):  # DDP 4: every rank its own share of the windows
+        """The first token of every window this rank reads in `epoch`, in order."""
+        g = torch.Generator().manual_seed(self.seed + epoch)  # DDP: a new order each epoch
+        offset = int(torch.randint(0, self.block + 1, (1,), generator=g))
+        count = self.per_epoch * self.batch * self.world
+        order = torch.randperm((len(self.tokens) - offset) // (self.block + 1), generator=g)[:count]
+        return (offset + order * (self.block + 1))[self.rank::self.world].numpy()
+
+    def rows(self, k):
+        """Micro-batch k of this rank: (B, block_size + 1) token ids, inputs and the next token."""
+        epoch, i = divmod(k, self.per_epoch)
+        if epoch != self.epoch:
+            self.epoch, self.starts = epoch, self.starts_of_epoch(epoch)
+        rows = self.tokens[self.starts[i * self.batch:(i + 1) * self.batch, None] + self.span]
+        return torch.from_numpy(rows.astype(np.int64))
+
+
+def build_model(run, vocab_size):  # PP 2: this rank's stage, on the meta device, then filled
+    """This rank's stage of the model, 1/N of each of its parameters on this rank's device, and its
+    optimizer. No rank ever holds the whole model, nor even its whole stage: the GPT is built as
+    shapes only, cut into stages, this rank's stage sharded, then each shard filled."""
+    args = run.args
+    with torch.device("meta"):  # FSDP 2: shapes and dtypes, no memory
+        whole = GPT(**model_config(args, vocab_size))
+        raw_model = Stage(whole, run.stage, args.pp)  # PP 2: this rank's blocks and ends
+    shard(run, raw_model)  # FSDP 2: before the optimizer, which must see the shards
+    raw_model.to_empty(device=run.device)  # FSDP 2: this rank's shards, not yet filled
+    init_shards(raw_model, args.seed, args.n_layer)  # FSDP 2: chapter 3's initial weights
+    raw_model.grad_checkpointing = args.grad_checkpointing
+    optimizer = make_optimizer(raw_model, args, run.device)
+    torch.manual_seed(args.seed + run.rank)  # DDP: each rank its own dropout masks
+    print0(run.is_main, f"model {raw_model.whole_params:,} parameters | "
+                        f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
+                        f"context {args.block_size}")
+    print0(run.is_main, memory_line(run, raw_model))  # PP 2: what each stage holds, a collective
+    print0(run.is_main, traffic_line(run, vocab_size))  # PP 2: and what it sends
+    return raw_model, optimizer
+
+
+class Stage(nn.Module):  # PP 2: a run of the GPT's blocks, and the ends of the model it holds
+    """Stage `stage` of `pp` of a GPT: its consecutive blocks under their own indices (blocks.2
+    stays blocks.2, so a checkpoint knows nothing of the stages), the embeddings on the first
+    stage, the final norm and the head on the last. Its forward takes token ids (first stage) or
+    the previous stage's activations, and returns activations, or the logits (last stage)."""
+
+    def __init__(self, gpt, stage, pp):
+        super().__init__()
+        first, last = stage == 0, stage == pp - 1
+        self.whole_params = sum(p.numel() for p in gpt.parameters())  # the tied matrix once
+        self.whole_groups = [[n for n, p in gpt.named_parameters() if p.dim() >= 2],  # AdamW's
+                             [n for n, p in gpt.named_parameters() if p.dim() < 2]]  # groups
+        self.grad_checkpointing = False  # True: recompute each block's activations in backward
+        self.tok_emb, self.pos_emb, self.drop = (gpt.tok_emb, gpt.pos_emb, gpt.drop) if first \
+            else (None, None, None)
+        self.blocks = nn.ModuleDict({str(i): gpt.blocks[i]
+                                     for i in stage_blocks(len(gpt.blocks), pp, stage)})
+        self.ln_f, self.head = (gpt.ln_f, gpt.head) if last else (None, None)
+
+    def forward(self, x):
+        if self.tok_emb is not None:  # token ids (B, T) -> the residual stream (B, T, C)
+            x = self.drop(self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device)))
+        for block in self.blocks.values():
+            if self.grad_checkpointing and self.training:  # keep block inputs; recompute the rest
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return x if self.head is None else self.head(self.ln_f(x))
+
+
+def stage_blocks(n_layer, pp, stage):  # PP 2: contiguous, as even as can be
+    """The indices of the blocks that `stage` holds: the stages cut the blocks in order, into runs
+    of equal length, the earlier stages one block more when pp does not divide n_layer."""
+    size, extra = divmod(n_layer, pp)
+    first = stage * size + min(stage, extra)
+    return range(first, first + size + (stage < extra))
+
+
+def shard(run, model):  # PP 2: FSDP over the stage's dp ranks, as chapter 7 over all ranks
+    """fully_shard turns each block's parameters into DTensors split across the stage's dp ranks
+    (dim 0): a block's weights are all-gathered just before its forward and its gradients
+    reduce-scattered after its backward. The root group holds the stage's ends (embeddings, or
+    final norm and head)."""
+    mesh = run.mesh["dp"]  # PP 2: the ranks of this stage
+    reshard = run.args.reshard_after_forward == "yes"
+    for block in model.blocks.values():
+        fully_shard(block, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)
+
+
+@torch.no_grad()
+def init_shards(model, seed, n_layer):  # FSDP 2: one whole parameter at a time, each its slice
+    """Fill this rank's shards with chapter 3's initial weights: each parameter is made whole from
+    the seed (initial_value), one at a time, and each rank keeps its own slice of it with no
+    communication (src_data_rank=None). The peak is one parameter, not the model."""
+    for name, p in model.named_parameters():
+        name = "tok_emb.weight" if name == "head.weight" else name  # PP 5: both copies alike
+        full = initial_value(name, p.shape, seed, n_layer).to(p.device)
+        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))
+
+
+def resumed_step(run, raw_model, optimizer, data):
+    """A collective: the step to go on from, 0 or --resume's after loading it. Rank 0 decides
+    whether `--resume auto` finds a checkpoint; all ranks load it, or all stop with one line."""
+    path, state, problem = resume_path(run), None, None  # FSDP 3: read the small file, agree,
+    try:  # and only then load the shards, a collective
+        state = read_run_state(path, run, data) if path else None
+    except InputError as err:  # told to every rank below, so that none waits for this one
+        problem = str(err)
+    step = agree_on_start(state["step"] if state else 0, problem, path)  # FSDP 3
+    if path:
+        load_shards(path, state, run, raw_model, optimizer)  # FSDP 3: every rank, at once
+        print0(run.is_main, f"resumed from {path} at step {step}")
+    return step
+
+
+def wrap_model(run, raw_model):  # PP 4: the stage, in a schedule of the micro-batches
+    """This rank's stage in a pipeline schedule of --grad-accum micro-batches (compiled with
+    --compile). The schedule sends each micro-batch's activations to the next stage and their
+    gradients back, and FSDP reduce-scatters the stage's gradients once, after the last backward.
+    The loss is the mean over a micro-batch's tokens, and the schedule divides the gradients by
+    the number of micro-batches: the mean over the step, as chapter 3 accumulates it."""
+    args = run.args
+    model = torch.compile(raw_model, backend=args.compile_backend) if args.compile else raw_model
+    stage = PipelineStage(model, run.stage, args.pp, run.device, group=run.mesh.get_group("pp"))
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
+    return kind(stage, args.grad_accum, loss_fn=mean_token_loss)
+
+
+def mean_token_loss(logits, targets):  # PP 4: the last stage's loss, per micro-batch
+    """The mean cross-entropy per token of logits (B, T, vocab) against targets (B, T)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def train_step(run, schedule, raw_model, optimizer, windows, step):
+    """One optimizer step over --grad-accum micro-batches; a collective. Returns the loss (mean
+    over all ranks) and the gradient norm before clipping, both device tensors."""
+    args = run.args
+    rows = torch.cat([windows.rows(step * args.grad_accum + i) for i in range(args.grad_accum)])
+    loss = pipeline_step(run, schedule, *on_device(rows, run.device))  # PP 4: in micro-batches
+    sum_tied_gradients(run, raw_model)  # PP 5
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, args)
+    grad_norm = clip_gradients(run, raw_model, args.clip or float("inf"))  # PP 6
+    loss = mean_over_ranks(loss) * args.pp  # PP 4: the other stages add 0: the last stage's mean
+    stop_if_diverged(run, step, loss, grad_norm)
+    optimizer.step()  # FSDP 1
+    optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm
+
+
+def pipeline_step(run, schedule, x, y):  # PP 4: only the first stage reads inputs, the last targets
+    """The forwards and backwards of a step's micro-batches, in the schedule's order; a collective
+    of this rank's pp column. x and y hold the micro-batches one after another, (K x B, T): the
+    schedule cuts them into K. Returns the mean loss on the last stage, 0 on the others."""
+    first, last, losses = run.stage == 0, run.stage == run.args.pp - 1, []
+    schedule.step(*[x] * first, target=y if last else None, losses=losses if last else None)
+    return torch.stack(losses).mean().detach() if last else torch.zeros((), device=run.device)
+
+
+def sum_tied_gradients(run, model):  # PP 5: one matrix, two copies: the sum of both gradients
+    """A collective of the first and last stage of this rank's column: the tied embedding (first
+    stage) and head (last stage) are one matrix in the GPT, two copies here. Each copy gets the
+    sum of both gradients, so both take the same steps, as the one matrix does (Megatron-LM)."""
+    if run.tied is not None:  # None: a middle stage, or --pp 1 (one matrix, one gradient)
+        copy = model.tok_emb.weight if run.stage == 0 else model.head.weight
+        dist.all_reduce(copy.grad.to_local(), op=dist.ReduceOp.SUM, group=run.tied)
+
+
+def clip_gradients(run, model, max_norm):  # PP 6: the norm over every stage and every shard
+    """clip_grad_norm_ over the whole model: each stage's squared norm over its shards
+    (full_tensor), summed over the stages (an all-reduce of the pp column), the tied matrix counted
+    once. Returns the norm before clipping, the same on every rank."""
+    counted = [p.grad for name, p in model.named_parameters()
+               if not (name == "head.weight" and run.args.pp > 1)]  # PP 5: tok_emb's twin
+    norm = nn.utils.get_total_norm(counted).full_tensor() ** 2
+    dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=run.mesh.get_group("pp"))
+    norm = norm.sqrt()
+    nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+    return norm
+
+
+def evaluate(run, model, val):  # FSDP 7: every rank runs as many forwards
+    """The mean validation loss per token, exact at any world size; a collective. Each forward
+    all-gathers weights with every rank of its stage, so a rank with fewer batches pads its list
+    with batches whose targets are all -100 (cross_entropy ignores them): they count for nothing."""
+    batches = list(validation_batches(run, val))  # PP 3: by column, the same on every stage
+    most = torch.tensor(len(batches), device=run.device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    x = torch.zeros(1, run.args.block_size, dtype=torch.long, device=run.device)
+    batches += [(x, torch.full_like(x, -100))] * (int(most) - len(batches))
+    return mean_loss_over_ranks(run, model, batches)
+
+
+@torch.no_grad()
+def mean_loss_over_ranks(run, model, batches):  # PP 7: the last stage scores; DDP 7: sum, divide
+    """The mean cross-entropy per target over all ranks' batches (inputs, targets): each last
+    stage's rank sums its own, one all-reduce adds the sums and the counts up (the other stages
+    add 0). A collective: every rank calls it (evaluate() says how many batches each may bring)."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=run.device)
+    for x, y in batches:
+        logits = pipeline_forward(run, model, x)  # PP 7: None but on the last stage
+        if logits is not None:
+            totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(),
+                                         reduction="sum")
+            totals[1] += (y != -100).sum()  # FSDP 7: the padding counts no token
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # gloo has no AVG: sum, then divide
+    model.train()
+    return (totals[0] / totals[1]).item()
+
+
+@torch.no_grad()
+def pipeline_forward(run, model, x):  # PP 7: a pipeline without a schedule: receive, run, send
+    """A forward through every stage of this rank's pp column (a collective of it): stage 0 embeds
+    the token ids x (B, T); every later stage receives the activations (B, T, C) from the stage
+    before, runs its blocks and sends them on. Returns the logits on the last stage, else None."""
+    group, last = run.mesh.get_group("pp"), run.args.pp - 1
+    if run.stage > 0:  # every stage knows x: its shape is the shape of what arrives
+        h = torch.empty(*x.shape, run.args.n_embd, dtype=activation_dtype(run), device=run.device)
+        dist.recv(h, group=group, group_src=run.stage - 1)
+        x = h
+    out = model(x)
+    if run.stage == last:
+        return out
+    dist.send(out.contiguous(), group=group, group_dst=run.stage + 1)
+    return None
+
+
+@torch.no_grad()
+def generate(run, model, idx):  # PP 7: each new token is a forward through every stage
+    """Append --max-new-tokens tokens to idx (1, T); a collective of the pp column. The last stage
+    draws each token from its logits and sends it to every stage of the column."""
+    args = run.args
+    for _ in range(args.max_new_tokens):
+        logits = pipeline_forward(run, model, idx[:, -args.block_size:])
+        token = torch.zeros(1, 1, dtype=torch.long, device=run.device)
+        if logits is not None:
+            token = next_token(logits[:, -1], args.temperature, args.top_k)
+        dist.broadcast(token, group=run.mesh.get_group("pp"), group_src=args.pp - 1)
+        idx = torch.cat([idx, token], dim=1)
+    return idx
+
+
+def mean_over_ranks(value):  # DDP 7
+    """A collective: the average of a scalar tensor over all ranks (SUM, then divide)."""
+    value = value.detach().clone().float()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value / dist.get_world_size()
+
+
+def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every rank its shards
+    """A collective: rank 0 writes DIR/step-N/run.json (step, flags, vocabulary, every rank's
+    RNG), then every rank writes its own shards of the weights and of AdamW's state into
+    DIR/step-N/ (torch.distributed.checkpoint: nothing is gathered). DCP writes .metadata last:
+    a folder without it is never resumed. Then rank 0 removes older steps. A failed save:
+    SaveFailed on every rank, the step's folder removed, the previous step intact."""
+    rng_states = [None] * run.world_size  # DDP: each rank has its own dropout stream
+    dist.all_gather_object(rng_states, rng_state(run.device))
+    folder = os.path.join(run.args.save, f"step-{step:06d}")  # FSDP 3: a folder per step
+    if not shards_finite(raw_model):  # a collective: every rank gets the same answer
+        raise SaveFailed(f"not saving {folder}: the weights are not finite")
+    state, _ = whole_model_state(run, raw_model, optimizer)  # PP 8: named as chapter 7 names it
+    try:  # rank 0 writes run.json, then every rank its shards
+        save_on_rank_0(lambda: write_file(os.path.join(folder, "run.json"),
+                                          run_state(run, data, step, rng_states)), run.is_main)
+        dcp.save(state, checkpoint_id=folder)
+    except (SaveFailed, OSError, RuntimeError, CheckpointException) as err:  # DCP: on every rank
+        save_on_rank_0(lambda: shutil.rmtree(folder, ignore_errors=True), run.is_main)
+        failed = SaveFailed(f"cannot save {folder}: {first_reason(err, folder, state)}")
+        raise (err if isinstance(err, SaveFailed) else failed) from None
+    save_on_rank_0(lambda: drop_older_steps(run.args.save, folder), run.is_main)
+    print0(run.is_main, f"step {step}/{run.args.max_steps} | saved {folder}")
+
+
+def save_on_rank_0(write, is_main):  # DDP 8: one writer; every rank waits and learns the outcome
+    """A collective: rank 0 calls write(); every rank waits for it and raises what it raised.
+    Never call it inside `if is_main:`: the other ranks would not reach the broadcast."""
+    error = None
+    if is_main:
+        try:
+            write()
+        except Exception as err:  # sent to every rank below, so that none goes on alone
+            error = err
+    outcome = [error]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
+def leave_distributed():  # DDP 9: leave the process group on every path, error or not
+    """Free what a failed run left (a DDP model holds the group), then leave the group."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ============================================================================== the plumbing
+# Flags, data files, mixed precision, the optimizer and schedule, checkpoint files, logging and
+# timing, sampling, and the errors: what any trainer needs, distributed or not.
+
+
+# ------------------------------------------------------------------------------------------ flags
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2, instead of argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive(kind, zero_ok=False):
+    """An argparse type: a number of `kind` above zero, or at least zero if zero_ok."""
+    def parse(text):
+        value = kind(text)
+        if value < 0 or (value == 0 and not zero_ok):
+            bound = "at least 0" if zero_ok else "positive"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+    parse.__name__ = f"positive {kind.__name__}"  # argparse names it: "invalid positive int value"
+    return parse
+
+
+def parse_args(argv=None):
+    p = Parser(description=__doc__.split("\n\n")[0])
+    a = p.add_argument_group("data").add_argument
+    a("--data", metavar="PATH",
+      help="a text file (its bytes are the tokens), a .bin of uint16 token ids, or a nanoGPT "
+           "folder: train.bin, val.bin, meta.pkl (default: the Python standard library)")
+    a("--vocab-size", type=positive(int), metavar="N",
+      help="the ids of a .bin (or a folder without meta.pkl) are below N")
+    a("--val-fraction", type=float, default=0.1, metavar="F",
+      help="the tail of the data held out for validation (default: 0.1)")
+    a = p.add_argument_group("model").add_argument
+    a("--n-layer", type=positive(int), default=4, metavar="N",
+      help="transformer blocks (default: 4)")
+    a("--n-head", type=positive(int), default=4, metavar="N",
+      help="attention heads, must divide --n-embd (default: 4)")
+    a("--n-embd", type=positive(int), default=128, metavar="N",
+      help="width of the residual stream (default: 128)")
+    a("--block-size", type=positive(int), default=128, metavar="T",
+      help="context length in tokens (default: 128)")
+    a("--dropout", type=float, default=0.0, metavar="P", help="dropout probability (default: 0.0)")
+    a("--grad-checkpointing", action="store_true",
+      help="recompute each block's activations in backward: less memory, more time")
+    a("--compile", action="store_true", help="torch.compile the model (default: off)")
+    a("--compile-backend", default="inductor", metavar="NAME",
+      help="torch.compile backend (default: inductor)")
+    a = p.add_argument_group("training").add_argument
+    a("--batch-size", type=positive(int), default=16, metavar="B",
+      help="sequences per micro-step, per process (default: 16)")
+    a("--grad-accum", type=positive(int), default=4, metavar="K",  # PP 4
+      help="micro-batches per optimizer step: the pipeline's; the more, the smaller its bubble, "
+           "(pp - 1) / (K + pp - 1) of the step idle; 1f1b needs K >= --pp (default: 4)")
+    a("--max-steps", type=positive(int), default=300, metavar="N",
+      help="optimizer steps (default: 300)")
+    a("--lr", type=positive(float), default=3e-3, help="peak learning rate (default: 0.003)")
+    a("--min-lr", type=positive(float, zero_ok=True), default=3e-4, metavar="LR",
+      help="where the cosine ends (default: 0.0003)")
+    a("--warmup-steps", type=positive(int, zero_ok=True), default=30, metavar="N",
+      help="steps of linear warmup (default: 30)")
+    a("--weight-decay", type=positive(float, zero_ok=True), default=0.1, metavar="W",
+      help="AdamW's, on matrices only (default: 0.1)")
+    a("--clip", type=positive(float, zero_ok=True), default=1.0, metavar="NORM",
+      help="clip the gradient norm to NORM, 0 = off (default: 1.0)")
+    a("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
+      help="autocast dtype; auto: bf16 (or fp16) on GPUs, off on CPUs (default: auto)")
+    a("--seed", type=int, default=0, help="seeds the weights, data order, dropout (default: 0)")
+    a("--device", choices=["auto", "cpu", "cuda"], default="auto",
+      help="auto = cuda if there is one, else cpu (default: auto)")
+    a = p.add_argument_group("distributed: timeouts and debugging (chapters 5 and 6)").add_argument
+    a("--dist-timeout", type=positive(float), default=300, metavar="S",
+      help="seconds a collective waits for a peer before the job fails (default: 300)")
+    a("--pp", type=positive(int), default=2, metavar="N",  # PP 1
+      help="pipeline stages: runs of consecutive blocks, each on world size / N consecutive "
+           "ranks (a node); must divide the world size, at most --n-layer (default: 2)")
+    a("--schedule", choices=["gpipe", "1f1b"], default="1f1b",  # PP 4
+      help="the order of a step's micro-batches: gpipe (all forwards, then all backwards) or "
+           "1f1b (one forward, one backward: fewer activations held) (default: 1f1b)")
+    a("--reshard-after-forward", choices=["yes", "no"], default="yes",  # FSDP 2
+      help="yes: free each block's gathered weights after its forward (ZeRO-3); no: keep them "
+           "until its backward (fewer all-gathers, more memory) (default: yes)")
+    a("--debug", action="store_true", help="TORCH_DISTRIBUTED_DEBUG and each rank's data windows")
+    a = p.add_argument_group("evaluation, logging, checkpoints").add_argument
+    a("--eval-every", type=positive(int), default=100, metavar="N",
+      help="steps between evaluations (default: 100)")
+    a("--eval-windows", type=positive(int), default=128, metavar="N",
+      help="validation sequences per evaluation (default: 128)")
+    a("--log-every", type=positive(int), default=10, metavar="N",
+      help="steps between log lines (default: 10)")
+    a("--save", default="checkpoints/minigpt_pp", metavar="DIR",  # PP 8
+      help="checkpoint folder of step-N folders, '' for none (default: %(default)s)")
+    a("--export", default="checkpoints/minigpt_pp.pt", metavar="PATH",  # PP 8
+      help="the final weights in one file, chapter 3's format, '' for none (default: %(default)s)")
+    a("--save-every", type=positive(int, zero_ok=True), default=0, metavar="N",
+      help="also save every N steps, 0 = only at the end (default: 0)")
+    a("--resume", metavar="DIR",  # FSDP 3
+      help="go on from this checkpoint folder's newest complete step; 'auto': from --save's")
+    a("--gpu-peak-tflops", type=positive(float), metavar="T",
+      help="one GPU's peak TFLOPS for MFU (default: from the GPU's name and --amp, for A100, "
+           "H100, H200, L4, L40S, A10, V100, T4, RTX 3090/4090)")
+    a("--benchmark", action="store_true",
+      help="time --max-steps steps after 5 warm-up steps; no evaluation, no checkpoint")
+    a = p.add_argument_group("sampling (one process, no torchrun)").add_argument
+    a("--sample", action="store_true", help="generate text from --ckpt instead of training")
+    a("--ckpt", metavar="PATH", help="the checkpoint to sample from")
+    a("--prompt", default="\n", metavar="TEXT",
+      help="text to start from, not empty (default: a newline)")
+    a("--max-new-tokens", type=positive(int), default=300, metavar="N",
+      help="tokens to generate, by --sample and after training (default: 300)")
+    a("--temperature", type=positive(float), default=0.8, metavar="T",
+      help="below 1: safer choices, above 1: wilder ones (default: 0.8)")
+    a("--top-k", type=positive(int, zero_ok=True), default=40, metavar="K",
+      help="draw from the K likeliest tokens, 0 = from all (default: 40)")
+    args = p.parse_args(argv)
+    if args.n_embd % args.n_head:
+        p.error(f"--n-head {args.n_head} must divide --n-embd {args.n_embd}")
+    if args.pp > args.n_layer:  # PP 1: every stage holds a block
+        p.error(f"--pp {args.pp} is more stages than --n-layer {args.n_layer} blocks")
+    if args.schedule == "1f1b" and args.grad_accum < args.pp:  # PP 4: torch's 1F1B needs K >= pp
+        p.error(f"--schedule 1f1b needs at least --pp {args.pp} micro-batches per step, got "
+                f"--grad-accum {args.grad_accum}: give more, or --schedule gpipe")
+    if not 0 <= args.dropout < 1 or not 0 < args.val_fraction < 1:
+        p.error("--dropout must be in [0, 1) and --val-fraction in (0, 1)")
+    if args.sample and not args.ckpt:
+        p.error("--sample needs --ckpt PATH")
+    if not args.prompt:
+        p.error("--prompt must not be empty")
+    return args
+
+
+# ------------------------------------------------------------------------------------------- data
+
+def load_tokens(args, default_bytes=2_000_000):
+    """All tokens as a 1-D numpy array, and the vocabulary size. A text file's bytes are its
+    tokens; a .bin file is memory-mapped, so a corpus of many GB costs no RAM until it is read."""
+    if args.data is None:
+        files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+        raw = b"".join(open(f, "rb").read() for f in files)[:default_bytes]
+        return np.frombuffer(raw, dtype=np.uint8), 256
+    if not os.path.isfile(args.data):
+        raise InputError(f"data file not found: {args.data}")
+    if not args.data.endswith(".bin"):
+        return np.fromfile(args.data, dtype=np.uint8), 256
+    if args.vocab_size is None:
+        raise InputError(f"{args.data} holds token ids: give --vocab-size "
+                         "(e.g. 50304 for GPT-2's BPE)")
+    return read_ids(args.data, args.vocab_size, "--vocab-size"), args.vocab_size
+
+
+def read_meta(path):
+    """nanoGPT's meta.pkl ({"vocab_size", "itos", "stoi"}), read without running it. A pickle can
+    call any function while it loads; this unpickler refuses every class and function, so only
+    plain data can load, and only dicts, lists, strings and ints are accepted."""
+    class PlainData(pickle.Unpickler):
+        def find_class(self, module, name):
+            raise pickle.UnpicklingError(f"it asks for {module}.{name}, not plain data")
+
+    def plain(x):  # dicts, lists, strings and ints, all the way down
+        if isinstance(x, dict):
+            return all(plain(k) and plain(v) for k, v in x.items())
+        if isinstance(x, list):
+            return all(plain(v) for v in x)
+        return isinstance(x, (str, int))
+    try:
+        with open(path, "rb") as f:
+            meta = PlainData(f).load()
+    except Exception as err:  # refused, truncated, not a pickle
+        raise InputError(f"cannot read {path}: {type(err).__name__}: {err}") from None
+    size, itos = (meta.get("vocab_size"), meta.get("itos")) if isinstance(meta, dict) else (0, 0)
+    ids_to_text = isinstance(itos, dict) and all(isinstance(v, str) for v in itos.values())
+    if not (plain(meta) and ids_to_text and type(size) is int and set(itos) == set(range(size))):
+        raise InputError(f"{path} is not a nanoGPT meta.pkl of plain dicts, strings and ints, with "
+                         "itos naming each id below vocab_size")
+    return size, itos
+
+
+def load_folder(args):
+    """A nanoGPT data folder: train.bin and val.bin of uint16 ids, and for character-level sets a
+    meta.pkl with the vocabulary. Returns train, val, vocab size, and itos (id -> text) or None."""
+    paths = [os.path.join(args.data, name) for name in ("train.bin", "val.bin", "meta.pkl")]
+    missing = [p for p in paths[:2] if not os.path.isfile(p)]
+    if missing:
+        raise InputError(f"{args.data} is a folder but holds no {' and no '.join(missing)}")
+    vocab_size, itos = read_meta(paths[2]) if os.path.isfile(paths[2]) else (args.vocab_size, None)
+    if vocab_size is None:
+        raise InputError(f"{args.data} has no meta.pkl: give --vocab-size (e.g. 50304 for GPT-2)")
+    train, val = (read_ids(p, vocab_size, "its meta.pkl" if itos else "--vocab-size")
+                  for p in paths[:2])
+    return train, val, vocab_size, itos
+
+
+def read_ids(path, vocab_size, source):
+    """A .bin of uint16 token ids, memory-mapped; every id must be below vocab_size."""
+    size = os.path.getsize(path)
+    if size % 2:
+        raise InputError(f"{path} has an odd number of bytes: not a file of uint16 token ids")
+    tokens = np.memmap(path, dtype=np.uint16, mode="r") if size else np.zeros(0, np.uint16)
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        raise InputError(f"{path} holds token id {int(tokens.max())}, not below the vocabulary "
+                         f"size {vocab_size} ({source})")
+    return tokens
+
+
+def load_data(args, world_size):
+    """Training and validation tokens, the vocabulary size and itos (id -> text, or None). A file
+    is split: training on the head, validation on the tail. Refuses data too short for a batch."""
+    if args.data is not None and os.path.isdir(args.data):
+        train, val, vocab_size, itos = load_folder(args)
+    else:
+        tokens, vocab_size = load_tokens(args)
+        n_val, itos = int(len(tokens) * args.val_fraction), None
+        train, val = tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]
+    need = world_size * args.batch_size * (args.block_size + 1)
+    if len(train) < need + args.block_size or len(val) < args.block_size + 1:
+        raise InputError(f"{args.data or 'the default corpus'} has {len(train):,} training and "
+                         f"{len(val):,} validation tokens: too few for {world_size} process(es) x "
+                         f"--batch-size {args.batch_size} x --block-size {args.block_size}; give "
+                         "more data or smaller sizes")
+    return train, val, vocab_size, itos
+
+
+
+def unigram_loss(train, val, vocab_size):
+    """Cross-entropy (nats/token) on the validation tokens of predicting each token by its frequency
+    in the training tokens: the loss to beat, for a model that ignores context."""
+    counts = np.bincount(train, minlength=vocab_size) + 1.0  # +1: no token has probability 0
+    return float(-np.log(counts / counts.sum())[val].mean())
+
+
+
+def validation_batches(run, val):
+    """This rank's validation batches, (inputs, targets) on its device: the first --eval-windows
+    non-overlapping windows of the validation tokens, dealt to the ranks round-robin."""
+    args = run.args
+    starts = np.arange(0, len(val) - args.block_size, args.block_size + 1)[:args.eval_windows]
+    mine = starts[run.dp_rank::run.dp_size]  # PP 3: by column
+    for i in range(0, len(mine), args.batch_size):
+        rows = val[mine[i:i + args.batch_size, None] + np.arange(args.block_size + 1)]
+        yield on_device(torch.from_numpy(rows.astype(np.int64)), run.device)
+
+
+def on_device(rows, device):
+    """Token rows (B, T + 1) as inputs and targets (B, T) on `device`. On a GPU the rows are
+    copied from page-locked memory, so the copy can overlap GPU work, and sliced there."""
+    if device.type == "cuda":
+        rows = rows.pin_memory()
+    rows = rows.to(device, non_blocking=True)
+    return rows[:, :-1], rows[:, 1:]
+
+
+def log_windows(run, windows):  # DDP: --debug, which windows each rank reads
+    """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
+    that lines from several processes never splice into each other."""
+    line = (f"[rank {run.rank}] stage {run.stage}, dp column {run.dp_rank}: "  # PP 3
+            f"{windows.per_epoch} micro-batches per epoch, "
+            f"first windows at tokens {windows.starts_of_epoch(0)[:4].tolist()}")
+    lines = [None] * run.world_size
+    dist.all_gather_object(lines, line)
+    print0(run.is_main, "\n".join(lines))
+
+
+# -------------------------------------------------------------- precision, optimizer, schedule
+
+def keep_freed_memory_on_cpu(device):
+    """On Linux CPUs (glibc), keep freed memory in the process. Each step frees and allocates tens
+    of MB (the logits); by default glibc hands such blocks back to the OS at once, and the next
+    step pays page faults to map them again (10-30% of a step, measured: docs/performance.md)."""
+    if device.type != "cpu":
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc (macOS, musl, Windows): nothing to tune
+    libc.mallopt(-4, 0)  # M_MMAP_MAX = 0: serve large blocks from the heap, not fresh mmaps
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD = 1 GiB: keep that much freed heap for reuse
+
+
+def amp_dtype(choice, device):
+    """The autocast dtype, or None for fp32. bf16 has fp32's range: no loss scaling. fp16 needs a
+    GradScaler. Only native bf16 counts: V100s and T4s emulate it, slower than fp16."""
+    native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    if choice == "auto":
+        if device.type != "cuda":
+            return None
+        return torch.bfloat16 if native_bf16 else torch.float16
+    if choice == "fp16" and device.type != "cuda":
+        raise InputError("--amp fp16 needs a CUDA device; on a CPU use --amp bf16 or --amp off")
+    if choice == "bf16" and device.type == "cuda" and not native_bf16:
+        raise InputError("--amp bf16: this GPU has no native bf16 (only slow emulation); "
+                         "use --amp fp16")
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[choice]
+
+
+
+def mixed_precision(choice, device):  # FSDP 1: FSDP's policy casts the weights, not autocast
+    """(the dtype's name, FSDP's policy): compute in bf16 on the gathered weights, gradients
+    reduced in fp32, shards kept in fp32; no GradScaler."""
+    dtype = amp_dtype(choice, device)
+    if dtype == torch.float16 and choice == "auto":  # FSDP 1: no native bf16: fp32 here
+        dtype = None
+    if dtype == torch.float16:
+        raise InputError("--amp fp16: this FSDP trainer runs bf16 or fp32 (fp16 would need loss "
+                         "scaling of sharded gradients); use --amp bf16, or train_ddp_minigpt.py")
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    return str(dtype or "off").replace("torch.", ""), policy
+
+
+def model_config(args, vocab_size):
+    return {"vocab_size": vocab_size, "block_size": args.block_size, "n_layer": args.n_layer,
+            "n_head": args.n_head, "n_embd": args.n_embd, "dropout": args.dropout}
+
+
+def make_optimizer(model, args, device):
+    """AdamW; weight decay on matrices (embeddings, linear weights) only, never biases or norms."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
+def lr_at(step, args):
+    """Linear warmup to --lr over --warmup-steps, then a cosine down to --min-lr at --max-steps."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))  # from 1 down to 0
+    return args.min_lr + cosine * (args.lr - args.min_lr)
+
+
+
+def stop_if_diverged(run, step, loss, grad_norm):
+    """Raise Diverged, before the optimizer applies it, if a step's loss or gradient norm is not
+    finite. Both are the same on every rank (all-reduced), so every rank stops at this step. With
+    fp16 a non-finite gradient is the GradScaler's to skip; only a non-finite loss stops the run."""
+    loss, grad_norm = loss.item(), grad_norm.item()  # a host sync per step: the price of the check
+    fp16 = run.amp == "float16"
+    if math.isfinite(loss) and (math.isfinite(grad_norm) or fp16):
+        return
+    args = run.args
+    raise Diverged(f"step {step + 1}/{args.max_steps}: loss {loss:.4g}, grad norm {grad_norm:.4g}: "
+                   f"not finite, step not applied; try a lower --lr (now {args.lr:g}), a --clip "
+                   f"(now {args.clip:g}){', or --amp bf16 instead of fp16' if fp16 else ''}")
+
+
+# ------------------------------------------------------------------------------- checkpoint files
+
+def all_finite(state_dict):
+    """True if every floating-point tensor of a state dict is free of NaN and infinity."""
+    return all(bool(torch.isfinite(t).all()) for t in state_dict.values() if t.is_floating_point())
+
+
+def state_bytes(state):
+    """About the bytes a checkpoint of `state` takes on disk: its tensors', in nested dicts and
+    lists (a DTensor counts whole)."""
+    if torch.is_tensor(state):
+        return state.nbytes
+    if isinstance(state, bytes):  # a file's bytes, ready to write
+        return len(state)
+    if isinstance(state, dict):
+        state = list(state.values())
+    return sum(map(state_bytes, state)) if isinstance(state, (list, tuple)) else 0
+
+
+def why_not_written(err, tmp, needed):
+    """Why writing `tmp` failed, in one line and the user's words: a full disk (or quota) says so,
+    with the room there is once the partial file is gone and the room a checkpoint needs; the
+    system's or torch's own words follow as the detail."""
+    detail = getattr(err, "strerror", None) or (str(err).strip().splitlines() or [repr(err)])[0]
+    folder = os.path.dirname(os.path.abspath(tmp))
+    while not os.path.isdir(folder):  # a folder that could not be made
+        folder = os.path.dirname(folder)
+    free = shutil.disk_usage(folder).free + (os.path.getsize(tmp) if os.path.isfile(tmp) else 0)
+    if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < needed:
+        return (f"the disk holding {folder} is full: {readable_size(free)} free, a checkpoint "
+                f"needs about {readable_size(needed)} ({detail})")
+    return detail
+
+
+def readable_size(n):
+    """A number of bytes for a person: MB, or kB below 0.1 MB."""
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+
+def run_state(run, data, step, rng_states):  # FSDP 3: all of a step but the shards
+    """What a step needs besides its shards, as JSON: the step, model config, flags and every
+    rank's RNG states (their bytes as lists of numbers)."""
+    rng = [{k: None if v is None else v.tolist() for k, v in r.items()} for r in rng_states]
+    return json.dumps({"step": step, "config": model_config(run.args, data.vocab_size),
+                       "args": vars(run.args), "rng": rng}).encode()
+
+
+def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
+    """Write atomically: a temp file in the same folder, fsync, then rename over the final name.
+    Any failure is SaveFailed and leaves the previous file as it was."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(state)  # FSDP 3
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half
+    except (OSError, RuntimeError) as err:  # disk full, no permission, a folder at `path`...
+        needed = state_bytes(state)
+        raise SaveFailed(f"cannot save {path}: {why_not_written(err, tmp, needed)}") from None
+    finally:
+        if os.path.exists(tmp):  # the write failed: drop the partial file
+            os.remove(tmp)
+
+
+def rng_state(device):
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def shards_finite(model):  # FSDP 3
+    """A collective: True on every rank if every rank's shards are free of NaN and infinity."""
+    mine = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
+    flag = torch.tensor([float(mine)], device=next(model.parameters()).device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def first_reason(err, folder=None, state=None):  # FSDP 3
+    """One line for a failed load, or save of `state` into `folder`; DCP's holds each rank's."""
+    if isinstance(err, CheckpointException):
+        err = next(iter(err.failures.values()))[0]
+    if folder:
+        return why_not_written(err, folder, state_bytes(state))
+    return getattr(err, "strerror", None) or (str(err).strip().splitlines() or [repr(err)])[0]
+
+
+def newest_complete_step(folder, is_main):  # FSDP 3
+    """The newest step folder in `folder` that DCP finished (.metadata is written last), or
+    None; newer unfinished ones are named in one line and ignored."""
+    steps = sorted(glob.glob(os.path.join(glob.escape(folder), "step-*")))
+    done = [s for s in steps if os.path.isfile(os.path.join(s, ".metadata"))]
+    unfinished = [s for s in steps if not done or s > done[-1]]
+    print0(is_main and unfinished, f"ignoring unfinished checkpoint steps (no .metadata): "
+                                   f"{', '.join(unfinished)}")
+    return done[-1] if done else None
+
+
+def drop_older_steps(folder, newest):  # FSDP 3
+    """Remove every complete step in `folder` older than `newest`: first its .metadata (no longer
+    complete), then the rest. A step left behind costs only disk."""
+    for old in sorted(glob.glob(os.path.join(glob.escape(folder), "step-*"))):
+        if old < newest:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(old, ".metadata"))
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def resume_path(run):
+    """A collective: the checkpoint to resume from, or None. --resume auto: the --save checkpoint
+    if it exists (so that a restart after a crash runs the same command and goes on from the last
+    checkpoint). Rank 0 looks and tells the rest: ranks that looked on their own could disagree."""
+    resume, save = run.args.resume, run.args.save
+    if resume not in ("auto", None) and os.path.isfile(resume):  # FSDP 3: folders, not files
+        raise InputError(f"{resume} is one file, as train_ddp_minigpt.py saves; this trainer "
+                         "resumes from a checkpoint folder of its own (--save DIR)")
+    if resume != "auto":  # FSDP 3: a folder's newest complete step, or a step folder itself
+        return resume and newest_complete_step(resume, run.is_main) or resume
+    if not save:
+        raise InputError("--resume auto needs a --save path to look for")
+    found = [newest_complete_step(save, run.is_main) if run.is_main else None]  # FSDP 3
+    dist.broadcast_object_list(found, src=0)  # DDP: rank 0 decides for every rank
+    return found[0]  # FSDP 3
+
+
+def agree_on_start(start, error, path):
+    """Every rank resumed from the same step, or all stop with the same line (a rank on a node that
+    cannot see the checkpoint, or sees another file: checkpoints need a shared filesystem)."""
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, (start, error))  # DDP: a collective, so no rank hangs
+    failed = [(rank, problem) for rank, (_, problem) in enumerate(outcomes) if problem]
+    if failed and len(failed) == len(outcomes) and len({p for _, p in failed}) == 1:
+        raise InputError(failed[0][1])  # the same problem everywhere: the checkpoint itself
+    if failed:
+        raise InputError(f"rank {failed[0][0]}: {failed[0][1]} (every rank reads --resume: on "
+                         "several nodes it must be on a filesystem they share, docs/multinode.md)")
+    steps = [step for step, _ in outcomes]
+    if len(set(steps)) > 1:
+        raise InputError(f"the ranks read {path} at different steps {steps}: on several nodes it "
+                         "must be one file on a filesystem they share (docs/multinode.md)")
+    return start
+
+
+def read_checkpoint(path):
+    """The checkpoint dict, loaded to the CPU with weights_only=True; a problem is an InputError."""
+    if not os.path.isfile(path):
+        raise InputError(f"checkpoint not found: {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or not {"model", "config", "step"} <= state.keys():
+            raise ValueError("not a checkpoint of this script (no model, config and step)")
+    except Exception as err:  # truncated, not a torch file, not a checkpoint of ours: bad input
+        reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+        raise InputError(f"cannot read checkpoint {path}: {reason}") from None
+    if not all_finite(state["model"]):
+        raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
+    return state
+
+
+
+def read_run_state(path, run, data):  # FSDP 3
+    """A step folder's run.json, checked against this run's model; a problem is an InputError."""
+    file = os.path.join(path, "run.json")
+    if not os.path.isfile(os.path.join(path, ".metadata")) or not os.path.isfile(file):
+        raise InputError(f"no complete checkpoint at {path} (it needs .metadata and run.json)")
+    try:
+        with open(file, "rb") as f:  # FSDP 3
+            state = json.load(f)
+        config = state["config"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise InputError(f"cannot read {file}: {type(err).__name__}: {err}") from None
+    if config != model_config(run.args, data.vocab_size):
+        raise InputError(f"{path} was trained with {config}, this run builds "
+                         f"{model_config(run.args, data.vocab_size)}")
+    return state
+
+
+def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
+    """A collective: every rank reads the slices of every tensor that its shards hold, whatever
+    world size wrote them (the checkpoint knows which slice each file holds); then this rank's
+    RNG, when the world size is the one that saved."""
+    state_now, own_names = whole_model_state(run, raw_model, optimizer)  # PP 8
+    try:
+        dcp.load(state_now, checkpoint_id=path)
+    except (Exception, CheckpointException) as err:  # raised on every rank: DCP gathers them
+        raise InputError(f"cannot load the shards of {path}: {first_reason(err)}") from None
+    optim_state = stage_optimizer_state(state_now["optimizer"], own_names)  # PP 8
+    set_state_dict(raw_model, optimizer, model_state_dict=state_now["model"],
+                   optim_state_dict=optim_state)
+    if not shards_finite(raw_model):
+        raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
+    saved = state["args"].get("pp"), len(state["rng"])  # PP 8: the grid that saved it
+    if saved == (run.args.pp, run.world_size):  # else the seeds by rank stay
+        rng = {k: None if v is None else torch.tensor(v, dtype=torch.uint8)  # FSDP 3
+               for k, v in state["rng"][run.rank].items()}
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] is not None and run.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"])
+
+
+def whole_model_state(run, model, optimizer):  # PP 8: a checkpoint that knows no stages
+    """This stage's part of a checkpoint, named as chapter 7 names the whole model's, and the
+    stage's own lists of parameter names. AdamW's state of the tied matrix is kept under
+    tok_emb.weight, as one process keeps it (the last stage's copy holds the same numbers), and
+    the param groups list the whole model's parameters, so that every stage writes the same."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    if "head.weight" in optim_state["state"] and run.args.pp > 1:  # the last stage's copy
+        optim_state["state"]["tok_emb.weight"] = optim_state["state"].pop("head.weight")
+    own_names = [group["params"] for group in optim_state["param_groups"]]
+    for group, names in zip(optim_state["param_groups"], model.whole_groups):
+        group["params"] = names
+    return {"model": model_state, "optimizer": optim_state}, own_names
+
+
+def stage_optimizer_state(optim_state, own_names):  # PP 8: back to this stage's names
+    """The optimizer state whole_model_state() renamed, as this stage's optimizer names it."""
+    moments = optim_state["state"]
+    if "head.weight" in own_names[0] and "tok_emb.weight" not in own_names[0]:
+        moments["head.weight"] = moments.pop("tok_emb.weight")
+    for group, names in zip(optim_state["param_groups"], own_names):
+        group["params"] = names
+    return optim_state
+
+
+def export(run, raw_model, data):  # FSDP 8: one plain file, chapter 3's format
+    """A collective: every stage gathers its whole parameters (an all-gather of its ranks), and
+    the first rank of each sends them to rank 0's CPU, which writes --export in chapter 3's
+    checkpoint format, for `python train_ddp_minigpt.py --sample --ckpt PATH`."""
+    path = run.args.export
+    if not shards_finite(raw_model):
+        raise SaveFailed(f"not exporting {path}: the weights are not finite")
+    options = StateDictOptions(full_state_dict=True)  # PP 8: every rank its whole stage
+    stage = {k: v.cpu() for k, v in get_model_state_dict(raw_model, options=options).items()}
+    stages = [None] * run.world_size if run.is_main else None
+    dist.gather_object(stage if run.dp_rank == 0 else {}, stages, dst=0)  # PP 8: to rank 0
+    model = {k: v for part in stages or [] for k, v in part.items()}  # in the GPT's order
+    state = {"model": model, "optimizer": {},
+             "scaler": {}, "step": run.args.max_steps, "args": vars(run.args),
+             "config": model_config(run.args, data.vocab_size), "itos": data.itos, "rng": []}
+
+    def write():
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        write_file(path, buffer.getvalue())
+        print(f"step {run.args.max_steps}/{run.args.max_steps} | exported {path}", flush=True)
+    save_on_rank_0(write, run.is_main)
+
+
+def memory_line(run, model):  # PP 2: what a rank of each stage holds, against DDP's full copy
+    """A collective: bytes of weights + gradients + AdamW's two moments (fp32: 4 copies) held by
+    the first rank of each stage, and the parts of the model that stage holds."""
+    blocks = list(model.blocks)
+    parts = ["embeddings"] * (model.tok_emb is not None) + [f"blocks {blocks[0]}-{blocks[-1]}"] \
+        + ["final norm and head"] * (model.head is not None)
+    mine = sum(p.to_local().numel() for p in model.parameters())
+    held = [None] * run.world_size
+    dist.all_gather_object(held, (run.dp_rank, run.stage, ", ".join(parts), mine))
+    stages = [f"stage {stage} ({parts}) {16 * n / 2**20:.2f} MiB, {n:,} parameters"
+              for dp_rank, stage, parts, n in held if dp_rank == 0]
+    where, whole = next(model.parameters()).device.type, model.whole_params
+    return (f"memory per rank ({where}): weights, gradients and AdamW state: {'; '.join(stages)} "
+            f"(of {whole:,}; DDP: {16 * whole / 2**20:.2f} MiB)")
+
+
+def traffic_line(run, vocab_size):  # PP 2: what a stage sends, per micro-batch and per step
+    """PP's point-to-point traffic: per micro-batch, each stage but the last sends its activations
+    (B, T, C) in the compute dtype to the next, and each stage but the first sends their gradient
+    back; per step, the first and last stage all-reduce the tied matrix's gradient shard (fp32)."""
+    args = run.args
+    if args.pp == 1:
+        return "PP traffic per rank: none (--pp 1: chapter 7's FSDP alone)"
+    tensor = args.batch_size * args.block_size * args.n_embd * activation_dtype(run).itemsize
+    tied = vocab_size * args.n_embd * 4 / run.dp_size  # one rank's shard of the tied gradient
+    return (f"PP traffic per rank: {tensor / 2**20:.2f} MiB of activations to the next stage and "
+            f"{tensor / 2**20:.2f} MiB of their gradients back, per micro-batch ({args.grad_accum}"
+            f" per step); the tied matrix: an all-reduce of {tied / 2**20:.2f} MiB per step "
+            f"between stage 0 and stage {args.pp - 1}")
+
+
+def activation_dtype(run):  # PP 7: what goes between stages
+    """The dtype of the activations a stage sends: FSDP's compute dtype, or fp32."""
+    return run.policy.param_dtype or torch.float32
+
+
+# --------------------------------------------------------------------------- logging and timing
+
+def print0(is_main, message):
+    """Print a log line if this process is the one that logs; flush, so it shows at once."""
+    if is_main:
+        print(message, flush=True)
+
+
+def tokens_per_step(run):
+    return run.args.batch_size * run.args.block_size * run.args.grad_accum * run.dp_size  # PP 3
+
+
+def peak_tflops(gpu_name, amp):
+    """The dense peak TFLOPS of a GPU in the table (vendor datasheets, no sparsity; 16-bit with fp32
+    accumulation, as autocast runs) for the autocast dtype ("off": fp32 without TF32). Names match
+    word by word: an "H100 NVL" is no H100 SXM, an "L40" no "L4", an "A10G" no "A10". None for a GPU
+    not in the table."""
+    words = gpu_name.replace("-", " ").split()
+    table = {  # the words of a model's name: (16-bit tensor cores, fp32); variants first
+        ("H100", "PCIe"): (756, 51), ("H100", "NVL"): (835, 60), ("H100",): (989, 67),
+        ("H200", "NVL"): (835, 60), ("H200",): (989, 67), ("A100",): (312, 19.5),
+        ("L40S",): (362, 91.6), ("L40",): (181, 90.5), ("L4",): (121, 30.3),
+        ("A10",): (125, 31.2), ("V100",): (125, 15.7), ("T4",): (65, 8.1),
+        ("RTX", "4090"): (165, 82.6), ("RTX", "3090"): (71, 35.6)}
+    for model, (half, single) in table.items():
+        if all(word in words for word in model):
+            return single if amp == "off" else half
+    return None
+
+
+
+def flops_per_token(raw_model, args):
+    """The model's FLOPs per token of training as nanoGPT counts them: 6 per parameter (forward
+    and backward), position embeddings aside, plus attention's 12 x layers x width x context."""
+    n = raw_model.whole_params - args.block_size * args.n_embd  # PP: the whole model, every stage
+    return 6 * n + 12 * args.n_layer * args.n_embd * args.block_size
+
+
+def gpu_peak_flops(run):
+    """The peak FLOP/s of all the job's GPUs together and a line naming the peak used; (None,
+    None) on a CPU, (None, a hint) for a GPU not in peak_tflops' table without --gpu-peak-tflops."""
+    if run.device.type != "cuda":
+        return None, None
+    name = torch.cuda.get_device_name(run.device)
+    peak = run.args.gpu_peak_tflops or peak_tflops(name, run.amp)
+    if peak is None:
+        return None, f"MFU: {name} is not in the table; give --gpu-peak-tflops"
+    precision = "fp32" if run.amp == "off" else run.amp
+    note = f"MFU against {peak:g} TFLOPS per GPU ({name}, {precision})"
+    return peak * 1e12 * run.world_size, note
+
+
+class Meter:
+    """The training clock and the log line. Time between log lines counts training only:
+    main() stops the clock for evaluation and checkpoints."""
+
+    def __init__(self, run, raw_model, start):
+        self.args, self.tokens = run.args, tokens_per_step(run)
+        peak, note = gpu_peak_flops(run)
+        self.flops_over_peak = peak and self.tokens * flops_per_token(raw_model, run.args) / peak
+        print0(run.is_main and note is not None, note)
+        self.clock, self.last_step, self.intervals = Stopwatch(), start, []  # (steps, seconds)
+
+    def stop_clock(self):
+        self.clock.stop()
+
+    def start_clock(self):
+        self.clock.start()
+
+    def log_line(self, step, loss, grad_norm):
+        """step N/M | loss | lr | grad norm | ms/step | tok/s, and MFU on CUDA, over the steps
+        since the last log line (docs/conventions.md)."""
+        self.intervals.append((step - self.last_step, self.clock.lap()))
+        self.last_step = step
+        step_s = self.intervals[-1][1] / self.intervals[-1][0]
+        line = (f"step {step}/{self.args.max_steps} | loss {loss:.4f} | "
+                f"lr {lr_at(step - 1, self.args):.2e} | grad norm {grad_norm:.3f} | "
+                f"{1000 * step_s:.1f} ms/step | {self.tokens / step_s:,.0f} tok/s")
+        if self.flops_over_peak:  # model FLOPs utilisation
+            line += f" | MFU {100 * self.flops_over_peak / step_s:.1f}%"
+        return line
+
+    def summary(self):
+        """Steps, seconds and tokens/s of training, and the median pace (docs/conventions.md)."""
+        steps, train_s = sum(n for n, _ in self.intervals), sum(s for _, s in self.intervals)
+        timed = self.intervals[1:] or self.intervals  # the first interval is the warm-up
+        step_s = statistics.median([s / n for n, s in timed]) if timed else 0.0
+        return {"steps": steps, "train_s": round(train_s, 3),
+                "tokens_per_s": round(steps * self.tokens / train_s, 1) if train_s else 0.0,
+                **pace_keys(step_s, self.tokens)}
+
+
+def pace_keys(step_s, tokens_per_step):
+    """The summary keys benchmark_scaling.py reads (docs/conventions.md): the median ms per
+    optimizer step, and the throughput of all ranks it implies."""
+    return {"step_ms": round(1000 * step_s, 3), "per_step": tokens_per_step,
+            "throughput_unit": "tokens/s",
+            "throughput": round(tokens_per_step / step_s, 1) if step_s else 0.0}
+
+
+class Stopwatch:
+    """Training seconds between log lines; evaluation and checkpoints are left out (stop/start)."""
+
+    def __init__(self):
+        self.since, self.elapsed = time.perf_counter(), 0.0
+
+    def stop(self):
+        self.elapsed += time.perf_counter() - self.since
+
+    def start(self):
+        self.since = time.perf_counter()
+
+    def lap(self):
+        """Training seconds since the last lap (or the start), and start counting again."""
+        self.stop()
+        seconds, self.elapsed = self.elapsed, 0.0
+        self.start()
+        return seconds
+
+
+def summary_line(summary):
+    """`summary {...}` in strict JSON: a value that is not finite is written as null."""
+    finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+              for k, v in summary.items()}
+    return "summary " + json.dumps(finite, allow_nan=False)
+
+
+
+def benchmark(run, schedule, raw_model, optimizer, windows):
+    """--benchmark: 5 warm-up steps, then --max-steps timed ones; median ms/step and tokens/s."""
+    times = []
+    for step in range(5 + run.args.max_steps):
+        start = time.perf_counter()
+        loss, _ = train_step(run, schedule, raw_model, optimizer, windows, step)
+        loss.item()  # wait for the device: the step is over
+        times.append(time.perf_counter() - start)
+    result = {**pace_keys(statistics.median(times[5:]), tokens_per_step(run)),
+              "timed_steps": run.args.max_steps}
+    log_peak_gpu_memory(run)
+    print0(run.is_main, f"benchmark | {result['step_ms']} ms/step | "
+                        f"{result['throughput']:,.0f} tok/s")
+    print0(run.is_main, summary_line(result))
+
+
+def report(run, raw_model, data, val_loss, meter):
+    """The done line, the summary line, and (rank 0, the plain model) a taste of what it learned;
+    on GPUs first every rank's peak memory (a collective)."""
+    log_peak_gpu_memory(run)
+    summary = {**meter.summary(), "val_loss": val_loss, "baseline_loss": data.baseline}
+    unit = "byte" if data.vocab_size == 256 else "token"
+    print0(run.is_main, f"done | val loss {val_loss:.4f} ({unit}-frequency baseline "
+                        f"{data.baseline:.4f}) | {summary['tokens_per_s']:,.0f} tok/s over "
+                        f"{summary['train_s']:.1f} s of training")
+    print0(run.is_main, summary_line(summary))
+    if run.args.export:  # FSDP 8: one plain file, for one-process sampling
+        export(run, raw_model, data)
+    if unit == "byte" or data.itos:  # FSDP 7: every rank generates: each forward gathers weights
+        raw_model.eval()
+        start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
+        out = generate(run, raw_model, torch.tensor([[start]], device=run.device))  # PP 7
+        print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 7
+
+
+def log_peak_gpu_memory(run):
+    """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in rank
+    order (measured: weights, gradients, optimizer state, activations; docs/fsdp.md)."""
+    if run.device.type != "cuda":
+        return
+    peaks = [None] * run.world_size
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))
+    print0(run.is_main, "peak GPU memory per rank (max_memory_allocated): " +
+           ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
+
+
+# --------------------------------------------------------------------------------------- sampling
+
+def sample(args):
+    """Inference: ONE plain process, no process group (generation has no gradients to average)."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda, but no CUDA device is visible (try --device cpu)")
+    cuda = args.device != "cpu" and torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    state = read_checkpoint(args.ckpt)
+    itos = state.get("itos")
+    if state["config"]["vocab_size"] != 256 and itos is None:
+        raise InputError(f"{args.ckpt} was trained on token ids (vocab "
+                         f"{state['config']['vocab_size']}) without a meta.pkl: --prompt text "
+                         "needs a byte-level checkpoint or a nanoGPT folder's vocabulary")
+    model = GPT(**state["config"]).to(device)
+    model.load_state_dict(state["model"])
+    model.eval()
+    torch.manual_seed(args.seed)
+    prompt = torch.tensor([encode(args.prompt, itos)], device=device)
+    out = model.generate(prompt, args.max_new_tokens, args.temperature, args.top_k)
+    print(decode(out[0].tolist(), itos), flush=True)
+
+
+def encode(text, itos):
+    """Token ids of text: its UTF-8 bytes, or through a nanoGPT vocabulary (itos: id -> text)."""
+    if itos is None:
+        return list(text.encode("utf-8"))
+    stoi = {piece: i for i, piece in itos.items()}
+    unknown = sorted({c for c in text if c not in stoi})
+    if unknown:
+        raise InputError(f"--prompt has characters the vocabulary lacks: {unknown}")
+    return [stoi[c] for c in text]
+
+
+def next_token(logits, temperature, top_k):  # PP 7: what GPT.generate draws, per token
+    """A token id (1, 1) drawn from the logits (1, vocab) of the last position."""
+    logits = logits / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1)
+
+
+def decode(ids, itos):
+    """Text of token ids: UTF-8 bytes (a broken character shows as U+FFFD), or through itos."""
+    if itos is None:
+        return bytes(ids).decode("utf-8", errors="replace")
+    return "".join(itos[i] for i in ids)
+
+
+
+# ----------------------------------------------------------------------------------------- errors
+
+class Stop(Exception):
+    """A run that cannot go on: one line on stderr and exit code `code`, never a traceback."""
+    code = 1
+
+
+class InputError(Stop):
+    """Bad input from the user: a flag, a file, a checkpoint."""
+    code = 2
+
+
+class Diverged(Stop):
+    """A step whose loss or gradient norm is not finite: not applied, the run stops."""
+    code = 4
+
+
+class SaveFailed(Stop):
+    """A checkpoint that could not be written; the previous one is left as it was."""
+    code = 5
+
+
+if __name__ == "__main__":
+    code = 0
+    try:
+        main()
+    except Stop as err:  # handled here, so the traceback (and the model it holds) is freed at once
+        sys.stderr.write(f"error: {err}\n")  # one write: lines from several ranks never splice
+        code = err.code
+    finally:
+        leave_distributed()  # DDP 9
+    sys.exit(code)
