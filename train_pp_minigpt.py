@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # FSDP 3
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh  # FSDP 2
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # FSDP 1
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # PP 4
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # PP 2
 from torch.distributed.tensor import distribute_tensor  # FSDP 2
 from torch.utils.checkpoint import checkpoint
 
@@ -176,6 +176,49 @@ def initial_value(name, shape, seed, n_layer):
     return torch.randn(shape, generator=generator) * std
 
 
+class Stage(nn.Module):  # PP 1: a run of the GPT's blocks, and the ends of the model it holds
+    """Stage `stage` of `pp` of a GPT: its consecutive blocks under their own indices (blocks.2
+    stays blocks.2, so a checkpoint knows nothing of the stages), the embeddings on the first
+    stage, the final norm and the head on the last. Its forward takes token ids (first stage) or
+    the previous stage's activations, and returns activations, or the logits (last stage)."""
+
+    def __init__(self, gpt, stage, pp):
+        super().__init__()
+        first, last = stage == 0, stage == pp - 1
+        self.whole_params = sum(p.numel() for p in gpt.parameters())  # the tied matrix once
+        self.whole_groups = [[n for n, p in gpt.named_parameters() if p.dim() >= 2],  # AdamW's
+                             [n for n, p in gpt.named_parameters() if p.dim() < 2]]  # groups
+        self.grad_checkpointing = False  # True: recompute each block's activations in backward
+        self.tok_emb, self.pos_emb, self.drop = (gpt.tok_emb, gpt.pos_emb, gpt.drop) if first \
+            else (None, None, None)
+        self.blocks = nn.ModuleDict({str(i): gpt.blocks[i]
+                                     for i in stage_blocks(len(gpt.blocks), pp, stage)})
+        self.ln_f, self.head = (gpt.ln_f, gpt.head) if last else (None, None)
+
+    def forward(self, x):
+        if self.tok_emb is not None:  # token ids (B, T) -> the residual stream (B, T, C)
+            x = self.drop(self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device)))
+        for block in self.blocks.values():
+            if self.grad_checkpointing and self.training:  # keep block inputs; recompute the rest
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return x if self.head is None else self.head(self.ln_f(x))
+
+
+def stage_blocks(n_layer, pp, stage):  # PP 1: contiguous, as even as can be
+    """The indices of the blocks that `stage` holds: the stages cut the blocks in order, into runs
+    of equal length, the earlier stages one block more when pp does not divide n_layer."""
+    size, extra = divmod(n_layer, pp)
+    first = stage * size + min(stage, extra)
+    return range(first, first + size + (stage < extra))
+
+
+def mean_token_loss(logits, targets):  # PP 2: the last stage's loss, per micro-batch
+    """The mean cross-entropy per token of logits (B, T, vocab) against targets (B, T)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
 # ------------------------------------- the distributed lesson: main() and its steps, in order
 
 def main(argv=None):
@@ -190,21 +233,22 @@ def main(argv=None):
     # model: the same initial weights on every rank, resumed if asked, then wrapped
     raw_model, optimizer = build_model(run, data.vocab_size)
     start = resumed_step(run, raw_model, optimizer, data)
-    schedule = wrap_model(run, raw_model)  # PP 4: this rank's stage in a pipeline schedule
+    model = wrap_model(run, raw_model)
+    schedule = pipeline_schedule(run, model)  # PP 2: this rank's stage in a pipeline schedule
     if args.benchmark:
-        return benchmark(run, schedule, raw_model, optimizer, data.windows)
+        return benchmark(run, schedule, model, optimizer, data.windows)
     # train: log, evaluate and save on schedule
-    val_loss = evaluate(run, raw_model, data.val)
+    val_loss = evaluate(run, model, data.val)
     print0(run.is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
     meter = Meter(run, raw_model, start)  # the training clock starts now
     for step in range(start, args.max_steps):
-        loss, grad_norm = train_step(run, schedule, raw_model, optimizer, data.windows, step)
+        loss, grad_norm = train_step(run, schedule, model, optimizer, data.windows, step)
         done = step + 1
         if done % args.log_every == 0 or done == args.max_steps:
             print0(run.is_main, meter.log_line(done, loss.item(), grad_norm.item()))
         meter.stop_clock()  # evaluation and checkpoints are not training time
         if done % args.eval_every == 0 or done == args.max_steps:
-            val_loss = evaluate(run, raw_model, data.val)
+            val_loss = evaluate(run, model, data.val)
             print0(run.is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | "
                                 f"baseline {data.baseline:.4f}")
         # save: rank 0 writes, every rank waits for it
@@ -259,10 +303,10 @@ class Run:
     is_main: bool  # rank 0: the one process that logs and writes files
     amp: str  # FSDP 1: the compute dtype's name ("bfloat16"), or "off"
     policy: MixedPrecisionPolicy  # FSDP 1: casts the gathered weights; no autocast, no scaler
-    mesh: object  # PP 1: the (pp, dp) grid of ranks, a DeviceMesh
-    stage: int  # PP 1: this rank's stage, 0 to pp - 1: the blocks it holds
-    dp_rank: int  # PP 3: this rank's column: the data it reads
-    dp_size: int  # PP 3: the ranks of a stage, data-parallel replicas: world size / pp
+    mesh: object  # PP 3: the (pp, dp) grid of ranks, a DeviceMesh
+    stage: int  # PP 3: this rank's stage, 0 to pp - 1: the blocks it holds
+    dp_rank: int  # PP 4: this rank's column: the data it reads
+    dp_size: int  # PP 4: the ranks of a stage, data-parallel replicas: world size / pp
     tied: object  # PP 5: this column's first and last stage, a process group; None elsewhere
 
 
@@ -271,21 +315,20 @@ def make_run(args, device, rank, world_size):
     is_main = rank == 0  # DDP 3: rank 0 alone logs and saves
     keep_freed_memory_on_cpu(device)
     amp, policy = mixed_precision(args.amp, device)  # FSDP 1
-    mesh = grid(args.pp, device, world_size)  # PP 1: pp stages x (world size / pp) ranks
+    mesh = grid(args.pp, device, world_size)  # PP 3: pp stages x (world size / pp) ranks
     stage, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     run = Run(args, device, rank, world_size, is_main, amp, policy, mesh, stage, dp_rank,
               mesh.size(1), ends_group(mesh, stage, dp_rank))
     print0(is_main, f"world size {world_size} ({args.pp} pp x {run.dp_size} dp) | device "
                     f"{device} | amp {amp} | {tokens_per_step(run):,} tokens per step "
                     f"({args.batch_size} x {args.block_size} x {args.grad_accum} micro-batches x "
-                    f"{run.dp_size} replicas) | schedule {args.schedule}")  # PP 3: per column
+                    f"{run.dp_size} replicas) | schedule {args.schedule}")  # PP 4: per column
     return run
 
 
-def grid(pp, device, world_size):  # PP 1: a 2-D mesh, a stage of consecutive ranks
-    """The ranks as a pp x (world size / pp) DeviceMesh: rank r is in stage r // (world / pp) and
-    data-parallel column r % (world / pp). A stage is consecutive ranks: under torchrun, one node
-    or several, so that FSDP's all-gathers stay inside a node and only activations cross nodes."""
+def grid(pp, device, world_size):  # PP 3: a 2-D mesh, a stage of consecutive ranks
+    """The ranks as a pp x (world size / pp) DeviceMesh: a stage is consecutive ranks (a node, or
+    several), so that FSDP's all-gathers stay inside it and only activations cross nodes."""
     if world_size % pp:
         raise InputError(f"--pp {pp} does not divide the world size {world_size}: start a "
                          f"multiple of {pp} processes, or give --pp 1")
@@ -293,9 +336,8 @@ def grid(pp, device, world_size):  # PP 1: a 2-D mesh, a stage of consecutive ra
 
 
 def ends_group(mesh, stage, dp_rank):  # PP 5: where the two copies of the tied matrix live
-    """A collective: a process group of the first and the last stage of each dp column (every
-    rank makes every group, in the same order). Returns this rank's, or None on a middle stage
-    and with one stage, whose embedding and head are one matrix."""
+    """A collective: a process group of each column's first and last stage (every rank makes every
+    group). Returns this rank's; None on a middle stage, and at --pp 1 (one matrix, no copies)."""
     pp = mesh.size(0)
     groups = [dist.new_group(ranks) for ranks in mesh.mesh[[0, -1]].T.tolist()] if pp > 1 else []
     return groups[dp_rank] if pp > 1 and stage in (0, pp - 1) else None
@@ -313,9 +355,9 @@ class Data:
 def build_data(run):
     """This rank's training windows and the validation tokens (--debug: a collective)."""
     args = run.args
-    train, val, vocab_size, itos = load_data(args, run.dp_size)  # PP 3: a batch per column
+    train, val, vocab_size, itos = load_data(args, run.dp_size)  # PP 4: a batch per column
     windows = Windows(train, args.block_size, args.batch_size, run.dp_rank, run.dp_size,
-                      args.seed)  # PP 3: each column its own windows, the same on every stage
+                      args.seed)  # PP 4: each column its own windows, the same on every stage
     baseline = unigram_loss(train, val, vocab_size)
     unit = "byte" if vocab_size == 256 else "token"
     print0(run.is_main, f"data {args.data or 'Python standard library'} | {len(train):,} train "
@@ -358,14 +400,12 @@ class Windows:
         return torch.from_numpy(rows.astype(np.int64))
 
 
-def build_model(run, vocab_size):  # PP 2: this rank's stage, on the meta device, then filled
-    """This rank's stage of the model, 1/N of each of its parameters on this rank's device, and its
-    optimizer. No rank ever holds the whole model, nor even its whole stage: the GPT is built as
-    shapes only, cut into stages, this rank's stage sharded, then each shard filled."""
+def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, then filled
+    """The sharded model, 1/N of every parameter on this rank's device, and its optimizer. No
+    rank ever holds the whole model: it is built as shapes only, sharded, then each shard filled."""
     args = run.args
     with torch.device("meta"):  # FSDP 2: shapes and dtypes, no memory
-        whole = GPT(**model_config(args, vocab_size))
-        raw_model = Stage(whole, run.stage, args.pp)  # PP 2: this rank's blocks and ends
+        raw_model = Stage(GPT(**model_config(args, vocab_size)), run.stage, args.pp)  # PP 1
     shard(run, raw_model)  # FSDP 2: before the optimizer, which must see the shards
     raw_model.to_empty(device=run.device)  # FSDP 2: this rank's shards, not yet filled
     init_shards(raw_model, args.seed, args.n_layer)  # FSDP 2: chapter 3's initial weights
@@ -375,55 +415,17 @@ def build_model(run, vocab_size):  # PP 2: this rank's stage, on the meta device
     print0(run.is_main, f"model {raw_model.whole_params:,} parameters | "
                         f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
                         f"context {args.block_size}")
-    print0(run.is_main, memory_line(run, raw_model))  # PP 2: what each stage holds, a collective
-    print0(run.is_main, traffic_line(run, vocab_size))  # PP 2: and what it sends
+    print0(run.is_main, memory_line(run, raw_model))  # PP 1: what each stage holds, a collective
+    print0(run.is_main, traffic_line(run, vocab_size))  # PP 1: and what it sends
     return raw_model, optimizer
 
 
-class Stage(nn.Module):  # PP 2: a run of the GPT's blocks, and the ends of the model it holds
-    """Stage `stage` of `pp` of a GPT: its consecutive blocks under their own indices (blocks.2
-    stays blocks.2, so a checkpoint knows nothing of the stages), the embeddings on the first
-    stage, the final norm and the head on the last. Its forward takes token ids (first stage) or
-    the previous stage's activations, and returns activations, or the logits (last stage)."""
-
-    def __init__(self, gpt, stage, pp):
-        super().__init__()
-        first, last = stage == 0, stage == pp - 1
-        self.whole_params = sum(p.numel() for p in gpt.parameters())  # the tied matrix once
-        self.whole_groups = [[n for n, p in gpt.named_parameters() if p.dim() >= 2],  # AdamW's
-                             [n for n, p in gpt.named_parameters() if p.dim() < 2]]  # groups
-        self.grad_checkpointing = False  # True: recompute each block's activations in backward
-        self.tok_emb, self.pos_emb, self.drop = (gpt.tok_emb, gpt.pos_emb, gpt.drop) if first \
-            else (None, None, None)
-        self.blocks = nn.ModuleDict({str(i): gpt.blocks[i]
-                                     for i in stage_blocks(len(gpt.blocks), pp, stage)})
-        self.ln_f, self.head = (gpt.ln_f, gpt.head) if last else (None, None)
-
-    def forward(self, x):
-        if self.tok_emb is not None:  # token ids (B, T) -> the residual stream (B, T, C)
-            x = self.drop(self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device)))
-        for block in self.blocks.values():
-            if self.grad_checkpointing and self.training:  # keep block inputs; recompute the rest
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        return x if self.head is None else self.head(self.ln_f(x))
-
-
-def stage_blocks(n_layer, pp, stage):  # PP 2: contiguous, as even as can be
-    """The indices of the blocks that `stage` holds: the stages cut the blocks in order, into runs
-    of equal length, the earlier stages one block more when pp does not divide n_layer."""
-    size, extra = divmod(n_layer, pp)
-    first = stage * size + min(stage, extra)
-    return range(first, first + size + (stage < extra))
-
-
-def shard(run, model):  # PP 2: FSDP over the stage's dp ranks, as chapter 7 over all ranks
-    """fully_shard turns each block's parameters into DTensors split across the stage's dp ranks
-    (dim 0): a block's weights are all-gathered just before its forward and its gradients
-    reduce-scattered after its backward. The root group holds the stage's ends (embeddings, or
-    final norm and head)."""
-    mesh = run.mesh["dp"]  # PP 2: the ranks of this stage
+def shard(run, model):  # FSDP 2: every block a group of its own, then the root
+    """fully_shard turns each block's parameters into DTensors split across the ranks (dim 0): a
+    block's weights are all-gathered just before its forward and its gradients reduce-scattered
+    after its backward, so at most a block or two exist in full at a time. The root group holds
+    the rest (embeddings, final norm, head)."""
+    mesh = run.mesh["dp"]  # PP 1: FSDP over the ranks of this stage, as chapter 7 over all
     reshard = run.args.reshard_after_forward == "yes"
     for block in model.blocks.values():
         fully_shard(block, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)
@@ -456,66 +458,57 @@ def resumed_step(run, raw_model, optimizer, data):
     return step
 
 
-def wrap_model(run, raw_model):  # PP 4: the stage, in a schedule of the micro-batches
-    """This rank's stage in a pipeline schedule of --grad-accum micro-batches (compiled with
-    --compile). The schedule sends each micro-batch's activations to the next stage and their
-    gradients back, and FSDP reduce-scatters the stage's gradients once, after the last backward.
-    The loss is the mean over a micro-batch's tokens, and the schedule divides the gradients by
-    the number of micro-batches: the mean over the step, as chapter 3 accumulates it."""
-    args = run.args
-    model = torch.compile(raw_model, backend=args.compile_backend) if args.compile else raw_model
-    stage = PipelineStage(model, run.stage, args.pp, run.device, group=run.mesh.get_group("pp"))
-    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
-    return kind(stage, args.grad_accum, loss_fn=mean_token_loss)
+def wrap_model(run, raw_model):  # FSDP 4: no wrapper: the sharded model trains itself
+    """The model that trains: the sharded raw_model, compiled with --compile. Two handles to one
+    set of shards: `raw_model` (saved, exported) and `model`, the same or its compiled form."""
+    if run.args.compile:
+        return torch.compile(raw_model, backend=run.args.compile_backend)
+    return raw_model
 
 
-def mean_token_loss(logits, targets):  # PP 4: the last stage's loss, per micro-batch
-    """The mean cross-entropy per token of logits (B, T, vocab) against targets (B, T)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+def pipeline_schedule(run, model):  # PP 2: the stage, in a schedule of the step's micro-batches
+    """This rank's stage in a schedule of --grad-accum micro-batches, which sends each one's
+    activations to the next stage and their gradients back; FSDP reduce-scatters once, after the
+    last backward. The schedule divides the gradients by K: chapter 3's mean over micro-batches."""
+    stage = PipelineStage(model, run.stage, run.args.pp, run.device, group=run.mesh.get_group("pp"))
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[run.args.schedule]
+    return kind(stage, run.args.grad_accum, loss_fn=mean_token_loss)
 
 
-def train_step(run, schedule, raw_model, optimizer, windows, step):
+def train_step(run, schedule, model, optimizer, windows, step):
     """One optimizer step over --grad-accum micro-batches; a collective. Returns the loss (mean
     over all ranks) and the gradient norm before clipping, both device tensors."""
     args = run.args
     rows = torch.cat([windows.rows(step * args.grad_accum + i) for i in range(args.grad_accum)])
-    loss = pipeline_step(run, schedule, *on_device(rows, run.device))  # PP 4: in micro-batches
-    sum_tied_gradients(run, raw_model)  # PP 5
+    x, y = on_device(rows, run.device)  # PP 2: K micro-batches in a row; the schedule cuts them
+    first, last, losses = run.stage == 0, run.stage == args.pp - 1, []  # PP 2: the first stage
+    schedule.step(*[x] * first, target=y if last else None, losses=losses if last else None)
+    loss = torch.stack(losses).mean() if last else torch.zeros((), device=run.device)  # the last
+    sum_tied_gradients(run, model)  # PP 5
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, args)
-    grad_norm = clip_gradients(run, raw_model, args.clip or float("inf"))  # PP 6
-    loss = mean_over_ranks(loss) * args.pp  # PP 4: the other stages add 0: the last stage's mean
+    grad_norm = clip_gradients(run, model, args.clip or float("inf"))  # PP 6
+    loss = mean_over_ranks(loss) * args.pp  # PP 2: the other stages add 0: the last stage's mean
     stop_if_diverged(run, step, loss, grad_norm)
     optimizer.step()  # FSDP 1
     optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm
 
 
-def pipeline_step(run, schedule, x, y):  # PP 4: only the first stage reads inputs, the last targets
-    """The forwards and backwards of a step's micro-batches, in the schedule's order; a collective
-    of this rank's pp column. x and y hold the micro-batches one after another, (K x B, T): the
-    schedule cuts them into K. Returns the mean loss on the last stage, 0 on the others."""
-    first, last, losses = run.stage == 0, run.stage == run.args.pp - 1, []
-    schedule.step(*[x] * first, target=y if last else None, losses=losses if last else None)
-    return torch.stack(losses).mean().detach() if last else torch.zeros((), device=run.device)
-
-
 def sum_tied_gradients(run, model):  # PP 5: one matrix, two copies: the sum of both gradients
-    """A collective of the first and last stage of this rank's column: the tied embedding (first
-    stage) and head (last stage) are one matrix in the GPT, two copies here. Each copy gets the
-    sum of both gradients, so both take the same steps, as the one matrix does (Megatron-LM)."""
+    """A collective of this column's first and last stage: the GPT's one embedding and head matrix
+    is two copies here; each gets the sum of both gradients, so both take the one matrix's steps."""
     if run.tied is not None:  # None: a middle stage, or --pp 1 (one matrix, one gradient)
         copy = model.tok_emb.weight if run.stage == 0 else model.head.weight
         dist.all_reduce(copy.grad.to_local(), op=dist.ReduceOp.SUM, group=run.tied)
 
 
 def clip_gradients(run, model, max_norm):  # PP 6: the norm over every stage and every shard
-    """clip_grad_norm_ over the whole model: each stage's squared norm over its shards
-    (full_tensor), summed over the stages (an all-reduce of the pp column), the tied matrix counted
-    once. Returns the norm before clipping, the same on every rank."""
-    counted = [p.grad for name, p in model.named_parameters()
-               if not (name == "head.weight" and run.args.pp > 1)]  # PP 5: tok_emb's twin
-    norm = nn.utils.get_total_norm(counted).full_tensor() ** 2
+    """clip_grad_norm_ over the whole model: each stage's squared norm over its shards, summed over
+    the stages, the tied matrix counted once. Returns the norm before clipping, on every rank."""
+    twin = model.head.weight if run.stage > 0 and model.head is not None else None  # PP 5
+    norm = nn.utils.get_total_norm([p.grad for p in model.parameters() if p is not twin])
+    norm = norm.full_tensor() ** 2
     dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=run.mesh.get_group("pp"))
     norm = norm.sqrt()
     nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
@@ -524,9 +517,9 @@ def clip_gradients(run, model, max_norm):  # PP 6: the norm over every stage and
 
 def evaluate(run, model, val):  # FSDP 7: every rank runs as many forwards
     """The mean validation loss per token, exact at any world size; a collective. Each forward
-    all-gathers weights with every rank of its stage, so a rank with fewer batches pads its list
-    with batches whose targets are all -100 (cross_entropy ignores them): they count for nothing."""
-    batches = list(validation_batches(run, val))  # PP 3: by column, the same on every stage
+    all-gathers weights with every rank, so a rank with fewer batches pads its list with batches
+    whose targets are all -100 (cross_entropy ignores them): they count for nothing."""
+    batches = list(validation_batches(run, val))  # PP 4: by column, the same on every stage
     most = torch.tensor(len(batches), device=run.device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     x = torch.zeros(1, run.args.block_size, dtype=torch.long, device=run.device)
@@ -535,21 +528,28 @@ def evaluate(run, model, val):  # FSDP 7: every rank runs as many forwards
 
 
 @torch.no_grad()
-def mean_loss_over_ranks(run, model, batches):  # PP 7: the last stage scores; DDP 7: sum, divide
-    """The mean cross-entropy per target over all ranks' batches (inputs, targets): each last
-    stage's rank sums its own, one all-reduce adds the sums and the counts up (the other stages
-    add 0). A collective: every rank calls it (evaluate() says how many batches each may bring)."""
+def mean_loss_over_ranks(run, model, batches):  # FSDP 1: no autocast; DDP 7: sum, divide once
+    """The mean cross-entropy per target over all ranks' batches (inputs, targets): each rank
+    sums its own, one all-reduce adds the sums and the counts up. A collective: every rank calls
+    it (evaluate() says how many batches each rank may bring)."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=run.device)
     for x, y in batches:
         logits = pipeline_forward(run, model, x)  # PP 7: None but on the last stage
-        if logits is not None:
-            totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(),
-                                         reduction="sum")
-            totals[1] += (y != -100).sum()  # FSDP 7: the padding counts no token
+        if logits is None:  # PP 7: only the last stage scores; the others add 0
+            continue
+        totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
+        totals[1] += (y != -100).sum()  # FSDP 7: the padding counts no token
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # gloo has no AVG: sum, then divide
     model.train()
     return (totals[0] / totals[1]).item()
+
+
+def mean_over_ranks(value):  # DDP 7
+    """A collective: the average of a scalar tensor over all ranks (SUM, then divide)."""
+    value = value.detach().clone().float()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value / dist.get_world_size()
 
 
 @torch.no_grad()
@@ -567,28 +567,6 @@ def pipeline_forward(run, model, x):  # PP 7: a pipeline without a schedule: rec
         return out
     dist.send(out.contiguous(), group=group, group_dst=run.stage + 1)
     return None
-
-
-@torch.no_grad()
-def generate(run, model, idx):  # PP 7: each new token is a forward through every stage
-    """Append --max-new-tokens tokens to idx (1, T); a collective of the pp column. The last stage
-    draws each token from its logits and sends it to every stage of the column."""
-    args = run.args
-    for _ in range(args.max_new_tokens):
-        logits = pipeline_forward(run, model, idx[:, -args.block_size:])
-        token = torch.zeros(1, 1, dtype=torch.long, device=run.device)
-        if logits is not None:
-            token = next_token(logits[:, -1], args.temperature, args.top_k)
-        dist.broadcast(token, group=run.mesh.get_group("pp"), group_src=args.pp - 1)
-        idx = torch.cat([idx, token], dim=1)
-    return idx
-
-
-def mean_over_ranks(value):  # DDP 7
-    """A collective: the average of a scalar tensor over all ranks (SUM, then divide)."""
-    value = value.detach().clone().float()
-    dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return value / dist.get_world_size()
 
 
 def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every rank its shards
@@ -689,7 +667,7 @@ def parse_args(argv=None):
     a = p.add_argument_group("training").add_argument
     a("--batch-size", type=positive(int), default=16, metavar="B",
       help="sequences per micro-step, per process (default: 16)")
-    a("--grad-accum", type=positive(int), default=4, metavar="K",  # PP 4
+    a("--grad-accum", type=positive(int), default=4, metavar="K",  # PP 2
       help="micro-batches per optimizer step: the pipeline's; the more, the smaller its bubble, "
            "(pp - 1) / (K + pp - 1) of the step idle; 1f1b needs K >= --pp (default: 4)")
     a("--max-steps", type=positive(int), default=300, metavar="N",
@@ -711,10 +689,10 @@ def parse_args(argv=None):
     a = p.add_argument_group("distributed: timeouts and debugging (chapters 5 and 6)").add_argument
     a("--dist-timeout", type=positive(float), default=300, metavar="S",
       help="seconds a collective waits for a peer before the job fails (default: 300)")
-    a("--pp", type=positive(int), default=2, metavar="N",  # PP 1
+    a("--pp", type=positive(int), default=2, metavar="N",  # PP 3
       help="pipeline stages: runs of consecutive blocks, each on world size / N consecutive "
            "ranks (a node); must divide the world size, at most --n-layer (default: 2)")
-    a("--schedule", choices=["gpipe", "1f1b"], default="1f1b",  # PP 4
+    a("--schedule", choices=["gpipe", "1f1b"], default="1f1b",  # PP 2
       help="the order of a step's micro-batches: gpipe (all forwards, then all backwards) or "
            "1f1b (one forward, one backward: fewer activations held) (default: 1f1b)")
     a("--reshard-after-forward", choices=["yes", "no"], default="yes",  # FSDP 2
@@ -755,9 +733,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.n_embd % args.n_head:
         p.error(f"--n-head {args.n_head} must divide --n-embd {args.n_embd}")
-    if args.pp > args.n_layer:  # PP 1: every stage holds a block
+    if args.pp > args.n_layer:  # PP 3: every stage holds a block
         p.error(f"--pp {args.pp} is more stages than --n-layer {args.n_layer} blocks")
-    if args.schedule == "1f1b" and args.grad_accum < args.pp:  # PP 4: torch's 1F1B needs K >= pp
+    if args.schedule == "1f1b" and args.grad_accum < args.pp:  # PP 2: torch's 1F1B needs K >= pp
         p.error(f"--schedule 1f1b needs at least --pp {args.pp} micro-batches per step, got "
                 f"--grad-accum {args.grad_accum}: give more, or --schedule gpipe")
     if not 0 <= args.dropout < 1 or not 0 < args.val_fraction < 1:
@@ -874,7 +852,7 @@ def validation_batches(run, val):
     non-overlapping windows of the validation tokens, dealt to the ranks round-robin."""
     args = run.args
     starts = np.arange(0, len(val) - args.block_size, args.block_size + 1)[:args.eval_windows]
-    mine = starts[run.dp_rank::run.dp_size]  # PP 3: by column
+    mine = starts[run.dp_rank::run.dp_size]  # PP 4: by column
     for i in range(0, len(mine), args.batch_size):
         rows = val[mine[i:i + args.batch_size, None] + np.arange(args.block_size + 1)]
         yield on_device(torch.from_numpy(rows.astype(np.int64)), run.device)
@@ -892,7 +870,7 @@ def on_device(rows, device):
 def log_windows(run, windows):  # DDP: --debug, which windows each rank reads
     """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
     that lines from several processes never splice into each other."""
-    line = (f"[rank {run.rank}] stage {run.stage}, dp column {run.dp_rank}: "  # PP 3
+    line = (f"[rank {run.rank}] stage {run.stage}, dp column {run.dp_rank}: "  # PP 4
             f"{windows.per_epoch} micro-batches per epoch, "
             f"first windows at tokens {windows.starts_of_epoch(0)[:4].tolist()}")
     lines = [None] * run.world_size
@@ -1234,11 +1212,12 @@ def export(run, raw_model, data):  # FSDP 8: one plain file, chapter 3's format
     save_on_rank_0(write, run.is_main)
 
 
-def memory_line(run, model):  # PP 2: what a rank of each stage holds, against DDP's full copy
+def memory_line(run, model):  # PP 1: what a rank of each stage holds, against DDP's full copy
     """A collective: bytes of weights + gradients + AdamW's two moments (fp32: 4 copies) held by
     the first rank of each stage, and the parts of the model that stage holds."""
     blocks = list(model.blocks)
-    parts = ["embeddings"] * (model.tok_emb is not None) + [f"blocks {blocks[0]}-{blocks[-1]}"] \
+    span = f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}"
+    parts = ["embeddings"] * (model.tok_emb is not None) + [span] \
         + ["final norm and head"] * (model.head is not None)
     mine = sum(p.to_local().numel() for p in model.parameters())
     held = [None] * run.world_size
@@ -1250,7 +1229,7 @@ def memory_line(run, model):  # PP 2: what a rank of each stage holds, against D
             f"(of {whole:,}; DDP: {16 * whole / 2**20:.2f} MiB)")
 
 
-def traffic_line(run, vocab_size):  # PP 2: what a stage sends, per micro-batch and per step
+def traffic_line(run, vocab_size):  # PP 1: what a stage sends, per micro-batch and per step
     """PP's point-to-point traffic: per micro-batch, each stage but the last sends its activations
     (B, T, C) in the compute dtype to the next, and each stage but the first sends their gradient
     back; per step, the first and last stage all-reduce the tied matrix's gradient shard (fp32)."""
@@ -1279,7 +1258,7 @@ def print0(is_main, message):
 
 
 def tokens_per_step(run):
-    return run.args.batch_size * run.args.block_size * run.args.grad_accum * run.dp_size  # PP 3
+    return run.args.batch_size * run.args.block_size * run.args.grad_accum * run.dp_size  # PP 4
 
 
 def peak_tflops(gpu_name, amp):
@@ -1398,12 +1377,12 @@ def summary_line(summary):
 
 
 
-def benchmark(run, schedule, raw_model, optimizer, windows):
+def benchmark(run, schedule, model, optimizer, windows):
     """--benchmark: 5 warm-up steps, then --max-steps timed ones; median ms/step and tokens/s."""
     times = []
     for step in range(5 + run.args.max_steps):
         start = time.perf_counter()
-        loss, _ = train_step(run, schedule, raw_model, optimizer, windows, step)
+        loss, _ = train_step(run, schedule, model, optimizer, windows, step)
         loss.item()  # wait for the device: the step is over
         times.append(time.perf_counter() - start)
     result = {**pace_keys(statistics.median(times[5:]), tokens_per_step(run)),
@@ -1485,6 +1464,21 @@ def next_token(logits, temperature, top_k):  # PP 7: what GPT.generate draws, pe
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.multinomial(logits.softmax(-1), 1)
+
+
+@torch.no_grad()
+def generate(run, model, idx):  # PP 7: each new token is a forward through every stage
+    """Append --max-new-tokens tokens to idx (1, T); a collective of the pp column. The last stage
+    draws each token from its logits and sends it to every stage of the column."""
+    args = run.args
+    for _ in range(args.max_new_tokens):
+        logits = pipeline_forward(run, model, idx[:, -args.block_size:])
+        token = torch.zeros(1, 1, dtype=torch.long, device=run.device)
+        if logits is not None:
+            token = next_token(logits[:, -1], args.temperature, args.top_k)
+        dist.broadcast(token, group=run.mesh.get_group("pp"), group_src=args.pp - 1)
+        idx = torch.cat([idx, token], dim=1)
+    return idx
 
 
 def decode(ids, itos):
