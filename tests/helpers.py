@@ -352,6 +352,16 @@ def ddp_reference():
 
 
 @functools.cache
+def one_process_reference():
+    """Chapter 3 in one process (in this one) for 18 steps of SHARDED with --batch-size 12: the
+    global batch of ddp_reference (2 processes of 6) in one process, the run that chapters 8 and 9
+    must reproduce. Returns (what it printed, its checkpoint)."""
+    ckpt = scratch("one_process") / "one.pt"
+    out = in_process(GPT, SHARDED + ["--max-steps", 18, "--batch-size", 12, "--save", ckpt])
+    return out, ckpt
+
+
+@functools.cache
 def classifier_runs():
     """The chapter 1-2 runs that several modules compare against, run once, the launches side by
     side with the in-process runs: {name: CompletedProcess, "dir": their folder, "ddp_flags",

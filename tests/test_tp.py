@@ -20,8 +20,8 @@ import re
 
 import pytest
 import torch
-from helpers import (GPT, SHARDED, TINY_GPT, ddp_reference, in_process, ok, run, start_two_nodes,
-                     summary, trainer)
+from helpers import (GPT, SHARDED, TINY_GPT, ddp_reference, in_process, ok, one_process_reference,
+                     run, start_two_nodes, summary, trainer)
 
 import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
 
@@ -43,7 +43,7 @@ def grad_norms(out):
 def runs(tmp_path_factory):
     """TP at dp 2 x tp 2 for 10 steps (its checkpoint: step 10); from that checkpoint to step 18
     at dp 1 x tp 2 (exported) and at tp 1; chapter 3 at 2 processes (ddp_reference, shared with
-    chapter 7's tests) and at 1, for 18 steps."""
+    chapter 7's tests) and at 1 (one_process_reference, shared with chapter 9's), for 18 steps."""
     d = tmp_path_factory.mktemp("tp")
     ddp, ddp_ckpt, _ = ddp_reference()
     r = {"ddp": ddp, "ddp.pt": ddp_ckpt,
@@ -52,7 +52,7 @@ def runs(tmp_path_factory):
     resume = FLAGS + ["--batch-size", 12, "--resume", d / "ck", "--save", ""]
     row = start_two_nodes(TP, resume + ["--tp", 2, "--export", d / "tp.pt"])  # while these run:
     r["column"] = in_process(TP, resume + ["--tp", 1, "--export", ""])
-    r["one"] = in_process(GPT, FLAGS + ["--batch-size", 12, "--save", ""])
+    r["one"] = one_process_reference()[0]  # shared with chapter 9's tests
     r["row"] = next(out for out in row() if "world size 2 " in out)  # rank 0's node logs
     return {**r, "dir": d}
 

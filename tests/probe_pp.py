@@ -1,0 +1,113 @@
+"""Runs train_pp_minigpt.py's real main() with its schedule watched, for the tests that measure what
+each stage holds for backward or kill a worker. Launched under torchrun in place of the script; the
+course never imports it:
+
+    torchrun ... tests/probe_pp.py record OUT_DIR [trainer flags]
+        each rank writes OUT_DIR/rank{RANK}.json: {"stage", "steps", "peak_saved_bytes": the most
+        bytes of activations its stage held for backward at once during a step (tensors saved by
+        autograd, each storage counted once, the weights left out), "micro_batch_saved_bytes":
+        what one micro-batch alone leaves saved (the first forward of step 1, before any backward)}
+    torchrun ... tests/probe_pp.py crash STEP:RANK OUT_DIR [trainer flags]
+        as record, and that rank SIGKILLs itself when step STEP begins, on the first attempt only
+        (TORCHELASTIC_RESTART_COUNT 0), so a restarted job gets past it
+
+Errors end the probe as they end the script (helpers.run_as_script).
+"""
+import json
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import train_pp_minigpt as trainer  # noqa: E402
+from helpers import run_as_script  # noqa: E402
+
+
+class Saved:
+    """The activation bytes autograd holds for backward, live and at their peak."""
+
+    def __init__(self):
+        self.model, self.counts, self.live, self.peak, self.first = None, {}, 0, 0, None
+
+    def pack(self, tensor):
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        weights = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr()
+                   for p in self.model.parameters()}
+        if key in weights or tensor.requires_grad and tensor.is_leaf:
+            return tensor  # a weight (gathered or not), not an activation
+        if key not in self.counts:
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        return Held(self, tensor, key, storage.nbytes())
+
+    def release(self, key, nbytes):
+        self.counts[key] -= 1
+        if not self.counts[key]:
+            del self.counts[key]
+            self.live -= nbytes
+
+
+class Held:
+    """A saved tensor; when autograd drops it (after its backward), its bytes are released."""
+
+    def __init__(self, saved, tensor, key, nbytes):
+        self.saved, self.tensor, self.key, self.nbytes = saved, tensor, key, nbytes
+
+    def __del__(self):
+        self.saved.release(self.key, self.nbytes)
+
+
+def unpack(held):
+    return held.tensor if isinstance(held, Held) else held
+
+
+def record(out_dir, crash_at=None):
+    import torch
+    saved, seen = Saved(), {"steps": 0}
+    kill_step, kill_rank = crash_at or (None, None)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    kill = first_attempt and int(os.environ["RANK"]) == kill_rank
+    pipeline_schedule, train_step = trainer.pipeline_schedule, trainer.train_step
+
+    def watched_schedule(run, model):
+        saved.model, seen["stage"] = model, run.stage
+        schedule = pipeline_schedule(run, model)
+        step, forward = schedule.step, schedule._stage.forward_one_chunk
+
+        def first_forward(*args, **kwargs):  # what one micro-batch leaves saved, before backward
+            out = forward(*args, **kwargs)
+            if saved.first is None:
+                saved.first = saved.live
+            return out
+
+        def watched_step(*args, **kwargs):
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, unpack):
+                return step(*args, **kwargs)
+        schedule._stage.forward_one_chunk, schedule.step = first_forward, watched_step
+        return schedule
+
+    def counted_step(*args):
+        if kill and args[-1] + 1 == kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)  # a real kill: no cleanup, no goodbye
+        seen["steps"] += 1
+        return train_step(*args)
+
+    trainer.pipeline_schedule, trainer.train_step = watched_schedule, counted_step
+    try:
+        run_as_script(trainer)
+    finally:
+        with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
+            json.dump({**seen, "peak_saved_bytes": saved.peak,
+                       "micro_batch_saved_bytes": saved.first}, f)
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "record":
+        out, crash, rest = sys.argv[2], None, sys.argv[3:]
+    else:
+        crash, out, rest = tuple(map(int, sys.argv[2].split(":"))), sys.argv[3], sys.argv[4:]
+    sys.argv = [trainer.__file__] + rest
+    record(out, crash)

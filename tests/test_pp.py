@@ -1,0 +1,214 @@
+"""Chapter 9, train_pp_minigpt.py (pipeline parallelism, FSDP over each stage's dp ranks), under
+real torchrun launches on CPU/gloo. These tests prove:
+
+1. the same math as one process: at the same seed, data and flags (gradient norms above --clip, so
+   clipping binds), --pp 2 at 2 processes logs chapter 3's one-process losses and gradient norms
+   for the same global batch (1e-5 relative), under 1F1B (18 steps, two nodes of one stage each
+   through chapter 4's launcher) and under GPipe (8 steps); dp 2 x pp 2 at 4 processes logs the
+   losses and gradient norms of 2 DDP processes; the gradient norm is the global one (across the
+   stages and the shards: each stage alone has a smaller one);
+2. the stages: the blocks are cut into contiguous runs that cover them once (any --n-layer and
+   --pp); a column's stages read the same windows, the columns different ones, and column j reads
+   what DDP's rank j reads; each stage holds its part of the model (the parameters add up to the
+   whole plus the tied matrix's second copy);
+3. the tied embedding and head: after training on two stages the exported copies are equal, and
+   equal to chapter 3's one matrix (the copies would drift apart without the summed gradients, and
+   the losses would leave chapter 3's if either half's gradient were missing);
+4. checkpoints know no layout: the dp 2 x pp 2 checkpoint resumes at --pp 1 in this script and in
+   chapter 7, each with the next losses of the uninterrupted DDP run; chapter 7's checkpoint resumes
+   here at --pp 2; a stage SIGKILLed under `torchrun --max-restarts=1` is restarted and
+   `--resume auto` goes on from its last step with the killed run's losses; the export samples in
+   chapter 3;
+5. what each stage holds and sends: 1F1B holds fewer micro-batches' activations for backward than
+   GPipe (measured by tests/probe_pp.py), and the traffic line counts the activations per
+   micro-batch;
+6. bad input is one line and exit code 2: a --pp that does not divide the world size, more stages
+   than blocks, fewer micro-batches than stages under 1F1B, an unknown schedule;
+7. benchmark_scaling.py reads its summary: the global batch counts the dp columns, not the ranks.
+"""
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+from helpers import (GPT, REPO, SHARDED, TINY_GPT, as_script, command, ddp_reference, finish,
+                     in_process, ok, one_process_reference, start, start_two_nodes, summary,
+                     trainer)
+
+import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
+
+PP, FSDP = "train_pp_minigpt.py", "train_fsdp_minigpt.py"
+pp = trainer(PP)
+# SHARDED's run (2 DDP processes of batch 6, 2 micro-batches: 24 sequences a step) as 2 stages of
+# one column: 4 micro-batches of 6, so that 1F1B (2 held on stage 0) and GPipe (4) differ
+COLUMN = SHARDED + ["--grad-accum", 4, "--pp", 2]
+LOG = re.compile(r"^step (\d+)/\d+ \| loss (\d+\.\d+) \| lr \S+ \| grad norm (\d+\.\d+)", re.M)
+
+
+def losses(out):
+    return {int(m.group(1)): float(m.group(2)) for m in LOG.finditer(out)}
+
+
+def grad_norms(out):
+    return {int(m.group(1)): float(m.group(3)) for m in LOG.finditer(out)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The module's launches, side by side: 1F1B at --pp 2 for 18 steps on two nodes through the
+    launcher (`nodes`); dp 2 x pp 2 for 10 steps, saved (`grid`); GPipe at --pp 2 from chapter 7's
+    step-10 checkpoint, its stage 1 killed at step 14 and restarted (`restarted`); chapter 3 at
+    2 processes (ddp_reference) and at 1 (one_process_reference), for 18 steps."""
+    d = tmp_path_factory.mktemp("pp")
+    for name in ("nodes", "restarted"):
+        (d / name).mkdir()
+    grid_cmd = command(PP, SHARDED + ["--pp", 2, "--max-steps", 10, "--debug", "--save",
+                                      d / "grid", "--export", ""], nproc=4)
+    grid = start(grid_cmd, REPO)
+    nodes = start_two_nodes("tests/probe_pp.py", ["record", d / "nodes", *COLUMN, "--max-steps",
+                                                   18, "--save", "", "--export", d / "pp.pt"])
+    # meanwhile, chapter 7 in this process: its step-10 checkpoint, for the GPipe run to resume
+    in_process(FSDP, SHARDED + ["--batch-size", 12, "--max-steps", 10, "--save", d / "restarted"
+                                / "ck", "--export", ""])
+    restart_cmd = command("tests/probe_pp.py",
+                          ["crash", "14:1", d / "restarted", *COLUMN, "--schedule", "gpipe",
+                           "--max-steps", 18, "--save-every", 2, "--save", d / "restarted" / "ck",
+                           "--resume", "auto", "--export", ""],
+                          nproc=2, torchrun_args=["--max-restarts=1"])
+    restarted = start(restart_cmd, REPO, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # #135712
+    ddp, ddp_ckpt, ddp_records = ddp_reference()
+    one, one_ckpt = one_process_reference()
+    r = {"ddp": ddp, "ddp_records": ddp_records, "one": one, "one.pt": one_ckpt, "dir": d,
+         "grid": ok(finish(grid, grid_cmd)), "restarted": finish(restarted, restart_cmd)}
+    outs = [out for out in nodes() if "world size 2 " in out]  # rank 0's node logs
+    assert len(outs) == 1
+    r["nodes"] = outs[0]
+    return r
+
+
+def test_pp2_at_2_processes_computes_what_one_process_computes(runs):
+    """1F1B over two nodes of one stage each equals chapter 3 in one process with the same global
+    batch (24 sequences a step), clipping that binds, and the norm of the whole model."""
+    one, out = runs["one"], runs["nodes"]
+    assert "world size 2 (2 pp x 1 dp) |" in out and "| schedule 1f1b" in out
+    assert sorted(losses(out)) == list(range(1, 19)) and losses(out)[18] < losses(out)[1]
+    for step, loss in losses(out).items():
+        assert loss == pytest.approx(losses(one)[step], rel=1e-5), step
+    for step, norm in grad_norms(out).items():  # above --clip 1.0: clipping binds
+        assert norm > 1.0 and norm == pytest.approx(grad_norms(one)[step], abs=2e-3), step
+
+
+def test_gpipe_computes_what_one_process_computes_and_a_killed_stage_resumes(runs):
+    """GPipe at --pp 2 resumed from chapter 7's step 10 logs one process's steps 11-18; its stage
+    1, SIGKILLed as step 14 begins, is restarted with stage 0 by torchrun, and `--resume auto`
+    goes on from step 12 with the killed run's own step-13 loss, to the printed digit."""
+    result, ck = runs["restarted"], runs["dir"] / "restarted" / "ck"
+    out = ok(result)
+    assert "| schedule gpipe" in out and "failed (exitcode: -9) local_rank: 1" in result.stderr
+    first, _, second = out.partition(f"resumed from {ck / 'step-000012'} at step 12")
+    assert f"resumed from {ck / 'step-000010'} at step 10" in first  # chapter 7's checkpoint
+    assert sorted(losses(first)) == [11, 12, 13] and sorted(losses(second)) == list(range(13, 19))
+    assert losses(second)[13] == losses(first)[13]
+    one, logged = runs["one"], {**losses(first), **losses(second)}
+    for step, loss in logged.items():  # 8 steps, resumed from another trainer's shards
+        assert loss == pytest.approx(losses(one)[step], rel=1e-4), step
+        assert grad_norms(second if step >= 13 else first)[step] > 1.0
+
+
+def test_dp2_x_pp2_at_4_processes_computes_what_ddp_computes(runs):
+    grid, ddp = runs["grid"], runs["ddp"]
+    assert "world size 4 (2 pp x 2 dp) |" in grid
+    assert sorted(losses(grid)) == list(range(1, 11))
+    for step, loss in losses(grid).items():
+        assert loss == pytest.approx(losses(ddp)[step], rel=1e-5), step
+    for step, norm in grad_norms(grid).items():  # the norm over both stages and both shards
+        assert norm > 1.0 and norm == pytest.approx(grad_norms(ddp)[step], abs=2e-3), step
+
+
+def test_a_column_reads_one_batch_and_column_j_reads_what_ddp_rank_j_reads(runs):
+    windows = dict(re.findall(r"^\[rank (\d)\] stage \d, dp column \d: \d+ micro-batches per "
+                              r"epoch, first windows at tokens (\[[\d, ]+\])$", runs["grid"], re.M))
+    ddp = dict(re.findall(r"^\[rank (\d)\] \d+ micro-batches per epoch, first windows at tokens "
+                          r"(\[[\d, ]+\])$", runs["ddp"], re.M))
+    assert "[rank 2] stage 1, dp column 0:" in runs["grid"]  # a stage is consecutive ranks
+    assert windows["0"] == windows["2"] == ddp["0"] and windows["1"] == windows["3"] == ddp["1"]
+    assert windows["0"] != windows["1"]
+
+
+def test_the_stages_cut_the_blocks_once_in_order():
+    for n_layer in range(1, 9):
+        for stages in range(1, n_layer + 1):
+            cut = [list(pp.stage_blocks(n_layer, stages, s)) for s in range(stages)]
+            assert sum(cut, []) == list(range(n_layer)), cut  # in order, each block once
+            assert all(cut) and max(map(len, cut)) - min(map(len, cut)) <= 1, cut
+
+
+def test_each_stage_holds_its_part_and_the_traffic_line_counts_activations(runs):
+    model = trainer(GPT).GPT(256, 32, 2, 2, 32, 0.0)
+    whole, tied = sum(p.numel() for p in model.parameters()), model.head.weight.numel()
+    held = re.search(r"stage 0 \(embeddings, block 0\) [\d.]+ MiB, ([\d,]+) parameters; stage 1 "
+                     r"\(block 1, final norm and head\) [\d.]+ MiB, ([\d,]+) parameters \(of "
+                     r"([\d,]+);", runs["nodes"])
+    first, last, total = (int(n.replace(",", "")) for n in held.groups())
+    assert total == whole and first + last == whole + tied  # no block twice, the head a copy
+    mib = 6 * 32 * 32 * 4 / 2**20  # a micro-batch's activations: batch x context x width, fp32
+    assert (f"PP traffic per rank: {mib:.2f} MiB of activations to the next stage and {mib:.2f} "
+            f"MiB of their gradients back, per micro-batch (4 per step)") in runs["nodes"]
+
+
+def test_1f1b_holds_fewer_micro_batches_for_backward_than_gpipe(runs):
+    """At 4 micro-batches on 2 stages, GPipe's stage 0 holds all 4 micro-batches' activations
+    before its first backward; 1F1B's holds at most 2 (its warm-up forward and one more)."""
+    held = {}
+    for schedule, name in (("1f1b", "nodes"), ("gpipe", "restarted")):
+        seen = json.loads((runs["dir"] / name / "rank0.json").read_text())
+        assert seen["stage"] == 0 and seen["micro_batch_saved_bytes"] > 0
+        held[schedule] = seen["peak_saved_bytes"] / seen["micro_batch_saved_bytes"]
+    assert held["1f1b"] <= 2.05 and held["gpipe"] >= 2.9, held
+
+
+def test_the_tied_copies_stay_equal_and_the_export_is_chapter_3s_model(runs):
+    exported = torch.load(runs["dir"] / "pp.pt", map_location="cpu", weights_only=True)
+    one = torch.load(runs["one.pt"], map_location="cpu", weights_only=True)
+    assert exported["config"] == one["config"] and list(exported["model"]) == list(one["model"])
+    assert torch.equal(exported["model"]["tok_emb.weight"], exported["model"]["head.weight"])
+    for key, value in one["model"].items():
+        torch.testing.assert_close(exported["model"][key], value, rtol=1e-4, atol=1e-4, msg=key)
+    sampled = in_process(GPT, ["--sample", "--ckpt", runs["dir"] / "pp.pt", "--prompt", "def ",
+                               "--max-new-tokens", 20])
+    assert sampled.startswith("def ") and len(sampled) > 10
+
+
+@pytest.mark.parametrize("script", [PP, FSDP])
+def test_the_grid_checkpoint_resumes_at_one_process_here_and_in_chapter_7(runs, script):
+    ck, flags = runs["dir"] / "grid", SHARDED + ["--max-steps", 18, "--batch-size", 12]
+    out = in_process(script, flags + ["--pp", 1] * (script == PP) + ["--resume", ck, "--save", "",
+                                                                        "--export", ""])
+    assert f"resumed from {ck / 'step-000010'} at step 10" in out
+    resumed, ddp = losses(out), losses(runs["ddp"])
+    assert sorted(resumed) == list(range(11, 19))
+    for step, loss in resumed.items():  # 24 sequences a step in every run
+        assert loss == pytest.approx(ddp[step], rel=1e-4), (step, out)
+
+
+def test_bad_inputs_are_one_line_and_exit_code_2(capsys):
+    with pytest.raises(pp.InputError, match=r"^--pp 2 does not divide the world size 1: start a"):
+        in_process(PP, TINY_GPT + ["--max-steps", 1, "--save", "", "--export", ""])
+    for flags, words in ((["--pp", 5], "--pp 5 is more stages than --n-layer 4 blocks"),
+                         (["--pp", 4, "--grad-accum", 3], "--schedule 1f1b needs at least --pp 4 "
+                          "micro-batches per step, got --grad-accum 3: give more, or --schedule "
+                          "gpipe"),
+                         (["--schedule", "zb"], "argument --schedule: invalid choice: 'zb'")):
+        result = as_script(PP, flags)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result
+        assert words in result.stderr, result.stderr
+
+
+def test_benchmark_scaling_reads_the_pp_trainers_summary(runs):
+    """benchmark_scaling.py runs any trainer the same way (its launches: test_benchmark.py); what
+    it needs of a trainer is its summary's pace keys: tokens per step over the dp columns."""
+    row = bench.pace_row(summary(runs["grid"]), 4, 0.0)
+    assert row["per_step"] == 6 * 32 * 2 * 2 and row["unit"] == "tokens/s"  # batch x T x K x dp
+    assert row["throughput"] == pytest.approx(768 / (row["step_ms"] / 1000), rel=0.01)
