@@ -236,13 +236,13 @@ def main(argv=None):
     model = wrap_model(run, raw_model)
     schedule = pipeline_schedule(run, model)  # PP 2: this rank's stage in a pipeline schedule
     if args.benchmark:
-        return benchmark(run, schedule, model, optimizer, data.windows)
+        return benchmark(run, schedule, model, optimizer, data.windows)  # PP 2
     # train: log, evaluate and save on schedule
     val_loss = evaluate(run, model, data.val)
     print0(run.is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
     meter = Meter(run, raw_model, start)  # the training clock starts now
     for step in range(start, args.max_steps):
-        loss, grad_norm = train_step(run, schedule, model, optimizer, data.windows, step)
+        loss, grad_norm = train_step(run, schedule, model, optimizer, data.windows, step)  # PP 2
         done = step + 1
         if done % args.log_every == 0 or done == args.max_steps:
             print0(run.is_main, meter.log_line(done, loss.item(), grad_norm.item()))
@@ -408,11 +408,11 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
         raw_model = Stage(GPT(**model_config(args, vocab_size)), run.stage, args.pp)  # PP 1
     shard(run, raw_model)  # FSDP 2: before the optimizer, which must see the shards
     raw_model.to_empty(device=run.device)  # FSDP 2: this rank's shards, not yet filled
-    init_shards(raw_model, args.seed, args.n_layer)  # FSDP 2: chapter 3's initial weights
+    init_shards(raw_model, args.seed, args.n_layer)  # PP 1: chapter 3's weights, the GPT's depth
     raw_model.grad_checkpointing = args.grad_checkpointing
     optimizer = make_optimizer(raw_model, args, run.device)
     torch.manual_seed(args.seed + run.rank)  # DDP: each rank its own dropout masks
-    print0(run.is_main, f"model {raw_model.whole_params:,} parameters | "
+    print0(run.is_main, f"model {raw_model.whole_params:,} parameters | "  # PP 1: the GPT's
                         f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
                         f"context {args.block_size}")
     print0(run.is_main, memory_line(run, raw_model))  # PP 1: what each stage holds, a collective
@@ -427,13 +427,13 @@ def shard(run, model):  # FSDP 2: every block a group of its own, then the root
     the rest (embeddings, final norm, head)."""
     mesh = run.mesh["dp"]  # PP 1: FSDP over the ranks of this stage, as chapter 7 over all
     reshard = run.args.reshard_after_forward == "yes"
-    for block in model.blocks.values():
+    for block in model.blocks.values():  # PP 1: the stage's blocks
         fully_shard(block, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)
 
 
 @torch.no_grad()
-def init_shards(model, seed, n_layer):  # FSDP 2: one whole parameter at a time, each its slice
+def init_shards(model, seed, n_layer):  # PP 1: n_layer, the GPT's: a stage holds fewer blocks
     """Fill this rank's shards with chapter 3's initial weights: each parameter is made whole from
     the seed (initial_value), one at a time, and each rank keeps its own slice of it with no
     communication (src_data_rank=None). The peak is one parameter, not the model."""
@@ -479,11 +479,14 @@ def train_step(run, schedule, model, optimizer, windows, step):
     """One optimizer step over --grad-accum micro-batches; a collective. Returns the loss (mean
     over all ranks) and the gradient norm before clipping, both device tensors."""
     args = run.args
+    # PP 2: the step's K micro-batches in a row, (K x B, T), which the schedule cuts into K; only
+    # the first stage reads the inputs, only the last the targets, and only the last has losses
     rows = torch.cat([windows.rows(step * args.grad_accum + i) for i in range(args.grad_accum)])
-    x, y = on_device(rows, run.device)  # PP 2: K micro-batches in a row; the schedule cuts them
-    first, last, losses = run.stage == 0, run.stage == args.pp - 1, []  # PP 2: the first stage
-    schedule.step(*[x] * first, target=y if last else None, losses=losses if last else None)
-    loss = torch.stack(losses).mean() if last else torch.zeros((), device=run.device)  # the last
+    x, y = on_device(rows, run.device)
+    first, last, losses = run.stage == 0, run.stage == args.pp - 1, []
+    inputs, target = ((x,) if first else ()), (y if last else None)
+    schedule.step(*inputs, target=target, losses=losses if last else None)
+    loss = torch.stack(losses).mean() if last else torch.zeros((), device=run.device)
     sum_tied_gradients(run, model)  # PP 5
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, args)
@@ -524,16 +527,16 @@ def evaluate(run, model, val):  # FSDP 7: every rank runs as many forwards
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     x = torch.zeros(1, run.args.block_size, dtype=torch.long, device=run.device)
     batches += [(x, torch.full_like(x, -100))] * (int(most) - len(batches))
-    return mean_loss_over_ranks(run, model, batches)
+    return mean_loss_over_ranks(run, model, batches)  # PP 7
 
 
 @torch.no_grad()
-def mean_loss_over_ranks(run, model, batches):  # FSDP 1: no autocast; DDP 7: sum, divide once
+def mean_loss_over_ranks(run, model, batches):  # PP 7; FSDP 1: no autocast; DDP 7: sum, divide
     """The mean cross-entropy per target over all ranks' batches (inputs, targets): each rank
     sums its own, one all-reduce adds the sums and the counts up. A collective: every rank calls
     it (evaluate() says how many batches each rank may bring)."""
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=run.device)
+    totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
     for x, y in batches:
         logits = pipeline_forward(run, model, x)  # PP 7: None but on the last stage
         if logits is None:  # PP 7: only the last stage scores; the others add 0
@@ -552,8 +555,8 @@ def mean_over_ranks(value):  # DDP 7
     return value / dist.get_world_size()
 
 
-@torch.no_grad()
-def pipeline_forward(run, model, x):  # PP 7: a pipeline without a schedule: receive, run, send
+@torch.no_grad()  # PP 7: a pipeline without a schedule: receive, run, send
+def pipeline_forward(run, model, x):
     """A forward through every stage of this rank's pp column (a collective of it): stage 0 embeds
     the token ids x (B, T); every later stage receives the activations (B, T, C) from the stage
     before, runs its blocks and sends them on. Returns the logits on the last stage, else None."""
@@ -1147,7 +1150,7 @@ def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
     RNG, when the world size is the one that saved."""
     state_now, own_names = whole_model_state(run, raw_model, optimizer)  # PP 8
     try:
-        dcp.load(state_now, checkpoint_id=path)
+        dcp.load(state_now, checkpoint_id=path)  # PP 8
     except (Exception, CheckpointException) as err:  # raised on every rank: DCP gathers them
         raise InputError(f"cannot load the shards of {path}: {first_reason(err)}") from None
     optim_state = stage_optimizer_state(state_now["optimizer"], own_names)  # PP 8
@@ -1188,7 +1191,7 @@ def stage_optimizer_state(optim_state, own_names):  # PP 8: back to this stage's
     return optim_state
 
 
-def export(run, raw_model, data):  # FSDP 8: one plain file, chapter 3's format
+def export(run, raw_model, data):  # FSDP 8: one plain file, chapter 3's format; PP 8: by stage
     """A collective: every stage gathers its whole parameters (an all-gather of its ranks), and
     the first rank of each sends them to rank 0's CPU, which writes --export in chapter 3's
     checkpoint format, for `python train_ddp_minigpt.py --sample --ckpt PATH`."""
@@ -1220,7 +1223,7 @@ def memory_line(run, model):  # PP 1: what a rank of each stage holds, against D
     parts = ["embeddings"] * (model.tok_emb is not None) + [span] \
         + ["final norm and head"] * (model.head is not None)
     mine = sum(p.to_local().numel() for p in model.parameters())
-    held = [None] * run.world_size
+    held = [None] * run.world_size  # PP 1: every rank's, for rank 0
     dist.all_gather_object(held, (run.dp_rank, run.stage, ", ".join(parts), mine))
     stages = [f"stage {stage} ({parts}) {16 * n / 2**20:.2f} MiB, {n:,} parameters"
               for dp_rank, stage, parts, n in held if dp_rank == 0]
@@ -1283,7 +1286,7 @@ def peak_tflops(gpu_name, amp):
 def flops_per_token(raw_model, args):
     """The model's FLOPs per token of training as nanoGPT counts them: 6 per parameter (forward
     and backward), position embeddings aside, plus attention's 12 x layers x width x context."""
-    n = raw_model.whole_params - args.block_size * args.n_embd  # PP: the whole model, every stage
+    n = raw_model.whole_params - args.block_size * args.n_embd  # PP 1: the whole GPT
     return 6 * n + 12 * args.n_layer * args.n_embd * args.block_size
 
 
@@ -1377,12 +1380,12 @@ def summary_line(summary):
 
 
 
-def benchmark(run, schedule, model, optimizer, windows):
+def benchmark(run, schedule, model, optimizer, windows):  # PP 2
     """--benchmark: 5 warm-up steps, then --max-steps timed ones; median ms/step and tokens/s."""
     times = []
     for step in range(5 + run.args.max_steps):
         start = time.perf_counter()
-        loss, _ = train_step(run, schedule, model, optimizer, windows, step)
+        loss, _ = train_step(run, schedule, model, optimizer, windows, step)  # PP 2
         loss.item()  # wait for the device: the step is over
         times.append(time.perf_counter() - start)
     result = {**pace_keys(statistics.median(times[5:]), tokens_per_step(run)),

@@ -16,7 +16,9 @@ module also runs on a single GPU. These tests prove, on NCCL:
 6. a checkpoint saved on the CPU resumes on a GPU with fused AdamW, and FSDP asked for the CPU on a
    GPU machine keeps its shards on the CPU;
 7. chapter 8's TP trainer, its tp group the min(2, GPUs) GPUs, trains on NCCL in bf16 (fused AdamW
-   over two meshes), saves, resumes, and exports a file that samples in one process.
+   over two meshes), saves, resumes, and exports a file that samples in one process;
+8. chapter 9's PP trainer, one stage per GPU of min(2, GPUs), trains on NCCL in bf16 (bf16 activations
+   sent between the stages), saves, resumes, and exports a file that samples in one process.
 The CPU tests hide the GPUs (helpers.environment); these launches alone see them (cuda=True).
 """
 import math
@@ -108,6 +110,20 @@ def test_tp_in_bf16_on_nccl_saves_resumes_and_exports(tmp_path):
                  nproc=NPROC, cuda=True))
     assert "at step 4" in out and "step 6/6 | loss" in out
     sampled = ok(run(GPT, ["--sample", "--ckpt", tmp_path / "t.pt", "--max-new-tokens", 20], cuda=True))
+    assert sampled.strip()
+
+
+def test_pp_in_bf16_on_nccl_saves_resumes_and_exports(tmp_path):
+    if not torch.cuda.is_bf16_supported(including_emulation=False):
+        pytest.skip("this GPU has no native bf16")
+    flags = LM + ["--amp", "bf16", "--pp", NPROC, "--save", tmp_path / "ck",
+                  "--export", tmp_path / "p.pt"]
+    out = ok(run("train_pp_minigpt.py", flags + ["--max-steps", 4], nproc=NPROC, cuda=True))
+    assert f"({NPROC} pp x 1 dp) | device cuda:0 | amp bfloat16" in out and "step 4/4 | saved" in out
+    out = ok(run("train_pp_minigpt.py", flags + ["--max-steps", 6, "--resume", "auto"],
+                 nproc=NPROC, cuda=True))
+    assert "at step 4" in out and "step 6/6 | loss" in out
+    sampled = ok(run(GPT, ["--sample", "--ckpt", tmp_path / "p.pt", "--max-new-tokens", 20], cuda=True))
     assert sampled.strip()
 
 

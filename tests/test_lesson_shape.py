@@ -19,7 +19,13 @@
    and the README's chapter 7 has a row for each;
 8. chapter 8's lesson, `diff train_fsdp_minigpt.py train_tp_minigpt.py`: at most 160 changed lines, every
    block the TP script adds or changes opens with a `# TP k` tag (k = 1..6, in reading order), and the
-   README's chapter 8 has a row T1..T6 for each.
+   README's chapter 8 has a row T1..T6 for each;
+9. chapter 9's lesson, `diff train_fsdp_minigpt.py train_pp_minigpt.py`: its lesson section (main()
+   and its steps, up to the plumbing) differs from chapter 7's by at most 150 lines, the whole diff
+   by at most 400 (the stage module beside the model, the checkpoint's names, the traffic and memory
+   lines, the export by stage, forward-only sampling); every block the PP script adds or changes
+   opens with a `# PP k` tag (k = 1..8, in reading order), and the README's chapter 9 has a row
+   P1..P8 for each.
 """
 import ast
 import difflib
@@ -31,10 +37,11 @@ from helpers import REPO
 TAG = re.compile(r"# DDP (\d+)\b")
 PLUMBING = re.compile(r"^# =+ the plumbing$")
 SCRIPTS = ["train_single_gpu.py", "train_ddp_basic.py", "train_ddp_minigpt.py",
-           "train_fsdp_minigpt.py", "train_tp_minigpt.py"]
+           "train_fsdp_minigpt.py", "train_tp_minigpt.py", "train_pp_minigpt.py"]
 CHANGES = 9
 FSDP_TAG, FSDP_CHANGES = re.compile(r"# FSDP (\d+)\b"), 8
 TP_TAG, TP_CHANGES = re.compile(r"# TP (\d+)\b"), 6
+PP_TAG, PP_CHANGES = re.compile(r"# PP (\d+)\b"), 8
 
 
 def lines(name):
@@ -115,7 +122,8 @@ def test_the_lm_trainers_read_lesson_first(name):
 @pytest.mark.parametrize("name,family", [("train_ddp_basic.py", "DDP"),
                                          ("train_ddp_minigpt.py", "DDP"),
                                          ("train_fsdp_minigpt.py", "FSDP"),
-                                         ("train_tp_minigpt.py", "TP")])
+                                         ("train_tp_minigpt.py", "TP"),
+                                         ("train_pp_minigpt.py", "PP")])
 def test_tags_first_appear_in_reading_order(name, family):
     seen = []
     for line in lines(name):
@@ -133,7 +141,8 @@ def test_the_lm_training_loop_has_no_fault_switch():
 @pytest.mark.parametrize("parent,child,tag,changes,limit,chapter,row", [
     # chapter 7: most of the 400 are the meta build, DCP checkpoints and the export
     ("train_ddp_minigpt.py", "train_fsdp_minigpt.py", FSDP_TAG, FSDP_CHANGES, 400, "7", "F"),
-    ("train_fsdp_minigpt.py", "train_tp_minigpt.py", TP_TAG, TP_CHANGES, 160, "8", "T")])
+    ("train_fsdp_minigpt.py", "train_tp_minigpt.py", TP_TAG, TP_CHANGES, 160, "8", "T"),
+    ("train_fsdp_minigpt.py", "train_pp_minigpt.py", PP_TAG, PP_CHANGES, 400, "9", "P")])
 def test_every_changed_block_opens_with_its_tag_and_the_readme_has_every_row(
         parent, child, tag, changes, limit, chapter, row):
     docstring_end = lines(child).index('"""', 1)
@@ -147,3 +156,16 @@ def test_every_changed_block_opens_with_its_tag_and_the_readme_has_every_row(
     section = (REPO / "README.md").read_text().split(f"## Chapter {chapter}")[1]
     for k in range(1, changes + 1):
         assert re.search(rf"^\| {row}{k} \|", section, re.M), f"chapter {chapter} has no row {row}{k}"
+
+
+def test_chapter_9s_lesson_section_differs_from_chapter_7s_by_at_most_150_lines():
+    def lesson(name):  # from the lesson's marker to the plumbing's
+        text = lines(name)
+        start = next(i for i, line in enumerate(text) if line.startswith("# ---") and
+                     "the distributed lesson" in line)
+        return text[start:next(i for i, line in enumerate(text) if PLUMBING.match(line))]
+    parent, child = lesson("train_fsdp_minigpt.py"), lesson("train_pp_minigpt.py")
+    matcher = difflib.SequenceMatcher(None, parent, child, autojunk=False)
+    count = sum((i2 - i1) + (j2 - j1) for tag, i1, i2, j1, j2 in matcher.get_opcodes()
+                if tag != "equal")
+    assert 0 < count <= 150, f"{count} changed lines in the lesson section"
