@@ -101,9 +101,11 @@ def small_disk(tmp_path):
     (SINGLE, SMALL + ["--epochs", 1]), (DDP, SMALL + ["--epochs", 1]),
     (GPT, TINY_GPT + ["--max-steps", 1]),
     ("train_fsdp_minigpt.py", TINY_GPT + ["--max-steps", 1, "--export", ""]),
-    ("train_tp_minigpt.py", TINY_GPT + ["--max-steps", 1, "--tp", 1, "--export", ""])])
+    ("train_tp_minigpt.py", TINY_GPT + ["--max-steps", 1, "--tp", 1, "--export", ""]),
+    ("train_pp_minigpt.py", TINY_GPT + ["--max-steps", 1, "--pp", 1, "--export", ""])])
 def test_a_real_full_disk_is_named_in_the_users_words(script, args, small_disk):
-    save = small_disk / ("ck" if "fsdp" in script or "tp_" in script else "ck.pt")
+    save = small_disk / ("ck" if script in ("train_fsdp_minigpt.py", "train_tp_minigpt.py",
+                                            "train_pp_minigpt.py") else "ck.pt")
     with pytest.raises(trainer(script).SaveFailed) as err:
         in_process(script, args + ["--save", save])
     message = str(err.value)
