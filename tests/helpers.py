@@ -11,6 +11,7 @@ import importlib
 import io
 import json
 import os
+import re
 import runpy
 import shutil
 import signal
@@ -231,6 +232,20 @@ def summary(stdout):
     lines = [line for line in stdout.splitlines() if line.startswith("summary ")]
     assert len(lines) == 1, f"expected one summary line, got {len(lines)}:\n{stdout}"
     return json.loads(lines[0][len("summary "):])
+
+
+# an LM trainer's log line: step, loss and gradient norm
+LOG_LINE = re.compile(r"^step (\d+)/\d+ \| loss (\d+\.\d+) \| lr \S+ \| grad norm (\d+\.\d+)", re.M)
+
+
+def logged_losses(stdout):
+    """{step: loss} of an LM trainer's log lines."""
+    return {int(m.group(1)): float(m.group(2)) for m in LOG_LINE.finditer(stdout)}
+
+
+def logged_grad_norms(stdout):
+    """{step: gradient norm before clipping} of an LM trainer's log lines."""
+    return {int(m.group(1)): float(m.group(3)) for m in LOG_LINE.finditer(stdout)}
 
 
 def weights(path):

@@ -99,31 +99,19 @@ def test_fsdp_in_bf16_on_nccl_saves_resumes_and_exports(tmp_path):
     assert sampled.strip()
 
 
-def test_tp_in_bf16_on_nccl_saves_resumes_and_exports(tmp_path):
+@pytest.mark.parametrize("script,flag,grid", [
+    ("train_tp_minigpt.py", "--tp", f"(1 dp x {NPROC} tp)"),  # its tp group: the GPUs
+    ("train_pp_minigpt.py", "--pp", f"({NPROC} pp x 1 dp)")])  # a stage per GPU
+def test_tp_and_pp_in_bf16_on_nccl_save_resume_and_export(script, flag, grid, tmp_path):
     if not torch.cuda.is_bf16_supported(including_emulation=False):
         pytest.skip("this GPU has no native bf16")
-    flags = LM + ["--amp", "bf16", "--tp", NPROC, "--save", tmp_path / "ck",
-                  "--export", tmp_path / "t.pt"]
-    out = ok(run("train_tp_minigpt.py", flags + ["--max-steps", 4], nproc=NPROC, cuda=True))
-    assert f"(1 dp x {NPROC} tp) | device cuda:0 | amp bfloat16" in out and "step 4/4 | saved" in out
-    out = ok(run("train_tp_minigpt.py", flags + ["--max-steps", 6, "--resume", "auto"],
-                 nproc=NPROC, cuda=True))
+    flags = LM + ["--amp", "bf16", flag, NPROC, "--save", tmp_path / "ck",
+                  "--export", tmp_path / "x.pt"]
+    out = ok(run(script, flags + ["--max-steps", 4], nproc=NPROC, cuda=True))
+    assert f"{grid} | device cuda:0 | amp bfloat16" in out and "step 4/4 | saved" in out
+    out = ok(run(script, flags + ["--max-steps", 6, "--resume", "auto"], nproc=NPROC, cuda=True))
     assert "at step 4" in out and "step 6/6 | loss" in out
-    sampled = ok(run(GPT, ["--sample", "--ckpt", tmp_path / "t.pt", "--max-new-tokens", 20], cuda=True))
-    assert sampled.strip()
-
-
-def test_pp_in_bf16_on_nccl_saves_resumes_and_exports(tmp_path):
-    if not torch.cuda.is_bf16_supported(including_emulation=False):
-        pytest.skip("this GPU has no native bf16")
-    flags = LM + ["--amp", "bf16", "--pp", NPROC, "--save", tmp_path / "ck",
-                  "--export", tmp_path / "p.pt"]
-    out = ok(run("train_pp_minigpt.py", flags + ["--max-steps", 4], nproc=NPROC, cuda=True))
-    assert f"({NPROC} pp x 1 dp) | device cuda:0 | amp bfloat16" in out and "step 4/4 | saved" in out
-    out = ok(run("train_pp_minigpt.py", flags + ["--max-steps", 6, "--resume", "auto"],
-                 nproc=NPROC, cuda=True))
-    assert "at step 4" in out and "step 6/6 | loss" in out
-    sampled = ok(run(GPT, ["--sample", "--ckpt", tmp_path / "p.pt", "--max-new-tokens", 20], cuda=True))
+    sampled = ok(run(GPT, ["--sample", "--ckpt", tmp_path / "x.pt", "--max-new-tokens", 20], cuda=True))
     assert sampled.strip()
 
 

@@ -28,11 +28,10 @@ real torchrun launches on CPU/gloo. These tests prove:
 """
 import json
 import re
-import shutil
-import subprocess
 
 import pytest
 import torch
+from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import (GPT, REPO, SHARDED, TINY_GPT, as_script, command, ddp_reference, finish,
                      in_process, ok, one_process_reference, start, start_two_nodes, summary,
                      trainer)
@@ -44,15 +43,7 @@ pp = trainer(PP)
 # SHARDED's run (2 DDP processes of batch 6, 2 micro-batches: 24 sequences a step) as 2 stages of
 # one column: 4 micro-batches of 6, so that 1F1B (2 held on stage 0) and GPipe (4) differ
 COLUMN = SHARDED + ["--grad-accum", 4, "--pp", 2]
-LOG = re.compile(r"^step (\d+)/\d+ \| loss (\d+\.\d+) \| lr \S+ \| grad norm (\d+\.\d+)", re.M)
 
-
-def losses(out):
-    return {int(m.group(1)): float(m.group(2)) for m in LOG.finditer(out)}
-
-
-def grad_norms(out):
-    return {int(m.group(1)): float(m.group(3)) for m in LOG.finditer(out)}
 
 
 @pytest.fixture(scope="module")

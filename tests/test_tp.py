@@ -20,6 +20,7 @@ import re
 
 import pytest
 import torch
+from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import (GPT, SHARDED, TINY_GPT, ddp_reference, in_process, ok, one_process_reference,
                      run, start_two_nodes, summary, trainer)
 
@@ -28,15 +29,7 @@ import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path:
 TP = "train_tp_minigpt.py"
 tp = trainer(TP)
 FLAGS = SHARDED + ["--max-steps", 18]  # batch 6, 2 accumulation steps, --clip 1.0
-LOG = re.compile(r"^step (\d+)/\d+ \| loss (\d+\.\d+) \| lr \S+ \| grad norm (\d+\.\d+)", re.M)
 
-
-def losses(out):
-    return {int(m.group(1)): float(m.group(2)) for m in LOG.finditer(out)}
-
-
-def grad_norms(out):
-    return {int(m.group(1)): float(m.group(3)) for m in LOG.finditer(out)}
 
 
 @pytest.fixture(scope="module")
