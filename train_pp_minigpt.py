@@ -479,8 +479,7 @@ def train_step(run, schedule, model, optimizer, windows, step):
     """One optimizer step over --grad-accum micro-batches; a collective. Returns the loss (mean
     over all ranks) and the gradient norm before clipping, both device tensors."""
     args = run.args
-    # PP 2: the step's K micro-batches in a row, (K x B, T), which the schedule cuts into K; only
-    # the first stage reads the inputs, only the last the targets, and only the last has losses
+    # PP 2: K micro-batches in a row, (K x B, T), cut by the schedule; stage 0 reads x, the last y
     rows = torch.cat([windows.rows(step * args.grad_accum + i) for i in range(args.grad_accum)])
     x, y = on_device(rows, run.device)
     first, last, losses = run.stage == 0, run.stage == args.pp - 1, []
