@@ -13,7 +13,9 @@ one plain process. Default data: the first 2,000,000 bytes of this Python's own 
 one token per byte (vocab 256), so nothing is downloaded; `--data` also takes a text file, a .bin
 of uint16 token ids, or a nanoGPT folder.
 
-What DDP does, and when (the lines tagged `# DDP k`, numbered as in chapter 2):
+Tags: `# DDP 1` to `9` are chapter 2's changes under chapter 2's numbers (the README's chapter 2
+table); `# DDP 10` to `16` are this chapter's own, numbered in reading order (its chapter 3 table).
+Every call that talks to another process is above the marked line. What DDP does, and when:
 - torchrun starts one process per device; init_process_group joins them into one group.
 - DDP(model) broadcasts rank 0's parameters and buffers: every replica starts the same.
 - During backward(), a hook on each parameter marks its gradient ready; each full bucket (about
@@ -55,7 +57,6 @@ from torch.utils.checkpoint import checkpoint
 
 
 # ------------------------------------------------------- the model: a GPT, nothing distributed
-
 def causal_attention(q, k, v):
     """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
     attention on GPUs); is_causal builds no mask. No dropout on the attention weights: on a CPU it
@@ -77,8 +78,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
-        # qkv's outputs come head by head (head 0's q, k, v, then head 1's...), so a split of them
-        # into equal parts gives each part whole heads (chapter 8); -1: the heads this module holds
+        # qkv's outputs come head by head (head 0's q, k, v, then head 1's...): equal parts are
+        # whole heads, as chapter 8's tensor-parallel split needs; -1: the heads this module holds
         qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
         q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
         y = causal_attention(q, k, v)
@@ -119,7 +120,7 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed):
         """Every parameter from initial_value(): the same weights for the same seed, whether
-        the model is made whole here or one parameter at a time (chapter 7)."""
+        the model is made whole here or one parameter at a time (chapter 7's sharded build)."""
         for name, p in self.named_parameters():
             p.copy_(initial_value(name, p.shape, seed, len(self.blocks)))
 
@@ -149,8 +150,6 @@ class GPT(nn.Module):
         return idx
 
 
-
-
 def initial_value(name, shape, seed, n_layer):
     """The initial value of parameter `name`, GPT-2's scheme: N(0, 0.02) for matrices (residual
     projections shrink with depth), zero biases, unit norm weights. Each parameter draws from a
@@ -166,75 +165,59 @@ def initial_value(name, shape, seed, n_layer):
 
 
 # ------------------------------------- the distributed lesson: main() and its steps, in order
-
 def main(argv=None):
     args = parse_args(argv)
     if args.sample:  # inference: one plain process, no process group
         return sample(args)
-    # setup: one process per device, joined in one group; rank 0 logs and saves
-    device, rank, world_size = init_distributed(args.device, args.dist_timeout, args.debug)
+    # setup: one process per device, joined in one group; rank 0 logs and saves. A step that
+    # "talks" waits for the other ranks: every rank must call it, in the same order
+    device, rank, world_size = init_distributed(args.device, args.dist_timeout, args.debug)  # talks
     run = make_run(args, device, rank, world_size)
     # data: every rank reads its own windows of the training tokens
-    data = build_data(run)
+    data = build_data(run)  # talks with --debug: rank 0 prints each rank's windows
     # model: the same initial weights on every rank, resumed if asked, then wrapped
     raw_model, optimizer = build_model(run, data.vocab_size)
-    start = resumed_step(run, raw_model, optimizer, data)
-    model = wrap_model(run, raw_model)
+    start = resumed_step(run, raw_model, optimizer, data)  # talks: rank 0 finds it, all agree
+    model = wrap_model(run, raw_model)  # talks: DDP copies rank 0's weights to every rank
     if args.benchmark:
-        return benchmark(run, model, optimizer, data.windows)
+        return benchmark(run, model, optimizer, data.windows)  # talks: training steps, timed
     # train: log, evaluate and save on schedule
-    val_loss = evaluate(run, model, data.val)
+    val_loss = evaluate(run, model, data.val)  # talks: the loss sums of every rank add up
     print0(run.is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
     meter = Meter(run, raw_model, start)  # the training clock starts now
     for step in range(start, args.max_steps):
-        loss, grad_norm = train_step(run, model, optimizer, data.windows, step)
+        loss, grad_norm = train_step(run, model, optimizer, data.windows, step)  # talks
         done = step + 1
         if done % args.log_every == 0 or done == args.max_steps:
             print0(run.is_main, meter.log_line(done, loss.item(), grad_norm.item()))
         meter.stop_clock()  # evaluation and checkpoints are not training time
         if done % args.eval_every == 0 or done == args.max_steps:
-            val_loss = evaluate(run, model, data.val)
+            val_loss = evaluate(run, model, data.val)  # talks
             print0(run.is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | "
                                 f"baseline {data.baseline:.4f}")
             if args.check_sync or args.debug:  # before any save: never save a diverged replica
-                check_replicas_in_sync(model, f"step {done}")
+                check_replicas_in_sync(model, f"step {done}")  # talks: every rank's weight hash
         # save: rank 0 writes, every rank waits for it
         due = done == args.max_steps or (args.save_every and done % args.save_every == 0)
         if args.save and due:
-            save_checkpoint(run, raw_model, optimizer, data, done)
+            save_checkpoint(run, raw_model, optimizer, data, done)  # talks
         meter.start_clock()
-    # cleanup: the summary and a sample here; the group is left by __main__'s `finally`
-    report(run, raw_model, data, val_loss, meter)
+    # cleanup: the summary and a sample; the group is left by __main__'s `finally`
+    report(run, raw_model, data, val_loss, meter)  # talks on GPUs: every rank's peak memory
 
 
 def init_distributed(device_name, timeout_s, debug):  # DDP 1: join the group torchrun describes
     """Join the process group of the processes torchrun started, one device each: a collective,
-    every process calls it. Returns (device, rank, world size). Started without torchrun, or with
-    more processes than GPUs: one line on stderr and exit code 2."""
-    def refuse(problem):
-        sys.stderr.write(f"error: {problem}\n")
-        sys.exit(2)
-
-    if "RANK" not in os.environ:  # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT
-        refuse("not launched by torchrun: see the commands at the top of this script")
+    every process calls it. Returns (device, rank, world size)."""
+    refuse_a_bad_launch(device_name)  # guard: no torchrun, or more processes than GPUs
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device("cpu")
     if device_name == "cuda":  # DDP 2: one GPU per process, picked by LOCAL_RANK, before CUDA work
-        local_rank, visible = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
-        if local_rank >= visible:
-            refuse(f"--device cuda: GPU {local_rank} asked for, but {visible} visible: start at "
-                   "most one process per GPU (--nproc_per_node), or --device cpu")
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if debug:  # before the group starts; DETAIL checks every collective (not on gloo: docs/)
-        dist.set_debug_level(dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO)
-    if backend == "gloo" and dist.get_debug_level() == dist.DebugLevel.DETAIL:  # the shell's
-        if os.environ["RANK"] == "0":  # before the group: torchrun's RANK says who logs
-            print("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on gloo "
-                  "(docs/troubleshooting.md): going on at INFO", flush=True)
-        dist.set_debug_level(dist.DebugLevel.INFO)
+    dist.set_debug_level(safe_debug_level(backend, debug, dist.get_debug_level()))  # guard
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=device if backend == "nccl" else None)  # NCCL: bind it
     return device, dist.get_rank(), dist.get_world_size()
@@ -256,7 +239,7 @@ class Run:
 def make_run(args, device, rank, world_size):
     """This process's Run; logs the run's shape (world size, device, precision, batch)."""
     is_main = rank == 0  # DDP 3: rank 0 alone logs and saves
-    keep_freed_memory_on_cpu(device)
+    avoid_page_faults_on_cpu(device)  # guard: page faults every step on Linux CPUs
     amp, autocast, scaler = mixed_precision(args.amp, device)
     run = Run(args, device, rank, world_size, is_main, amp, autocast, scaler)
     print0(is_main, f"world size {world_size} | device {device} | amp {amp} | "
@@ -286,7 +269,7 @@ def build_data(run):
                         f"/ {len(val):,} val tokens | vocab {vocab_size} | "
                         f"{unit}-frequency baseline loss {baseline:.4f}")
     if args.debug:
-        log_windows(run, windows)
+        log_windows(run, windows)  # talks: rank 0 prints every rank's
     return Data(windows, val, vocab_size, itos, baseline)
 
 
@@ -307,7 +290,7 @@ class Windows:
 
     def starts_of_epoch(self, epoch):  # DDP 4: every rank its own share of the windows
         """The first token of every window this rank reads in `epoch`, in order."""
-        g = torch.Generator().manual_seed(self.seed + epoch)  # DDP: a new order each epoch
+        g = torch.Generator().manual_seed(self.seed + epoch)  # DDP 6: a new order each epoch
         offset = int(torch.randint(0, self.block + 1, (1,), generator=g))
         count = self.per_epoch * self.batch * self.world
         order = torch.randperm((len(self.tokens) - offset) // (self.block + 1), generator=g)[:count]
@@ -322,6 +305,16 @@ class Windows:
         return torch.from_numpy(rows.astype(np.int64))
 
 
+def log_windows(run, windows):  # DDP 10: --debug, which windows each rank reads
+    """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
+    that lines from several processes never splice into each other."""
+    line = (f"[rank {run.rank}] {windows.per_epoch} micro-batches per epoch, "
+            f"first windows at tokens {windows.starts_of_epoch(0)[:4].tolist()}")
+    lines = [None] * run.world_size
+    dist.all_gather_object(lines, line)  # to rank 0, which prints them in rank order
+    print0(run.is_main, "\n".join(lines))
+
+
 def build_model(run, vocab_size):
     """The plain model, on this rank's device, and its optimizer."""
     args = run.args
@@ -330,7 +323,7 @@ def build_model(run, vocab_size):
     raw_model.init_weights(args.seed)  # the same weights on every rank (DDP broadcasts rank 0's)
     raw_model.grad_checkpointing = args.grad_checkpointing
     optimizer = make_optimizer(raw_model, args, run.device)
-    torch.manual_seed(args.seed + run.rank)  # DDP: each rank its own dropout masks
+    torch.manual_seed(args.seed + run.rank)  # DDP 11: each rank its own dropout masks
     print0(run.is_main, f"model {sum(p.numel() for p in raw_model.parameters()):,} parameters | "
                         f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
                         f"context {args.block_size}")
@@ -340,27 +333,73 @@ def build_model(run, vocab_size):
 def resumed_step(run, raw_model, optimizer, data):
     """A collective: the step to go on from, 0 or --resume's after loading it. Rank 0 decides
     whether `--resume auto` finds a checkpoint; all ranks load it, or all stop with one line."""
-    path, step, problem = resume_path(run), None, None
+    path, step, problem = resume_path(run), None, None  # talks: rank 0 looks for it
     try:
         step = load_checkpoint(path, run, raw_model, optimizer, data) if path else 0
     except InputError as err:  # told to every rank below, so that none waits for this one
         problem = str(err)
-    step = agree_on_start(step, problem, path)
+    step = agree_on_start(step, problem, path)  # talks: every rank, the same step or a stop
     if path:
         print0(run.is_main, f"resumed from {path} at step {step}")
     return step
 
 
+def resume_path(run):
+    """A collective: the checkpoint to resume from, or None. --resume auto: the --save checkpoint
+    if it exists (so that a restart after a crash runs the same command and goes on from the last
+    checkpoint). Rank 0 looks and tells the rest: ranks that looked on their own could disagree."""
+    resume, save = run.args.resume, run.args.save
+    if resume != "auto":
+        return resume
+    if not save:
+        raise InputError("--resume auto needs a --save path to look for")
+    found = [os.path.isfile(save)]
+    dist.broadcast_object_list(found, src=0)  # DDP 12: rank 0 decides for every rank
+    return save if found[0] else None
+
+
+def agree_on_start(start, error, path):
+    """Every rank resumed from the same step, or all stop with the same line (a rank on a node that
+    cannot see the checkpoint, or sees another file: checkpoints need a shared filesystem)."""
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, (start, error))  # DDP 12: a collective, so no rank hangs
+    failed = [(rank, problem) for rank, (_, problem) in enumerate(outcomes) if problem]
+    if failed and len(failed) == len(outcomes) and len({p for _, p in failed}) == 1:
+        raise InputError(failed[0][1])  # the same problem everywhere: the checkpoint itself
+    if failed:
+        raise InputError(f"rank {failed[0][0]}: {failed[0][1]} (every rank reads --resume: on "
+                         "several nodes it must be on a filesystem they share, docs/multinode.md)")
+    steps = [step for step, _ in outcomes]
+    if len(set(steps)) > 1:
+        raise InputError(f"the ranks read {path} at different steps {steps}: on several nodes it "
+                         "must be one file on a filesystem they share (docs/multinode.md)")
+    return start
+
+
 def wrap_model(run, raw_model):  # DDP 5: wrap the model
-    """The model that trains: DDP(raw_model), compiled first with --compile. Three handles to
-    one set of weights: `raw_model`, the plain GPT (saved, sampled); the compiled module (the
-    same, its code compiled; `model.module`, which evaluates); `model`, DDP's wrapper (trains)."""
+    """DDP(raw_model): rank 0's weights go to every rank (compiled first with --compile). One set
+    of weights, three handles: `raw_model` saves, `model.module` evaluates, `model` trains."""
     compiled = raw_model
     if run.args.compile:  # compile first: DDP's communication hooks stay outside the graph
-        if run.args.grad_checkpointing:  # DDP's graph splitting cannot split checkpointed blocks
-            torch._dynamo.config.optimize_ddp = False  # (pytorch#104674): one bucket instead
+        avoid_ddp_graph_split_failure(run.args)  # guard: with --grad-checkpointing
         compiled = torch.compile(raw_model, backend=run.args.compile_backend)
-    return DDP(compiled, device_ids=[run.device] if run.device.type == "cuda" else None)
+    return DDP(compiled, device_ids=[run.device] if run.device.type == "cuda" else None)  # talks
+
+
+def benchmark(run, model, optimizer, windows):
+    """--benchmark: 5 warm-up steps, then --max-steps timed ones; median ms/step and tokens/s."""
+    times = []
+    for step in range(5 + run.args.max_steps):
+        start = time.perf_counter()
+        loss, _ = train_step(run, model, optimizer, windows, step)  # talks
+        loss.item()  # wait for the device: the step is over
+        times.append(time.perf_counter() - start)
+    result = {**pace_keys(statistics.median(times[5:]), tokens_per_step(run)),
+              "timed_steps": run.args.max_steps}
+    log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
+    print0(run.is_main, f"benchmark | {result['step_ms']} ms/step | "
+                        f"{result['throughput']:,.0f} tok/s")
+    print0(run.is_main, summary_line(result))
 
 
 def train_step(run, model, optimizer, windows, step):
@@ -382,13 +421,13 @@ def train_step(run, model, optimizer, windows, step):
     return loss, grad_norm
 
 
-def accumulate_gradients(model, batches, autocast, scaler):  # DDP: no_sync, one all-reduce
+def accumulate_gradients(model, batches, autocast, scaler):  # DDP 13: no_sync, one all-reduce
     """Forward and backward over each micro-batch (inputs, targets): gradients add up locally and
-    DDP all-reduces them once, in the last backward. Returns the mean loss (detached)."""
+    DDP all-reduces them once, in the last backward. Returns the mean loss (detached). The forward
+    goes inside no_sync() too: DDP decides in forward whether the next backward all-reduces."""
     total = 0.0
     for i, (x, y) in enumerate(batches):
         last = i == len(batches) - 1
-        # the forward too: DDP decides in forward whether the next backward all-reduces
         with contextlib.nullcontext() if last else model.no_sync():
             with autocast:
                 _, loss = model(x, y)
@@ -396,6 +435,13 @@ def accumulate_gradients(model, batches, autocast, scaler):  # DDP: no_sync, one
             scaler.scale(loss).backward()
         total += loss.detach()
     return total
+
+
+def mean_over_ranks(value):  # DDP 7
+    """A collective: the average of a scalar tensor over all ranks (SUM, then divide)."""
+    value = value.detach().clone().float()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # every rank gets the sum of all ranks'
+    return value / dist.get_world_size()
 
 
 def evaluate(run, model, val):
@@ -422,24 +468,26 @@ def mean_loss_over_ranks(model, batches, autocast):  # DDP 7: sum on every rank,
     return (totals[0] / totals[1]).item()
 
 
-def mean_over_ranks(value):  # DDP 7
-    """A collective: the average of a scalar tensor over all ranks (SUM, then divide)."""
-    value = value.detach().clone().float()
-    dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return value / dist.get_world_size()
+def check_replicas_in_sync(model, when):  # DDP 14: --check-sync, every rank's weights
+    """A collective: raise OutOfSync (exit code 3) if the replicas' weights differ (by a hash)."""
+    weights = b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, hashlib.sha256(weights).hexdigest()[:12])  # every rank's
+    if len(set(digests)) > 1:  # every rank sees the same digests: all of them stop
+        raise OutOfSync(f"--check-sync: replicas differ after {when}: {digests}")
 
 
 def save_checkpoint(run, raw_model, optimizer, data, step):  # DDP 8: rank 0 writes, all wait
     """A collective: every rank hands rank 0 its RNG state, rank 0 writes --save atomically, and
     every rank learns how it went (SaveFailed on all of them if it failed)."""
-    rng_states = [None] * run.world_size  # DDP: each rank has its own dropout stream
-    dist.all_gather_object(rng_states, rng_state(run.device))
+    rng_states = [None] * run.world_size  # DDP 15: each rank has its own dropout stream
+    dist.all_gather_object(rng_states, rng_state(run.device))  # so rank 0 can save them all
 
     def write():
         state = checkpoint_state(run, raw_model, optimizer, data, step, rng_states)
         write_file(run.args.save, state)
         print(f"step {step}/{run.args.max_steps} | saved {run.args.save}", flush=True)
-    save_on_rank_0(write, run.is_main)
+    save_on_rank_0(write, run.is_main)  # talks: rank 0 writes, every rank learns how it went
 
 
 def save_on_rank_0(write, is_main):  # DDP 8: one writer; every rank waits and learns the outcome
@@ -452,16 +500,45 @@ def save_on_rank_0(write, is_main):  # DDP 8: one writer; every rank waits and l
         except Exception as err:  # sent to every rank below, so that none goes on alone
             error = err
     outcome = [error]
-    dist.broadcast_object_list(outcome, src=0)
+    dist.broadcast_object_list(outcome, src=0)  # every rank waits here for rank 0's write
     if outcome[0] is not None:
         raise outcome[0]
+
+
+def report(run, raw_model, data, val_loss, meter):
+    """The done line, the summary line, and (rank 0, the plain model) a taste of what it learned;
+    on GPUs first every rank's peak memory (a collective)."""
+    log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
+    summary = {**meter.summary(), "val_loss": val_loss, "baseline_loss": data.baseline}
+    unit = "byte" if data.vocab_size == 256 else "token"
+    print0(run.is_main, f"done | val loss {val_loss:.4f} ({unit}-frequency baseline "
+                        f"{data.baseline:.4f}) | {summary['tokens_per_s']:,.0f} tok/s over "
+                        f"{summary['train_s']:.1f} s of training")
+    print0(run.is_main, summary_line(summary))
+    if run.is_main and (unit == "byte" or data.itos):  # text it can show: bytes, or a vocabulary
+        raw_model.eval()
+        start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
+        first, args = torch.tensor([[start]], device=run.device), run.args
+        out = raw_model.generate(first, args.max_new_tokens, args.temperature, args.top_k)
+        print("sample:\n" + decode(out[0].tolist(), data.itos), flush=True)
+
+
+def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
+    """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in rank
+    order (measured: weights, gradients, optimizer state, activations; docs/fsdp.md)."""
+    if run.device.type != "cuda":
+        return
+    peaks = [None] * run.world_size
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # for rank 0
+    print0(run.is_main, "peak GPU memory per rank (max_memory_allocated): " +
+           ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
 
 
 def leave_distributed():  # DDP 9: leave the process group on every path, error or not
     """Free what a failed run left (a DDP model holds the group), then leave the group."""
     gc.collect()
     if dist.is_initialized():
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # waits for no one: each rank leaves on its own
 
 
 # ============================================================================== the plumbing
@@ -469,8 +546,56 @@ def leave_distributed():  # DDP 9: leave the process group on every path, error 
 # timing, sampling, and the errors: what any trainer needs, distributed or not.
 
 
-# ------------------------------------------------------------------------------------------ flags
+# ---------------------------------------- guards: each stops one thing going wrong in production
+def refuse_a_bad_launch(device_name):  # guard: a process that could never join a group
+    """Exit code 2 and one line if torchrun did not start this process, or its GPU is missing."""
+    def refuse(problem):
+        sys.stderr.write(f"error: {problem}\n")
+        sys.exit(2)
 
+    if "RANK" not in os.environ:  # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT
+        refuse("not launched by torchrun: see the commands at the top of this script")
+    if device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available()):
+        local_rank, visible = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+        if local_rank >= visible:
+            refuse(f"--device cuda: GPU {local_rank} asked for, but {visible} visible: start at "
+                   "most one process per GPU (--nproc_per_node), or --device cpu")
+
+
+def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo
+    """The debug level to run at, from the shell's: --debug asks DETAIL (NCCL) or INFO (gloo); a
+    shell's DETAIL on gloo, where it crashes DDP, becomes INFO with one warning from rank 0."""
+    if debug:
+        level = dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO
+    if backend == "gloo" and level == dist.DebugLevel.DETAIL:  # the shell's
+        if os.environ["RANK"] == "0":  # before the group: torchrun's RANK says who logs
+            print("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on gloo "
+                  "(docs/troubleshooting.md): going on at INFO", flush=True)
+        level = dist.DebugLevel.INFO
+    return level
+
+
+def avoid_ddp_graph_split_failure(args):  # guard: --compile with --grad-checkpointing
+    """Compiled DDP splits the graph at its buckets so that all-reduces overlap backward, and it
+    cannot split checkpointed blocks (pytorch#104674): with both, one graph and one bucket."""
+    if args.grad_checkpointing:
+        torch._dynamo.config.optimize_ddp = False
+
+
+def avoid_page_faults_on_cpu(device):  # guard: glibc returning freed memory at once
+    """On Linux CPUs (glibc), keep freed memory in the process: glibc hands each step's tens of MB
+    (the logits) back to the OS, and page faults cost 10-30% of a step (docs/performance.md)."""
+    if device.type != "cpu":
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc (macOS, musl, Windows): nothing to tune
+    libc.mallopt(-4, 0)  # M_MMAP_MAX = 0: serve large blocks from the heap, not fresh mmaps
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD = 1 GiB: keep that much freed heap for reuse
+
+
+# ------------------------------------------------------------------------------------------ flags
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit code 2, instead of argparse's usage block
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -583,7 +708,6 @@ def parse_args(argv=None):
 
 
 # ------------------------------------------------------------------------------------------- data
-
 def load_tokens(args, default_bytes=2_000_000):
     """All tokens as a 1-D numpy array, and the vocabulary size. A text file's bytes are its
     tokens; a .bin file is memory-mapped, so a corpus of many GB costs no RAM until it is read."""
@@ -673,13 +797,11 @@ def load_data(args, world_size):
     return train, val, vocab_size, itos
 
 
-
 def unigram_loss(train, val, vocab_size):
     """Cross-entropy (nats/token) on the validation tokens of predicting each token by its frequency
     in the training tokens: the loss to beat, for a model that ignores context."""
     counts = np.bincount(train, minlength=vocab_size) + 1.0  # +1: no token has probability 0
     return float(-np.log(counts / counts.sum())[val].mean())
-
 
 
 def validation_batches(run, val):
@@ -702,32 +824,7 @@ def on_device(rows, device):
     return rows[:, :-1], rows[:, 1:]
 
 
-def log_windows(run, windows):  # DDP: --debug, which windows each rank reads
-    """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
-    that lines from several processes never splice into each other."""
-    line = (f"[rank {run.rank}] {windows.per_epoch} micro-batches per epoch, "
-            f"first windows at tokens {windows.starts_of_epoch(0)[:4].tolist()}")
-    lines = [None] * run.world_size
-    dist.all_gather_object(lines, line)
-    print0(run.is_main, "\n".join(lines))
-
-
 # -------------------------------------------------------------- precision, optimizer, schedule
-
-def keep_freed_memory_on_cpu(device):
-    """On Linux CPUs (glibc), keep freed memory in the process. Each step frees and allocates tens
-    of MB (the logits); by default glibc hands such blocks back to the OS at once, and the next
-    step pays page faults to map them again (10-30% of a step, measured: docs/performance.md)."""
-    if device.type != "cpu":
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return  # not glibc (macOS, musl, Windows): nothing to tune
-    libc.mallopt(-4, 0)  # M_MMAP_MAX = 0: serve large blocks from the heap, not fresh mmaps
-    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD = 1 GiB: keep that much freed heap for reuse
-
-
 def amp_dtype(choice, device):
     """The autocast dtype, or None for fp32. bf16 has fp32's range: no loss scaling. fp16 needs a
     GradScaler. Only native bf16 counts: V100s and T4s emulate it, slower than fp16."""
@@ -742,7 +839,6 @@ def amp_dtype(choice, device):
         raise InputError("--amp bf16: this GPU has no native bf16 (only slow emulation); "
                          "use --amp fp16")
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[choice]
-
 
 
 def mixed_precision(choice, device):
@@ -776,7 +872,6 @@ def lr_at(step, args):
     return args.min_lr + cosine * (args.lr - args.min_lr)
 
 
-
 def stop_if_diverged(run, step, loss, grad_norm):
     """Raise Diverged, before the optimizer applies it, if a step's loss or gradient norm is not
     finite. Both are the same on every rank (all-reduced), so every rank stops at this step. With
@@ -791,17 +886,7 @@ def stop_if_diverged(run, step, loss, grad_norm):
                    f"(now {args.clip:g}){', or --amp bf16 instead of fp16' if fp16 else ''}")
 
 
-def check_replicas_in_sync(model, when):  # DDP: --check-sync, compare every rank's weights
-    """A collective: raise OutOfSync (exit code 3) if the replicas' weights differ (by a hash)."""
-    weights = b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())
-    digests = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, hashlib.sha256(weights).hexdigest()[:12])
-    if len(set(digests)) > 1:  # every rank sees the same digests: all of them stop
-        raise OutOfSync(f"--check-sync: replicas differ after {when}: {digests}")
-
-
 # ------------------------------------------------------------------------------- checkpoint files
-
 def all_finite(state_dict):
     """True if every floating-point tensor of a state dict is free of NaN and infinity."""
     return all(bool(torch.isfinite(t).all()) for t in state_dict.values() if t.is_floating_point())
@@ -837,7 +922,6 @@ def why_not_written(err, tmp, needed):
 def readable_size(n):
     """A number of bytes for a person: MB, or kB below 0.1 MB."""
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
-
 
 
 def checkpoint_state(run, raw_model, optimizer, data, step, rng_states):
@@ -876,38 +960,6 @@ def rng_state(device):
     return {"cpu": torch.get_rng_state(), "cuda": cuda}
 
 
-def resume_path(run):
-    """A collective: the checkpoint to resume from, or None. --resume auto: the --save checkpoint
-    if it exists (so that a restart after a crash runs the same command and goes on from the last
-    checkpoint). Rank 0 looks and tells the rest: ranks that looked on their own could disagree."""
-    resume, save = run.args.resume, run.args.save
-    if resume != "auto":
-        return resume
-    if not save:
-        raise InputError("--resume auto needs a --save path to look for")
-    found = [os.path.isfile(save)]
-    dist.broadcast_object_list(found, src=0)  # DDP: rank 0 decides for every rank
-    return save if found[0] else None
-
-
-def agree_on_start(start, error, path):
-    """Every rank resumed from the same step, or all stop with the same line (a rank on a node that
-    cannot see the checkpoint, or sees another file: checkpoints need a shared filesystem)."""
-    outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, (start, error))  # DDP: a collective, so no rank hangs
-    failed = [(rank, problem) for rank, (_, problem) in enumerate(outcomes) if problem]
-    if failed and len(failed) == len(outcomes) and len({p for _, p in failed}) == 1:
-        raise InputError(failed[0][1])  # the same problem everywhere: the checkpoint itself
-    if failed:
-        raise InputError(f"rank {failed[0][0]}: {failed[0][1]} (every rank reads --resume: on "
-                         "several nodes it must be on a filesystem they share, docs/multinode.md)")
-    steps = [step for step, _ in outcomes]
-    if len(set(steps)) > 1:
-        raise InputError(f"the ranks read {path} at different steps {steps}: on several nodes it "
-                         "must be one file on a filesystem they share (docs/multinode.md)")
-    return start
-
-
 def read_checkpoint(path):
     """The checkpoint dict, loaded to the CPU with weights_only=True; a problem is an InputError."""
     if not os.path.isfile(path):
@@ -922,7 +974,6 @@ def read_checkpoint(path):
     if not all_finite(state["model"]):
         raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
     return state
-
 
 
 def load_checkpoint(path, run, raw_model, optimizer, data):
@@ -949,7 +1000,6 @@ def load_checkpoint(path, run, raw_model, optimizer, data):
 
 
 # --------------------------------------------------------------------------- logging and timing
-
 def print0(is_main, message):
     """Print a log line if this process is the one that logs; flush, so it shows at once."""
     if is_main:
@@ -976,7 +1026,6 @@ def peak_tflops(gpu_name, amp):
         if all(word in words for word in model):
             return single if amp == "off" else half
     return None
-
 
 
 def flops_per_token(raw_model, args):
@@ -1075,54 +1124,7 @@ def summary_line(summary):
     return "summary " + json.dumps(finite, allow_nan=False)
 
 
-
-def benchmark(run, model, optimizer, windows):
-    """--benchmark: 5 warm-up steps, then --max-steps timed ones; median ms/step and tokens/s."""
-    times = []
-    for step in range(5 + run.args.max_steps):
-        start = time.perf_counter()
-        loss, _ = train_step(run, model, optimizer, windows, step)
-        loss.item()  # wait for the device: the step is over
-        times.append(time.perf_counter() - start)
-    result = {**pace_keys(statistics.median(times[5:]), tokens_per_step(run)),
-              "timed_steps": run.args.max_steps}
-    log_peak_gpu_memory(run)
-    print0(run.is_main, f"benchmark | {result['step_ms']} ms/step | "
-                        f"{result['throughput']:,.0f} tok/s")
-    print0(run.is_main, summary_line(result))
-
-
-def report(run, raw_model, data, val_loss, meter):
-    """The done line, the summary line, and (rank 0, the plain model) a taste of what it learned;
-    on GPUs first every rank's peak memory (a collective)."""
-    log_peak_gpu_memory(run)
-    summary = {**meter.summary(), "val_loss": val_loss, "baseline_loss": data.baseline}
-    unit = "byte" if data.vocab_size == 256 else "token"
-    print0(run.is_main, f"done | val loss {val_loss:.4f} ({unit}-frequency baseline "
-                        f"{data.baseline:.4f}) | {summary['tokens_per_s']:,.0f} tok/s over "
-                        f"{summary['train_s']:.1f} s of training")
-    print0(run.is_main, summary_line(summary))
-    if run.is_main and (unit == "byte" or data.itos):  # text it can show: bytes, or a vocabulary
-        raw_model.eval()
-        start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
-        first, args = torch.tensor([[start]], device=run.device), run.args
-        out = raw_model.generate(first, args.max_new_tokens, args.temperature, args.top_k)
-        print("sample:\n" + decode(out[0].tolist(), data.itos), flush=True)
-
-
-def log_peak_gpu_memory(run):
-    """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in rank
-    order (measured: weights, gradients, optimizer state, activations; docs/fsdp.md)."""
-    if run.device.type != "cuda":
-        return
-    peaks = [None] * run.world_size
-    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))
-    print0(run.is_main, "peak GPU memory per rank (max_memory_allocated): " +
-           ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
-
-
 # --------------------------------------------------------------------------------------- sampling
-
 def sample(args):
     """Inference: ONE plain process, no process group (generation has no gradients to average)."""
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -1162,9 +1164,7 @@ def decode(ids, itos):
     return "".join(itos[i] for i in ids)
 
 
-
 # ----------------------------------------------------------------------------------------- errors
-
 class Stop(Exception):
     """A run that cannot go on: one line on stderr and exit code `code`, never a traceback."""
     code = 1

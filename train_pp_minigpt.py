@@ -14,7 +14,8 @@ nodes, each node is one stage. Sampling runs in one plain process. Default data:
 2,000,000 bytes of this Python's own standard library, one token per byte (vocab 256), so nothing
 is downloaded; `--data` also takes a text file, a .bin of uint16 token ids, or a nanoGPT folder.
 
-What PP adds to FSDP (`diff train_fsdp_minigpt.py train_pp_minigpt.py`: the `# PP k` lines):
+What PP adds to FSDP (`diff train_fsdp_minigpt.py train_pp_minigpt.py`: the `# PP k` lines, k =
+1 to 8 in reading order, the README's chapter 9 table; `# FSDP k`, `# DDP k`: chapters 7 and 3):
 - The ranks form a grid of --pp stages by (world size / pp) data-parallel ranks. A stage is
   consecutive ranks (a node, or several), so that only activations cross between nodes.
 - Stage 0 holds the embeddings and the first blocks, the last stage the last blocks, the final norm
@@ -66,7 +67,6 @@ from torch.utils.checkpoint import checkpoint
 
 
 # ------------------------------------------------------- the model: a GPT, nothing distributed
-
 def causal_attention(q, k, v):
     """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
     attention on GPUs); is_causal builds no mask. No dropout on the attention weights: on a CPU it
@@ -88,8 +88,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
-        # qkv's outputs come head by head (head 0's q, k, v, then head 1's...), so a split of them
-        # into equal parts gives each part whole heads (chapter 8); -1: the heads this module holds
+        # qkv's outputs come head by head (head 0's q, k, v, then head 1's...): equal parts are
+        # whole heads, as chapter 8's tensor-parallel split needs; -1: the heads this module holds
         qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
         q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
         y = causal_attention(q, k, v)
@@ -130,7 +130,7 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed):
         """Every parameter from initial_value(): the same weights for the same seed, whether
-        the model is made whole here or one parameter at a time (chapter 7)."""
+        the model is made whole here or one parameter at a time (chapter 7's sharded build)."""
         for name, p in self.named_parameters():
             p.copy_(initial_value(name, p.shape, seed, len(self.blocks)))
 
@@ -158,8 +158,6 @@ class GPT(nn.Module):
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             idx = torch.cat([idx, torch.multinomial(logits.softmax(-1), 1)], dim=1)
         return idx
-
-
 
 
 def initial_value(name, shape, seed, n_layer):
@@ -220,74 +218,59 @@ def mean_token_loss(logits, targets):  # PP 2: the last stage's loss, per micro-
 
 
 # ------------------------------------- the distributed lesson: main() and its steps, in order
-
 def main(argv=None):
     args = parse_args(argv)
     if args.sample:  # inference: one plain process, no process group
         return sample(args)
-    # setup: one process per device, joined in one group; rank 0 logs and saves
-    device, rank, world_size = init_distributed(args.device, args.dist_timeout, args.debug)
-    run = make_run(args, device, rank, world_size)
+    # setup: one process per device, joined in one group; rank 0 logs and saves. A step that
+    # "talks" waits for the other ranks: every rank must call it, in the same order
+    device, rank, world_size = init_distributed(args.device, args.dist_timeout, args.debug)  # talks
+    run = make_run(args, device, rank, world_size)  # PP 3; talks: the mesh's groups
     # data: every rank reads its own windows of the training tokens
-    data = build_data(run)
+    data = build_data(run)  # talks with --debug: rank 0 prints each rank's windows
     # model: the same initial weights on every rank, resumed if asked, then wrapped
-    raw_model, optimizer = build_model(run, data.vocab_size)
-    start = resumed_step(run, raw_model, optimizer, data)
-    model = wrap_model(run, raw_model)
+    raw_model, optimizer = build_model(run, data.vocab_size)  # FSDP 2; talks: the mesh
+    start = resumed_step(run, raw_model, optimizer, data)  # talks: rank 0 finds it, all agree
+    model = wrap_model(run, raw_model)  # FSDP 4: no wrapper
     schedule = pipeline_schedule(run, model)  # PP 2: this rank's stage in a pipeline schedule
     if args.benchmark:
-        return benchmark(run, schedule, model, optimizer, data.windows)  # PP 2
+        return benchmark(run, schedule, model, optimizer, data.windows)  # PP 2; talks
     # train: log, evaluate and save on schedule
-    val_loss = evaluate(run, model, data.val)
+    val_loss = evaluate(run, model, data.val)  # talks: the loss sums of every rank add up
     print0(run.is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
     meter = Meter(run, raw_model, start)  # the training clock starts now
     for step in range(start, args.max_steps):
-        loss, grad_norm = train_step(run, schedule, model, optimizer, data.windows, step)  # PP 2
+        loss, grad_norm = train_step(run, schedule, model, optimizer,  # PP 2; talks
+                                     data.windows, step)
         done = step + 1
         if done % args.log_every == 0 or done == args.max_steps:
             print0(run.is_main, meter.log_line(done, loss.item(), grad_norm.item()))
         meter.stop_clock()  # evaluation and checkpoints are not training time
         if done % args.eval_every == 0 or done == args.max_steps:
-            val_loss = evaluate(run, model, data.val)
+            val_loss = evaluate(run, model, data.val)  # talks
             print0(run.is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | "
                                 f"baseline {data.baseline:.4f}")
         # save: rank 0 writes, every rank waits for it
         due = done == args.max_steps or (args.save_every and done % args.save_every == 0)
         if args.save and due:
-            save_checkpoint(run, raw_model, optimizer, data, done)
+            save_checkpoint(run, raw_model, optimizer, data, done)  # talks
         meter.start_clock()
-    # cleanup: the summary and a sample here; the group is left by __main__'s `finally`
-    report(run, raw_model, data, val_loss, meter)
+    # cleanup: the summary and a sample; the group is left by __main__'s `finally`
+    report(run, raw_model, data, val_loss, meter)  # FSDP 8; talks: export, sample
 
 
 def init_distributed(device_name, timeout_s, debug):  # DDP 1: join the group torchrun describes
     """Join the process group of the processes torchrun started, one device each: a collective,
-    every process calls it. Returns (device, rank, world size). Started without torchrun, or with
-    more processes than GPUs: one line on stderr and exit code 2."""
-    def refuse(problem):
-        sys.stderr.write(f"error: {problem}\n")
-        sys.exit(2)
-
-    if "RANK" not in os.environ:  # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT
-        refuse("not launched by torchrun: see the commands at the top of this script")
+    every process calls it. Returns (device, rank, world size)."""
+    refuse_a_bad_launch(device_name)  # guard: no torchrun, or more processes than GPUs
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device("cpu")
     if device_name == "cuda":  # DDP 2: one GPU per process, picked by LOCAL_RANK, before CUDA work
-        local_rank, visible = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
-        if local_rank >= visible:
-            refuse(f"--device cuda: GPU {local_rank} asked for, but {visible} visible: start at "
-                   "most one process per GPU (--nproc_per_node), or --device cpu")
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if debug:  # before the group starts; DETAIL checks every collective (not on gloo: docs/)
-        dist.set_debug_level(dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO)
-    if backend == "gloo" and dist.get_debug_level() == dist.DebugLevel.DETAIL:  # the shell's
-        if os.environ["RANK"] == "0":  # before the group: torchrun's RANK says who logs
-            print("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on gloo "
-                  "(docs/troubleshooting.md): going on at INFO", flush=True)
-        dist.set_debug_level(dist.DebugLevel.INFO)
+    dist.set_debug_level(safe_debug_level(backend, debug, dist.get_debug_level()))  # guard
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=device if backend == "nccl" else None)  # NCCL: bind it
     return device, dist.get_rank(), dist.get_world_size()
@@ -313,12 +296,12 @@ class Run:
 def make_run(args, device, rank, world_size):
     """This process's Run; logs the run's shape (world size, device, precision, batch)."""
     is_main = rank == 0  # DDP 3: rank 0 alone logs and saves
-    keep_freed_memory_on_cpu(device)
+    avoid_page_faults_on_cpu(device)  # guard: page faults every step on Linux CPUs
     amp, policy = mixed_precision(args.amp, device)  # FSDP 1
     mesh = grid(args.pp, device, world_size)  # PP 3: pp stages x (world size / pp) ranks
     stage, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     run = Run(args, device, rank, world_size, is_main, amp, policy, mesh, stage, dp_rank,
-              mesh.size(1), ends_group(mesh, stage, dp_rank))
+              mesh.size(1), ends_group(mesh, stage, dp_rank))  # talks: every rank makes every group
     print0(is_main, f"world size {world_size} ({args.pp} pp x {run.dp_size} dp) | device "
                     f"{device} | amp {amp} | {tokens_per_step(run):,} tokens per step "
                     f"({args.batch_size} x {args.block_size} x {args.grad_accum} micro-batches x "
@@ -332,14 +315,16 @@ def grid(pp, device, world_size):  # PP 3: a 2-D mesh, a stage of consecutive ra
     if world_size % pp:
         raise InputError(f"--pp {pp} does not divide the world size {world_size}: start a "
                          f"multiple of {pp} processes, or give --pp 1")
-    return init_device_mesh(device.type, (pp, world_size // pp), mesh_dim_names=("pp", "dp"))
+    shape, names = (pp, world_size // pp), ("pp", "dp")
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)  # a group per stage, column
 
 
 def ends_group(mesh, stage, dp_rank):  # PP 5: where the two copies of the tied matrix live
     """A collective: a process group of each column's first and last stage (every rank makes every
     group). Returns this rank's; None on a middle stage, and at --pp 1 (one matrix, no copies)."""
     pp = mesh.size(0)
-    groups = [dist.new_group(ranks) for ranks in mesh.mesh[[0, -1]].T.tolist()] if pp > 1 else []
+    ends = mesh.mesh[[0, -1]].T.tolist() if pp > 1 else []  # each column's first and last rank
+    groups = [dist.new_group(ranks) for ranks in ends]  # every rank joins the making of each
     return groups[dp_rank] if pp > 1 and stage in (0, pp - 1) else None
 
 
@@ -364,7 +349,7 @@ def build_data(run):
                         f"/ {len(val):,} val tokens | vocab {vocab_size} | "
                         f"{unit}-frequency baseline loss {baseline:.4f}")
     if args.debug:
-        log_windows(run, windows)
+        log_windows(run, windows)  # talks: rank 0 prints every rank's
     return Data(windows, val, vocab_size, itos, baseline)
 
 
@@ -385,7 +370,7 @@ class Windows:
 
     def starts_of_epoch(self, epoch):  # DDP 4: every rank its own share of the windows
         """The first token of every window this rank reads in `epoch`, in order."""
-        g = torch.Generator().manual_seed(self.seed + epoch)  # DDP: a new order each epoch
+        g = torch.Generator().manual_seed(self.seed + epoch)  # DDP 6: a new order each epoch
         offset = int(torch.randint(0, self.block + 1, (1,), generator=g))
         count = self.per_epoch * self.batch * self.world
         order = torch.randperm((len(self.tokens) - offset) // (self.block + 1), generator=g)[:count]
@@ -400,9 +385,19 @@ class Windows:
         return torch.from_numpy(rows.astype(np.int64))
 
 
+def log_windows(run, windows):  # DDP 10: --debug, which windows each rank reads
+    """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
+    that lines from several processes never splice into each other."""
+    line = (f"[rank {run.rank}] stage {run.stage}, dp column {run.dp_rank}: "  # PP 4
+            f"{windows.per_epoch} micro-batches per epoch, "
+            f"first windows at tokens {windows.starts_of_epoch(0)[:4].tolist()}")
+    lines = [None] * run.world_size
+    dist.all_gather_object(lines, line)  # to rank 0, which prints them in rank order
+    print0(run.is_main, "\n".join(lines))
+
+
 def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, then filled
-    """The sharded model, 1/N of every parameter on this rank's device, and its optimizer. No
-    rank ever holds the whole model: it is built as shapes only, sharded, then each shard filled."""
+    """The sharded model (1/N of every parameter here; no rank ever holds it whole), and AdamW."""
     args = run.args
     with torch.device("meta"):  # FSDP 2: shapes and dtypes, no memory
         raw_model = Stage(GPT(**model_config(args, vocab_size)), run.stage, args.pp)  # PP 1
@@ -411,11 +406,13 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
     init_shards(raw_model, args.seed, args.n_layer)  # PP 1: chapter 3's weights, the GPT's depth
     raw_model.grad_checkpointing = args.grad_checkpointing
     optimizer = make_optimizer(raw_model, args, run.device)
-    torch.manual_seed(args.seed + run.rank)  # DDP: each rank its own dropout masks
+    torch.manual_seed(args.seed + run.rank)  # DDP 11: each rank its own dropout masks
     print0(run.is_main, f"model {raw_model.whole_params:,} parameters | "  # PP 1: the GPT's
                         f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
                         f"context {args.block_size}")
-    print0(run.is_main, memory_line(run, raw_model))  # PP 1: what each stage holds, a collective
+    held = [None] * run.world_size  # PP 1: what every rank holds, gathered for rank 0's line
+    dist.all_gather_object(held, stage_holding(run, raw_model))  # rank 0 prints every stage's
+    print0(run.is_main, memory_line(raw_model, held))  # PP 1: what each stage holds
     print0(run.is_main, traffic_line(run, vocab_size))  # PP 1: and what it sends
     return raw_model, optimizer
 
@@ -423,24 +420,22 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
 def shard(run, model):  # FSDP 2: every block a group of its own, then the root
     """fully_shard turns each block's parameters into DTensors split across the ranks (dim 0): a
     block's weights are all-gathered just before its forward and its gradients reduce-scattered
-    after its backward, so at most a block or two exist in full at a time. The root group holds
-    the rest (embeddings, final norm, head)."""
+    after its backward, so at most a block or two are whole at a time; the root holds the rest."""
     mesh = run.mesh["dp"]  # PP 1: FSDP over the ranks of this stage, as chapter 7 over all
     reshard = run.args.reshard_after_forward == "yes"
     for block in model.blocks.values():  # PP 1: the stage's blocks
-        fully_shard(block, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)  # hooks
+    fully_shard(model, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)  # the root
 
 
 @torch.no_grad()
 def init_shards(model, seed, n_layer):  # PP 1: n_layer, the GPT's: a stage holds fewer blocks
-    """Fill this rank's shards with chapter 3's initial weights: each parameter is made whole from
-    the seed (initial_value), one at a time, and each rank keeps its own slice of it with no
-    communication (src_data_rank=None). The peak is one parameter, not the model."""
+    """Fill this rank's shards with chapter 3's initial weights: each parameter made whole from the
+    seed, one at a time; each rank keeps its slice, sending nothing (src_data_rank=None)."""
     for name, p in model.named_parameters():
         name = "tok_emb.weight" if name == "head.weight" else name  # PP 5: both copies alike
         full = initial_value(name, p.shape, seed, n_layer).to(p.device)
-        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))
+        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))  # mine
 
 
 def resumed_step(run, raw_model, optimizer, data):
@@ -451,11 +446,70 @@ def resumed_step(run, raw_model, optimizer, data):
         state = read_run_state(path, run, data) if path else None
     except InputError as err:  # told to every rank below, so that none waits for this one
         problem = str(err)
-    step = agree_on_start(state["step"] if state else 0, problem, path)  # FSDP 3
+    step = agree_on_start(state["step"] if state else 0, problem, path)  # FSDP 3; talks
     if path:
         load_shards(path, state, run, raw_model, optimizer)  # FSDP 3: every rank, at once
         print0(run.is_main, f"resumed from {path} at step {step}")
     return step
+
+
+def resume_path(run):
+    """A collective: the checkpoint to resume from, or None. --resume auto: the --save checkpoint
+    if it exists (so that a restart after a crash runs the same command and goes on from the last
+    checkpoint). Rank 0 looks and tells the rest: ranks that looked on their own could disagree."""
+    resume, save = run.args.resume, run.args.save
+    if resume != "auto":
+        return resume and newest_complete_step(resume, run.is_main) or resume  # FSDP 3: a step
+    if not save:
+        raise InputError("--resume auto needs a --save path to look for")
+    found = [newest_complete_step(save, run.is_main) if run.is_main else None]  # FSDP 3
+    dist.broadcast_object_list(found, src=0)  # DDP 12: rank 0 decides for every rank
+    return found[0]  # FSDP 3
+
+
+def agree_on_start(start, error, path):
+    """Every rank resumed from the same step, or all stop with the same line (a rank on a node that
+    cannot see the checkpoint, or sees another file: checkpoints need a shared filesystem)."""
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, (start, error))  # DDP 12: a collective, so no rank hangs
+    failed = [(rank, problem) for rank, (_, problem) in enumerate(outcomes) if problem]
+    if failed and len(failed) == len(outcomes) and len({p for _, p in failed}) == 1:
+        raise InputError(failed[0][1])  # the same problem everywhere: the checkpoint itself
+    if failed:
+        raise InputError(f"rank {failed[0][0]}: {failed[0][1]} (every rank reads --resume: on "
+                         "several nodes it must be on a filesystem they share, docs/multinode.md)")
+    steps = [step for step, _ in outcomes]
+    if len(set(steps)) > 1:
+        raise InputError(f"the ranks read {path} at different steps {steps}: on several nodes it "
+                         "must be one file on a filesystem they share (docs/multinode.md)")
+    return start
+
+
+def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
+    """A collective: every rank reads the slices its shards hold, whatever world size wrote them
+    (DCP knows which slice each file holds); then its RNG, at the world size that saved."""
+    model_state, optim_state = get_state_dict(raw_model, optimizer)  # my shards' state
+    own_names = as_whole_model(run, raw_model, optim_state)  # PP 6: chapter 7's names
+    try:
+        dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)  # every rank
+    except (Exception, CheckpointException) as err:  # raised on every rank: DCP gathers them
+        raise InputError(f"cannot load the shards of {path}: {first_reason(err)}") from None
+    optim_state = as_stage(optim_state, own_names)  # PP 6: back to this stage's names
+    set_state_dict(raw_model, optimizer, model_state_dict=model_state,  # into my shards
+                   optim_state_dict=optim_state)
+    if not shards_finite(raw_model):  # talks: every rank gets the same answer
+        raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
+    saved = state["args"].get("pp"), len(state["rng"])  # PP 6: the grid that saved it
+    if saved == (run.args.pp, run.world_size):  # else the seeds by rank stay
+        restore_rng(state["rng"][run.rank], run.device)  # FSDP 3: this rank's streams
+
+
+def shards_finite(model):  # FSDP 3
+    """A collective: True on every rank if every rank's shards are free of NaN and infinity."""
+    mine = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
+    flag = torch.tensor([float(mine)], device=next(model.parameters()).device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # 0 if any rank's shards are not finite
+    return bool(flag.item())
 
 
 def wrap_model(run, raw_model):  # FSDP 4: no wrapper: the sharded model trains itself
@@ -475,7 +529,23 @@ def pipeline_schedule(run, model):  # PP 2: the stage, in a schedule of the step
     return kind(stage, run.args.grad_accum, loss_fn=mean_token_loss)
 
 
-def train_step(run, schedule, model, optimizer, windows, step):
+def benchmark(run, schedule, model, optimizer, windows):  # PP 2
+    """--benchmark: 5 warm-up steps, then --max-steps timed ones; median ms/step and tokens/s."""
+    times = []
+    for step in range(5 + run.args.max_steps):
+        start = time.perf_counter()
+        loss, _ = train_step(run, schedule, model, optimizer, windows, step)  # PP 2; talks
+        loss.item()  # wait for the device: the step is over
+        times.append(time.perf_counter() - start)
+    result = {**pace_keys(statistics.median(times[5:]), tokens_per_step(run)),
+              "timed_steps": run.args.max_steps}
+    log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
+    print0(run.is_main, f"benchmark | {result['step_ms']} ms/step | "
+                        f"{result['throughput']:,.0f} tok/s")
+    print0(run.is_main, summary_line(result))
+
+
+def train_step(run, schedule, model, optimizer, windows, step):  # PP 2: the schedule steps
     """One optimizer step over --grad-accum micro-batches; a collective. Returns the loss (mean
     over all ranks) and the gradient norm before clipping, both device tensors."""
     args = run.args
@@ -489,7 +559,7 @@ def train_step(run, schedule, model, optimizer, windows, step):
     sum_tied_gradients(run, model)  # PP 5
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, args)
-    grad_norm = clip_gradients(run, model, args.clip or float("inf"))  # PP 6
+    grad_norm = clip_gradients(run, model, args.clip or float("inf"))  # PP 7
     loss = mean_over_ranks(loss) * args.pp  # PP 2: the other stages add 0: the last stage's mean
     stop_if_diverged(run, step, loss, grad_norm)
     optimizer.step()  # FSDP 1
@@ -502,43 +572,49 @@ def sum_tied_gradients(run, model):  # PP 5: one matrix, two copies: the sum of 
     is two copies here; each gets the sum of both gradients, so both take the one matrix's steps."""
     if run.tied is not None:  # None: a middle stage, or --pp 1 (one matrix, one gradient)
         copy = model.tok_emb.weight if run.stage == 0 else model.head.weight
-        dist.all_reduce(copy.grad.to_local(), op=dist.ReduceOp.SUM, group=run.tied)
+        dist.all_reduce(copy.grad.to_local(), op=dist.ReduceOp.SUM, group=run.tied)  # both copies
 
 
-def clip_gradients(run, model, max_norm):  # PP 6: the norm over every stage and every shard
+def clip_gradients(run, model, max_norm):  # PP 7: the norm over every stage and every shard
     """clip_grad_norm_ over the whole model: each stage's squared norm over its shards, summed over
     the stages, the tied matrix counted once. Returns the norm before clipping, on every rank."""
     twin = model.head.weight if run.stage > 0 and model.head is not None else None  # PP 5
     norm = nn.utils.get_total_norm([p.grad for p in model.parameters() if p is not twin])
-    norm = norm.full_tensor() ** 2
-    dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=run.mesh.get_group("pp"))
+    norm = norm.full_tensor() ** 2  # the stage's norm over its shards, on each of its ranks
+    dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=run.mesh.get_group("pp"))  # all stages
     norm = norm.sqrt()
     nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
     return norm
 
 
+def mean_over_ranks(value):  # DDP 7
+    """A collective: the average of a scalar tensor over all ranks (SUM, then divide)."""
+    value = value.detach().clone().float()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # every rank gets the sum of all ranks'
+    return value / dist.get_world_size()
+
+
 def evaluate(run, model, val):  # FSDP 7: every rank runs as many forwards
     """The mean validation loss per token, exact at any world size; a collective. Each forward
-    all-gathers weights with every rank, so a rank with fewer batches pads its list with batches
-    whose targets are all -100 (cross_entropy ignores them): they count for nothing."""
+    all-gathers with every rank, so fewer batches are padded with targets of -100: counted 0."""
     batches = list(validation_batches(run, val))  # PP 4: by column, the same on every stage
     most = torch.tensor(len(batches), device=run.device)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most batches any rank holds
     x = torch.zeros(1, run.args.block_size, dtype=torch.long, device=run.device)
     batches += [(x, torch.full_like(x, -100))] * (int(most) - len(batches))
-    return mean_loss_over_ranks(run, model, batches)  # PP 7
+    return mean_loss_over_ranks(run, model, batches)  # PP 8
 
 
 @torch.no_grad()
-def mean_loss_over_ranks(run, model, batches):  # PP 7; FSDP 1: no autocast; DDP 7: sum, divide
+def mean_loss_over_ranks(run, model, batches):  # PP 8; FSDP 1: no autocast; DDP 7: sum, divide
     """The mean cross-entropy per target over all ranks' batches (inputs, targets): each rank
     sums its own, one all-reduce adds the sums and the counts up. A collective: every rank calls
     it (evaluate() says how many batches each rank may bring)."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
     for x, y in batches:
-        logits = pipeline_forward(run, model, x)  # PP 7: None but on the last stage
-        if logits is None:  # PP 7: only the last stage scores; the others add 0
+        logits = pipeline_forward(run, model, x)  # PP 8: None but on the last stage
+        if logits is None:  # PP 8: only the last stage scores; the others add 0
             continue
         totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
         totals[1] += (y != -100).sum()  # FSDP 7: the padding counts no token
@@ -547,14 +623,7 @@ def mean_loss_over_ranks(run, model, batches):  # PP 7; FSDP 1: no autocast; DDP
     return (totals[0] / totals[1]).item()
 
 
-def mean_over_ranks(value):  # DDP 7
-    """A collective: the average of a scalar tensor over all ranks (SUM, then divide)."""
-    value = value.detach().clone().float()
-    dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return value / dist.get_world_size()
-
-
-@torch.no_grad()  # PP 7: a pipeline without a schedule: receive, run, send
+@torch.no_grad()  # PP 8: a pipeline without a schedule: receive, run, send
 def pipeline_forward(run, model, x):
     """A forward through every stage of this rank's pp column (a collective of it): stage 0 embeds
     the token ids x (B, T); every later stage receives the activations (B, T, C) from the stage
@@ -562,36 +631,35 @@ def pipeline_forward(run, model, x):
     group, last = run.mesh.get_group("pp"), run.args.pp - 1
     if run.stage > 0:  # every stage knows x: its shape is the shape of what arrives
         h = torch.empty(*x.shape, run.args.n_embd, dtype=activation_dtype(run), device=run.device)
-        dist.recv(h, group=group, group_src=run.stage - 1)
+        dist.recv(h, group=group, group_src=run.stage - 1)  # waits for the stage before
         x = h
     out = model(x)
     if run.stage == last:
         return out
-    dist.send(out.contiguous(), group=group, group_dst=run.stage + 1)
+    dist.send(out.contiguous(), group=group, group_dst=run.stage + 1)  # the next stage's input
     return None
 
 
 def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every rank its shards
-    """A collective: rank 0 writes DIR/step-N/run.json (step, flags, vocabulary, every rank's
-    RNG), then every rank writes its own shards of the weights and of AdamW's state into
-    DIR/step-N/ (torch.distributed.checkpoint: nothing is gathered). DCP writes .metadata last:
-    a folder without it is never resumed. Then rank 0 removes older steps. A failed save:
-    SaveFailed on every rank, the step's folder removed, the previous step intact."""
-    rng_states = [None] * run.world_size  # DDP: each rank has its own dropout stream
-    dist.all_gather_object(rng_states, rng_state(run.device))
+    """A collective: rank 0 writes DIR/step-N/run.json (step, flags, vocabulary, every rank's RNG),
+    every rank its shards of weights and AdamW state (DCP: no gather; .metadata last marks it
+    complete). Failed: SaveFailed on every rank, the folder removed, the previous step intact."""
+    rng_states = [None] * run.world_size  # DDP 15: each rank has its own dropout stream
+    dist.all_gather_object(rng_states, rng_state(run.device))  # so rank 0 can save them all
     folder = os.path.join(run.args.save, f"step-{step:06d}")  # FSDP 3: a folder per step
     if not shards_finite(raw_model):  # a collective: every rank gets the same answer
         raise SaveFailed(f"not saving {folder}: the weights are not finite")
-    state, _ = whole_model_state(run, raw_model, optimizer)  # PP 8: named as chapter 7 names it
+    state = dict(zip(("model", "optimizer"), get_state_dict(raw_model, optimizer)))  # mine
+    as_whole_model(run, raw_model, state["optimizer"])  # PP 6: named as chapter 7 names it
     try:  # rank 0 writes run.json, then every rank its shards
-        save_on_rank_0(lambda: write_file(os.path.join(folder, "run.json"),
+        save_on_rank_0(lambda: write_file(os.path.join(folder, "run.json"),  # talks
                                           run_state(run, data, step, rng_states)), run.is_main)
-        dcp.save(state, checkpoint_id=folder)
+        dcp.save(state, checkpoint_id=folder)  # every rank its shards; .metadata last, by rank 0
     except (SaveFailed, OSError, RuntimeError, CheckpointException) as err:  # DCP: on every rank
-        save_on_rank_0(lambda: shutil.rmtree(folder, ignore_errors=True), run.is_main)
+        save_on_rank_0(lambda: shutil.rmtree(folder, ignore_errors=True), run.is_main)  # talks
         failed = SaveFailed(f"cannot save {folder}: {first_reason(err, folder, state)}")
         raise (err if isinstance(err, SaveFailed) else failed) from None
-    save_on_rank_0(lambda: drop_older_steps(run.args.save, folder), run.is_main)
+    save_on_rank_0(lambda: drop_older_steps(run.args.save, folder), run.is_main)  # talks
     print0(run.is_main, f"step {step}/{run.args.max_steps} | saved {folder}")
 
 
@@ -605,16 +673,75 @@ def save_on_rank_0(write, is_main):  # DDP 8: one writer; every rank waits and l
         except Exception as err:  # sent to every rank below, so that none goes on alone
             error = err
     outcome = [error]
-    dist.broadcast_object_list(outcome, src=0)
+    dist.broadcast_object_list(outcome, src=0)  # every rank waits here for rank 0's write
     if outcome[0] is not None:
         raise outcome[0]
+
+
+def report(run, raw_model, data, val_loss, meter):
+    """The done line, the summary line, and (rank 0, the plain model) a taste of what it learned;
+    on GPUs first every rank's peak memory (a collective)."""
+    log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
+    summary = {**meter.summary(), "val_loss": val_loss, "baseline_loss": data.baseline}
+    unit = "byte" if data.vocab_size == 256 else "token"
+    print0(run.is_main, f"done | val loss {val_loss:.4f} ({unit}-frequency baseline "
+                        f"{data.baseline:.4f}) | {summary['tokens_per_s']:,.0f} tok/s over "
+                        f"{summary['train_s']:.1f} s of training")
+    print0(run.is_main, summary_line(summary))
+    if run.args.export:  # FSDP 8: one plain file, for one-process sampling
+        export(run, raw_model, data)  # talks: every rank's shards to rank 0
+    if unit == "byte" or data.itos:  # FSDP 7: every rank generates: each forward gathers weights
+        raw_model.eval()
+        start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
+        out = generate(run, raw_model, torch.tensor([[start]], device=run.device))  # PP 8
+        print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 7
+
+
+def export(run, raw_model, data):  # PP 6: by stage; FSDP 8: one plain file, chapter 3's format
+    """A collective: each stage all-gathers its whole parameters and its first rank sends them to
+    rank 0's CPU, which writes --export in chapter 3's format (train_ddp_minigpt.py --sample)."""
+    if not shards_finite(raw_model):  # talks: every rank gets the same answer
+        raise SaveFailed(f"not exporting {run.args.export}: the weights are not finite")
+    options = StateDictOptions(full_state_dict=True)  # PP 6: every rank its whole stage
+    stage = get_model_state_dict(raw_model, options=options)  # all-gathers within the stage
+    stage = {k: v.cpu() for k, v in stage.items()}
+    stages = [None] * run.world_size if run.is_main else None
+    dist.gather_object(stage if run.dp_rank == 0 else {}, stages, dst=0)  # PP 6: to rank 0
+    weights = {k: v for part in stages or [] for k, v in part.items()}  # in the GPT's order
+    save_on_rank_0(lambda: write_export(run, weights, data), run.is_main)  # talks
+
+
+@torch.no_grad()  # PP 8: each new token is a forward through every stage
+def generate(run, model, idx):
+    """Append --max-new-tokens tokens to idx (1, T); a collective of the pp column. The last stage
+    draws each token from its logits and sends it to every stage of the column."""
+    args = run.args
+    for _ in range(args.max_new_tokens):
+        logits = pipeline_forward(run, model, idx[:, -args.block_size:])  # talks: the column
+        token = torch.zeros(1, 1, dtype=torch.long, device=run.device)
+        if logits is not None:
+            token = next_token(logits[:, -1], args.temperature, args.top_k)
+        dist.broadcast(token, group=run.mesh.get_group("pp"), group_src=args.pp - 1)  # to all
+        idx = torch.cat([idx, token], dim=1)
+    return idx
+
+
+def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
+    """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in rank
+    order (measured: weights, gradients, optimizer state, activations; docs/fsdp.md)."""
+    if run.device.type != "cuda":
+        return
+    peaks = [None] * run.world_size
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # for rank 0
+    print0(run.is_main, "peak GPU memory per rank (max_memory_allocated): " +
+           ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
 
 
 def leave_distributed():  # DDP 9: leave the process group on every path, error or not
     """Free what a failed run left (a DDP model holds the group), then leave the group."""
     gc.collect()
     if dist.is_initialized():
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # waits for no one: each rank leaves on its own
 
 
 # ============================================================================== the plumbing
@@ -622,8 +749,49 @@ def leave_distributed():  # DDP 9: leave the process group on every path, error 
 # timing, sampling, and the errors: what any trainer needs, distributed or not.
 
 
-# ------------------------------------------------------------------------------------------ flags
+# ---------------------------------------- guards: each stops one thing going wrong in production
+def refuse_a_bad_launch(device_name):  # guard: a process that could never join a group
+    """Exit code 2 and one line if torchrun did not start this process, or its GPU is missing."""
+    def refuse(problem):
+        sys.stderr.write(f"error: {problem}\n")
+        sys.exit(2)
 
+    if "RANK" not in os.environ:  # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT
+        refuse("not launched by torchrun: see the commands at the top of this script")
+    if device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available()):
+        local_rank, visible = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+        if local_rank >= visible:
+            refuse(f"--device cuda: GPU {local_rank} asked for, but {visible} visible: start at "
+                   "most one process per GPU (--nproc_per_node), or --device cpu")
+
+
+def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo
+    """The debug level to run at, from the shell's: --debug asks DETAIL (NCCL) or INFO (gloo); a
+    shell's DETAIL on gloo, where it crashes DDP, becomes INFO with one warning from rank 0."""
+    if debug:
+        level = dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO
+    if backend == "gloo" and level == dist.DebugLevel.DETAIL:  # the shell's
+        if os.environ["RANK"] == "0":  # before the group: torchrun's RANK says who logs
+            print("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on gloo "
+                  "(docs/troubleshooting.md): going on at INFO", flush=True)
+        level = dist.DebugLevel.INFO
+    return level
+
+
+def avoid_page_faults_on_cpu(device):  # guard: glibc returning freed memory at once
+    """On Linux CPUs (glibc), keep freed memory in the process: glibc hands each step's tens of MB
+    (the logits) back to the OS, and page faults cost 10-30% of a step (docs/performance.md)."""
+    if device.type != "cpu":
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc (macOS, musl, Windows): nothing to tune
+    libc.mallopt(-4, 0)  # M_MMAP_MAX = 0: serve large blocks from the heap, not fresh mmaps
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD = 1 GiB: keep that much freed heap for reuse
+
+
+# ------------------------------------------------------------------------------------------ flags
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit code 2, instead of argparse's usage block
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -708,9 +876,9 @@ def parse_args(argv=None):
       help="validation sequences per evaluation (default: 128)")
     a("--log-every", type=positive(int), default=10, metavar="N",
       help="steps between log lines (default: 10)")
-    a("--save", default="checkpoints/minigpt_pp", metavar="DIR",  # PP 8
+    a("--save", default="checkpoints/minigpt_pp", metavar="DIR",  # PP 6
       help="checkpoint folder of step-N folders, '' for none (default: %(default)s)")
-    a("--export", default="checkpoints/minigpt_pp.pt", metavar="PATH",  # PP 8
+    a("--export", default="checkpoints/minigpt_pp.pt", metavar="PATH",  # PP 6
       help="the final weights in one file, chapter 3's format, '' for none (default: %(default)s)")
     a("--save-every", type=positive(int, zero_ok=True), default=0, metavar="N",
       help="also save every N steps, 0 = only at the end (default: 0)")
@@ -750,7 +918,6 @@ def parse_args(argv=None):
 
 
 # ------------------------------------------------------------------------------------------- data
-
 def load_tokens(args, default_bytes=2_000_000):
     """All tokens as a 1-D numpy array, and the vocabulary size. A text file's bytes are its
     tokens; a .bin file is memory-mapped, so a corpus of many GB costs no RAM until it is read."""
@@ -840,13 +1007,11 @@ def load_data(args, world_size):
     return train, val, vocab_size, itos
 
 
-
 def unigram_loss(train, val, vocab_size):
     """Cross-entropy (nats/token) on the validation tokens of predicting each token by its frequency
     in the training tokens: the loss to beat, for a model that ignores context."""
     counts = np.bincount(train, minlength=vocab_size) + 1.0  # +1: no token has probability 0
     return float(-np.log(counts / counts.sum())[val].mean())
-
 
 
 def validation_batches(run, val):
@@ -869,33 +1034,7 @@ def on_device(rows, device):
     return rows[:, :-1], rows[:, 1:]
 
 
-def log_windows(run, windows):  # DDP: --debug, which windows each rank reads
-    """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
-    that lines from several processes never splice into each other."""
-    line = (f"[rank {run.rank}] stage {run.stage}, dp column {run.dp_rank}: "  # PP 4
-            f"{windows.per_epoch} micro-batches per epoch, "
-            f"first windows at tokens {windows.starts_of_epoch(0)[:4].tolist()}")
-    lines = [None] * run.world_size
-    dist.all_gather_object(lines, line)
-    print0(run.is_main, "\n".join(lines))
-
-
 # -------------------------------------------------------------- precision, optimizer, schedule
-
-def keep_freed_memory_on_cpu(device):
-    """On Linux CPUs (glibc), keep freed memory in the process. Each step frees and allocates tens
-    of MB (the logits); by default glibc hands such blocks back to the OS at once, and the next
-    step pays page faults to map them again (10-30% of a step, measured: docs/performance.md)."""
-    if device.type != "cpu":
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return  # not glibc (macOS, musl, Windows): nothing to tune
-    libc.mallopt(-4, 0)  # M_MMAP_MAX = 0: serve large blocks from the heap, not fresh mmaps
-    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD = 1 GiB: keep that much freed heap for reuse
-
-
 def amp_dtype(choice, device):
     """The autocast dtype, or None for fp32. bf16 has fp32's range: no loss scaling. fp16 needs a
     GradScaler. Only native bf16 counts: V100s and T4s emulate it, slower than fp16."""
@@ -910,7 +1049,6 @@ def amp_dtype(choice, device):
         raise InputError("--amp bf16: this GPU has no native bf16 (only slow emulation); "
                          "use --amp fp16")
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[choice]
-
 
 
 def mixed_precision(choice, device):  # FSDP 1: FSDP's policy casts the weights, not autocast
@@ -949,7 +1087,6 @@ def lr_at(step, args):
     return args.min_lr + cosine * (args.lr - args.min_lr)
 
 
-
 def stop_if_diverged(run, step, loss, grad_norm):
     """Raise Diverged, before the optimizer applies it, if a step's loss or gradient norm is not
     finite. Both are the same on every rank (all-reduced), so every rank stops at this step. With
@@ -965,7 +1102,6 @@ def stop_if_diverged(run, step, loss, grad_norm):
 
 
 # ------------------------------------------------------------------------------- checkpoint files
-
 def all_finite(state_dict):
     """True if every floating-point tensor of a state dict is free of NaN and infinity."""
     return all(bool(torch.isfinite(t).all()) for t in state_dict.values() if t.is_floating_point())
@@ -1003,7 +1139,6 @@ def readable_size(n):
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 
 
-
 def run_state(run, data, step, rng_states):  # FSDP 3: all of a step but the shards
     """What a step needs besides its shards, as JSON: the step, model config, flags and every
     rank's RNG states (their bytes as lists of numbers)."""
@@ -1031,17 +1166,27 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
             os.remove(tmp)
 
 
+def write_export(run, weights, data):  # FSDP 8: rank 0's part of --export
+    """Write the gathered weights to --export in chapter 3's checkpoint format, atomically."""
+    path, step = run.args.export, run.args.max_steps
+    state = {"model": weights, "optimizer": {}, "scaler": {}, "step": step, "args": vars(run.args),
+             "config": model_config(run.args, data.vocab_size), "itos": data.itos, "rng": []}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    write_file(path, buffer.getvalue())
+    print(f"step {step}/{step} | exported {path}", flush=True)
+
+
+def restore_rng(saved, device):  # FSDP 3: run.json keeps the states as lists of bytes
+    """Set this process's RNG states (the CPU's, and its GPU's on a GPU) from run.json's lists."""
+    torch.set_rng_state(torch.tensor(saved["cpu"], dtype=torch.uint8))
+    if saved["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(torch.tensor(saved["cuda"], dtype=torch.uint8))
+
+
 def rng_state(device):
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return {"cpu": torch.get_rng_state(), "cuda": cuda}
-
-
-def shards_finite(model):  # FSDP 3
-    """A collective: True on every rank if every rank's shards are free of NaN and infinity."""
-    mine = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
-    flag = torch.tensor([float(mine)], device=next(model.parameters()).device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def first_reason(err, folder=None, state=None):  # FSDP 3
@@ -1074,41 +1219,6 @@ def drop_older_steps(folder, newest):  # FSDP 3
             shutil.rmtree(old, ignore_errors=True)
 
 
-def resume_path(run):
-    """A collective: the checkpoint to resume from, or None. --resume auto: the --save checkpoint
-    if it exists (so that a restart after a crash runs the same command and goes on from the last
-    checkpoint). Rank 0 looks and tells the rest: ranks that looked on their own could disagree."""
-    resume, save = run.args.resume, run.args.save
-    if resume not in ("auto", None) and os.path.isfile(resume):  # FSDP 3: folders, not files
-        raise InputError(f"{resume} is one file, as train_ddp_minigpt.py saves; this trainer "
-                         "resumes from a checkpoint folder of its own (--save DIR)")
-    if resume != "auto":  # FSDP 3: a folder's newest complete step, or a step folder itself
-        return resume and newest_complete_step(resume, run.is_main) or resume
-    if not save:
-        raise InputError("--resume auto needs a --save path to look for")
-    found = [newest_complete_step(save, run.is_main) if run.is_main else None]  # FSDP 3
-    dist.broadcast_object_list(found, src=0)  # DDP: rank 0 decides for every rank
-    return found[0]  # FSDP 3
-
-
-def agree_on_start(start, error, path):
-    """Every rank resumed from the same step, or all stop with the same line (a rank on a node that
-    cannot see the checkpoint, or sees another file: checkpoints need a shared filesystem)."""
-    outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, (start, error))  # DDP: a collective, so no rank hangs
-    failed = [(rank, problem) for rank, (_, problem) in enumerate(outcomes) if problem]
-    if failed and len(failed) == len(outcomes) and len({p for _, p in failed}) == 1:
-        raise InputError(failed[0][1])  # the same problem everywhere: the checkpoint itself
-    if failed:
-        raise InputError(f"rank {failed[0][0]}: {failed[0][1]} (every rank reads --resume: on "
-                         "several nodes it must be on a filesystem they share, docs/multinode.md)")
-    steps = [step for step, _ in outcomes]
-    if len(set(steps)) > 1:
-        raise InputError(f"the ranks read {path} at different steps {steps}: on several nodes it "
-                         "must be one file on a filesystem they share (docs/multinode.md)")
-    return start
-
-
 def read_checkpoint(path):
     """The checkpoint dict, loaded to the CPU with weights_only=True; a problem is an InputError."""
     if not os.path.isfile(path):
@@ -1125,9 +1235,11 @@ def read_checkpoint(path):
     return state
 
 
-
 def read_run_state(path, run, data):  # FSDP 3
     """A step folder's run.json, checked against this run's model; a problem is an InputError."""
+    if os.path.isfile(path):  # FSDP 3: folders, not files
+        raise InputError(f"{path} is one file, as train_ddp_minigpt.py saves; this trainer "
+                         "resumes from a checkpoint folder of its own (--save DIR)")
     file = os.path.join(path, "run.json")
     if not os.path.isfile(os.path.join(path, ".metadata")) or not os.path.isfile(file):
         raise InputError(f"no complete checkpoint at {path} (it needs .metadata and run.json)")
@@ -1143,45 +1255,21 @@ def read_run_state(path, run, data):  # FSDP 3
     return state
 
 
-def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
-    """A collective: every rank reads the slices of every tensor that its shards hold, whatever
-    world size wrote them (the checkpoint knows which slice each file holds); then this rank's
-    RNG, when the world size is the one that saved."""
-    state_now, own_names = whole_model_state(run, raw_model, optimizer)  # PP 8
-    try:
-        dcp.load(state_now, checkpoint_id=path)  # PP 8
-    except (Exception, CheckpointException) as err:  # raised on every rank: DCP gathers them
-        raise InputError(f"cannot load the shards of {path}: {first_reason(err)}") from None
-    optim_state = stage_optimizer_state(state_now["optimizer"], own_names)  # PP 8
-    set_state_dict(raw_model, optimizer, model_state_dict=state_now["model"],
-                   optim_state_dict=optim_state)
-    if not shards_finite(raw_model):
-        raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
-    saved = state["args"].get("pp"), len(state["rng"])  # PP 8: the grid that saved it
-    if saved == (run.args.pp, run.world_size):  # else the seeds by rank stay
-        rng = {k: None if v is None else torch.tensor(v, dtype=torch.uint8)  # FSDP 3
-               for k, v in state["rng"][run.rank].items()}
-        torch.set_rng_state(rng["cpu"])
-        if rng["cuda"] is not None and run.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"])
-
-
-def whole_model_state(run, model, optimizer):  # PP 8: a checkpoint that knows no stages
-    """This stage's part of a checkpoint, named as chapter 7 names the whole model's, and the
-    stage's own lists of parameter names. AdamW's state of the tied matrix is kept under
+def as_whole_model(run, model, optim_state):  # PP 6: a checkpoint that knows no stages
+    """Rename this stage's optimizer state (in place) as chapter 7 names the whole model's, and
+    return the stage's own lists of names. AdamW's state of the tied matrix goes under
     tok_emb.weight, as one process keeps it (the last stage's copy holds the same numbers), and
     the param groups list the whole model's parameters, so that every stage writes the same."""
-    model_state, optim_state = get_state_dict(model, optimizer)
     if "head.weight" in optim_state["state"] and run.args.pp > 1:  # the last stage's copy
         optim_state["state"]["tok_emb.weight"] = optim_state["state"].pop("head.weight")
     own_names = [group["params"] for group in optim_state["param_groups"]]
     for group, names in zip(optim_state["param_groups"], model.whole_groups):
         group["params"] = names
-    return {"model": model_state, "optimizer": optim_state}, own_names
+    return own_names
 
 
-def stage_optimizer_state(optim_state, own_names):  # PP 8: back to this stage's names
-    """The optimizer state whole_model_state() renamed, as this stage's optimizer names it."""
+def as_stage(optim_state, own_names):  # PP 6: back to this stage's names
+    """The optimizer state as_whole_model() renamed, as this stage's optimizer names it."""
     moments = optim_state["state"]
     if "head.weight" in own_names[0] and "tok_emb.weight" not in own_names[0]:
         moments["head.weight"] = moments.pop("tok_emb.weight")
@@ -1190,40 +1278,19 @@ def stage_optimizer_state(optim_state, own_names):  # PP 8: back to this stage's
     return optim_state
 
 
-def export(run, raw_model, data):  # FSDP 8: one plain file, chapter 3's format; PP 8: by stage
-    """A collective: every stage gathers its whole parameters (an all-gather of its ranks), and
-    the first rank of each sends them to rank 0's CPU, which writes --export in chapter 3's
-    checkpoint format, for `python train_ddp_minigpt.py --sample --ckpt PATH`."""
-    path = run.args.export
-    if not shards_finite(raw_model):
-        raise SaveFailed(f"not exporting {path}: the weights are not finite")
-    options = StateDictOptions(full_state_dict=True)  # PP 8: every rank its whole stage
-    stage = {k: v.cpu() for k, v in get_model_state_dict(raw_model, options=options).items()}
-    stages = [None] * run.world_size if run.is_main else None
-    dist.gather_object(stage if run.dp_rank == 0 else {}, stages, dst=0)  # PP 8: to rank 0
-    model = {k: v for part in stages or [] for k, v in part.items()}  # in the GPT's order
-    state = {"model": model, "optimizer": {},
-             "scaler": {}, "step": run.args.max_steps, "args": vars(run.args),
-             "config": model_config(run.args, data.vocab_size), "itos": data.itos, "rng": []}
-
-    def write():
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        write_file(path, buffer.getvalue())
-        print(f"step {run.args.max_steps}/{run.args.max_steps} | exported {path}", flush=True)
-    save_on_rank_0(write, run.is_main)
-
-
-def memory_line(run, model):  # PP 1: what a rank of each stage holds, against DDP's full copy
-    """A collective: bytes of weights + gradients + AdamW's two moments (fp32: 4 copies) held by
-    the first rank of each stage, and the parts of the model that stage holds."""
+def stage_holding(run, model):  # PP 1: what this rank holds
+    """(dp rank, stage, the parts of the model it holds, the parameters of its shards)."""
     blocks = list(model.blocks)
     span = f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}"
     parts = ["embeddings"] * (model.tok_emb is not None) + [span] \
         + ["final norm and head"] * (model.head is not None)
-    mine = sum(p.to_local().numel() for p in model.parameters())
-    held = [None] * run.world_size  # PP 1: every rank's, for rank 0
-    dist.all_gather_object(held, (run.dp_rank, run.stage, ", ".join(parts), mine))
+    return run.dp_rank, run.stage, ", ".join(parts), sum(p.to_local().numel()
+                                                        for p in model.parameters())
+
+
+def memory_line(model, held):  # PP 1: what a rank of each stage holds, against DDP's full copy
+    """Bytes of weights + gradients + AdamW's two moments (fp32: 4 copies) held by the first rank
+    of each stage, from every rank's stage_holding(), and the parts of the model it holds."""
     stages = [f"stage {stage} ({parts}) {16 * n / 2**20:.2f} MiB, {n:,} parameters"
               for dp_rank, stage, parts, n in held if dp_rank == 0]
     where, whole = next(model.parameters()).device.type, model.whole_params
@@ -1246,13 +1313,12 @@ def traffic_line(run, vocab_size):  # PP 1: what a stage sends, per micro-batch 
             f"between stage 0 and stage {args.pp - 1}")
 
 
-def activation_dtype(run):  # PP 7: what goes between stages
+def activation_dtype(run):  # PP 8: what goes between stages
     """The dtype of the activations a stage sends: FSDP's compute dtype, or fp32."""
     return run.policy.param_dtype or torch.float32
 
 
 # --------------------------------------------------------------------------- logging and timing
-
 def print0(is_main, message):
     """Print a log line if this process is the one that logs; flush, so it shows at once."""
     if is_main:
@@ -1279,7 +1345,6 @@ def peak_tflops(gpu_name, amp):
         if all(word in words for word in model):
             return single if amp == "off" else half
     return None
-
 
 
 def flops_per_token(raw_model, args):
@@ -1378,55 +1443,7 @@ def summary_line(summary):
     return "summary " + json.dumps(finite, allow_nan=False)
 
 
-
-def benchmark(run, schedule, model, optimizer, windows):  # PP 2
-    """--benchmark: 5 warm-up steps, then --max-steps timed ones; median ms/step and tokens/s."""
-    times = []
-    for step in range(5 + run.args.max_steps):
-        start = time.perf_counter()
-        loss, _ = train_step(run, schedule, model, optimizer, windows, step)  # PP 2
-        loss.item()  # wait for the device: the step is over
-        times.append(time.perf_counter() - start)
-    result = {**pace_keys(statistics.median(times[5:]), tokens_per_step(run)),
-              "timed_steps": run.args.max_steps}
-    log_peak_gpu_memory(run)
-    print0(run.is_main, f"benchmark | {result['step_ms']} ms/step | "
-                        f"{result['throughput']:,.0f} tok/s")
-    print0(run.is_main, summary_line(result))
-
-
-def report(run, raw_model, data, val_loss, meter):
-    """The done line, the summary line, and (rank 0, the plain model) a taste of what it learned;
-    on GPUs first every rank's peak memory (a collective)."""
-    log_peak_gpu_memory(run)
-    summary = {**meter.summary(), "val_loss": val_loss, "baseline_loss": data.baseline}
-    unit = "byte" if data.vocab_size == 256 else "token"
-    print0(run.is_main, f"done | val loss {val_loss:.4f} ({unit}-frequency baseline "
-                        f"{data.baseline:.4f}) | {summary['tokens_per_s']:,.0f} tok/s over "
-                        f"{summary['train_s']:.1f} s of training")
-    print0(run.is_main, summary_line(summary))
-    if run.args.export:  # FSDP 8: one plain file, for one-process sampling
-        export(run, raw_model, data)
-    if unit == "byte" or data.itos:  # FSDP 7: every rank generates: each forward gathers weights
-        raw_model.eval()
-        start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
-        out = generate(run, raw_model, torch.tensor([[start]], device=run.device))  # PP 7
-        print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 7
-
-
-def log_peak_gpu_memory(run):
-    """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in rank
-    order (measured: weights, gradients, optimizer state, activations; docs/fsdp.md)."""
-    if run.device.type != "cuda":
-        return
-    peaks = [None] * run.world_size
-    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))
-    print0(run.is_main, "peak GPU memory per rank (max_memory_allocated): " +
-           ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
-
-
 # --------------------------------------------------------------------------------------- sampling
-
 def sample(args):
     """Inference: ONE plain process, no process group (generation has no gradients to average)."""
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -1459,28 +1476,13 @@ def encode(text, itos):
     return [stoi[c] for c in text]
 
 
-def next_token(logits, temperature, top_k):  # PP 7: what GPT.generate draws, per token
+def next_token(logits, temperature, top_k):  # PP 8: what GPT.generate draws, per token
     """A token id (1, 1) drawn from the logits (1, vocab) of the last position."""
     logits = logits / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.multinomial(logits.softmax(-1), 1)
-
-
-@torch.no_grad()
-def generate(run, model, idx):  # PP 7: each new token is a forward through every stage
-    """Append --max-new-tokens tokens to idx (1, T); a collective of the pp column. The last stage
-    draws each token from its logits and sends it to every stage of the column."""
-    args = run.args
-    for _ in range(args.max_new_tokens):
-        logits = pipeline_forward(run, model, idx[:, -args.block_size:])
-        token = torch.zeros(1, 1, dtype=torch.long, device=run.device)
-        if logits is not None:
-            token = next_token(logits[:, -1], args.temperature, args.top_k)
-        dist.broadcast(token, group=run.mesh.get_group("pp"), group_src=args.pp - 1)
-        idx = torch.cat([idx, token], dim=1)
-    return idx
 
 
 def decode(ids, itos):
@@ -1490,9 +1492,7 @@ def decode(ids, itos):
     return "".join(itos[i] for i in ids)
 
 
-
 # ----------------------------------------------------------------------------------------- errors
-
 class Stop(Exception):
     """A run that cannot go on: one line on stderr and exit code `code`, never a traceback."""
     code = 1

@@ -1,10 +1,11 @@
 """The distributed cores of chapter 3 can be copied into a trainer of one's own as they stand. These
 tests prove that
 
-1. each core (joining the group and picking the device, the no_sync accumulation, the mean over
-   ranks, exact evaluation across ranks, rank 0 saving while every rank waits, leaving the group) is
-   one top-level function of train_ddp_minigpt.py carrying its `# DDP` tag, whose free names are
-   torch's and the standard library's alone;
+1. each core (joining the group and picking the device, with its two guards: refusing a bad launch
+   and a debug level that crashes DDP; the no_sync accumulation, the mean over ranks, exact
+   evaluation across ranks, rank 0 saving while every rank waits, leaving the group) is one
+   top-level function of train_ddp_minigpt.py carrying its `# DDP k` (or `# guard:`) tag, whose
+   free names are torch's, the standard library's and the other cores' alone;
 2. docs/ddp_in_your_trainer.md holds each of them as the script does, and its diff block is the real
    diff between the page's single-process trainer and its DDP trainer;
 3. copied afresh out of the script beside the page's small model of its own, the cores run under
@@ -23,10 +24,10 @@ import runpy
 import torch
 from helpers import GPT, REPO, as_script, command, finish, ok, start
 
-CORES = ["init_distributed", "accumulate_gradients", "mean_loss_over_ranks", "mean_over_ranks",
-         "save_on_rank_0", "leave_distributed"]
+CORES = ["init_distributed", "refuse_a_bad_launch", "safe_debug_level", "accumulate_gradients",
+         "mean_loss_over_ranks", "mean_over_ranks", "save_on_rank_0", "leave_distributed"]
 ALLOWED = {"torch", "dist", "nn", "F", "DDP", "contextlib", "datetime", "gc", "os", "sys",
-           *dir(builtins)}
+           *CORES, *dir(builtins)}
 PAGE = REPO / "docs" / "ddp_in_your_trainer.md"
 
 
@@ -37,7 +38,7 @@ def cores():
     for node in ast.parse(source).body:
         if isinstance(node, ast.FunctionDef) and node.name in CORES:
             start = (node.decorator_list[0] if node.decorator_list else node).lineno - 1
-            assert re.search(r"# DDP( \d+|:)", lines[node.lineno - 1]), f"{node.name}: no tag"
+            assert re.search(r"# (DDP \d+|guard:)", lines[node.lineno - 1]), f"{node.name}: no tag"
             found[node.name] = "\n".join(lines[start:node.end_lineno])
     return found
 

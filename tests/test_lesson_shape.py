@@ -7,25 +7,26 @@
 2. every block of lines the DDP script adds or changes (outside its docstring, which holds the
    launch commands) opens with a short `# DDP k` tag on its first line; the tags 1..9 are all
    there, and the README's table of changes has a row for each;
-3. the LM trainer tags its DDP lines with the same numbers (and `# DDP:` for what chapter 2 lacks);
-4. in every twin the tags first appear in reading order (1, 2, 3...; imports aside);
+3. the LM trainer tags its DDP lines with chapter 2's numbers 1..9 (each of them used) and its own
+   10..16, which first appear in reading order and each have a row in the README's chapter 3;
+   no GPT script has a tag without a number (`# DDP:`), and each says in its docstring how its
+   tags are numbered;
+4. in every twin the tags first appear in reading order (1, 2, 3...; imports and main(), which
+   repeats the tags of the steps it calls, aside);
 5. no line of a training script is over 100 characters and no function takes more than 6
-   parameters; in the classifiers main() comes before the steps it calls; the LM trainers read lesson first: the model,
-   then main() (within the first 400 lines, before parse_args) and its steps, then one marked
-   line, then the plumbing; no attribute is hung on the argparse namespace;
+   parameters; in the classifiers main() comes before the steps it calls; the LM trainers read
+   lesson first: the model, then main() (within the first 250 lines, before parse_args) and its
+   steps, then one marked line, then the plumbing; no GPT script is longer than it was before the
+   collectives moved above the line (1,202 / 1,314 / 1,381 / 1,525 lines); no attribute is hung
+   on the argparse namespace;
 6. the LM's training loop holds no fault switch (faults are injected from tests/, by a probe);
-7. chapter 7's lesson, `diff train_ddp_minigpt.py train_fsdp_minigpt.py`: at most 400 changed
-   lines (meta-device build, DCP checkpoints and the export are most of them), and every block the FSDP script adds or changes opens with a `# FSDP k` tag (k = 1..8),
-   and the README's chapter 7 has a row for each;
-8. chapter 8's lesson, `diff train_fsdp_minigpt.py train_tp_minigpt.py`: at most 160 changed lines, every
-   block the TP script adds or changes opens with a `# TP k` tag (k = 1..6, in reading order), and the
-   README's chapter 8 has a row T1..T6 for each;
-9. chapter 9's lesson, `diff train_fsdp_minigpt.py train_pp_minigpt.py`: its lesson section (main()
-   and its steps, up to the plumbing) differs from chapter 7's by at most 150 lines, the whole diff
-   by at most 400 (the stage module beside the model, the checkpoint's names, the traffic and memory
-   lines, the export by stage, forward-only sampling); every block the PP script adds or changes
-   opens with a `# PP k` tag (k = 1..8, in reading order), and the README's chapter 9 has a row
-   P1..P8 for each.
+7. the twins' lessons: the lesson section (main() and its steps, up to the marked line) of chapter
+   7 differs from chapter 3's by at most 200 lines (the meta-device build, DCP checkpoints, the
+   export), chapter 8's from chapter 7's by at most 150 (the mesh, the TP plan, the norm), chapter
+   9's from chapter 7's by at most 200 (the stage, the schedule, the tied weight, forward-only
+   pipelines); the whole files by at most 410, 160 and 400 lines (the plumbing stays shared);
+8. every block a twin adds or changes opens with its tag (`# FSDP k`, k = 1..8; `# TP k`, 1..6;
+   `# PP k`, 1..8; in reading order), and the README's chapter has a row (F1.., T1.., P1..) for each.
 """
 import ast
 import difflib
@@ -38,10 +39,13 @@ TAG = re.compile(r"# DDP (\d+)\b")
 PLUMBING = re.compile(r"^# =+ the plumbing$")
 SCRIPTS = ["train_single_gpu.py", "train_ddp_basic.py", "train_ddp_minigpt.py",
            "train_fsdp_minigpt.py", "train_tp_minigpt.py", "train_pp_minigpt.py"]
-CHANGES = 9
+CHANGES = 9  # chapter 2's; chapter 3 goes on to 16 with its own
+LM_CHANGES = 16
 FSDP_TAG, FSDP_CHANGES = re.compile(r"# FSDP (\d+)\b"), 8
 TP_TAG, TP_CHANGES = re.compile(r"# TP (\d+)\b"), 6
 PP_TAG, PP_CHANGES = re.compile(r"# PP (\d+)\b"), 8
+SIZE = {"train_ddp_minigpt.py": 1202, "train_fsdp_minigpt.py": 1314,  # lines, at most: moving
+        "train_tp_minigpt.py": 1381, "train_pp_minigpt.py": 1525}  # the collectives up added none
 
 
 def lines(name):
@@ -80,10 +84,18 @@ def test_every_ddp_block_opens_with_its_tag_and_the_readme_has_every_row():
         assert re.search(rf"^\| {k} \|", readme, re.M), f"README's table of changes has no row {k}"
 
 
-def test_the_lm_trainer_uses_chapter_2_numbers():
+def test_the_lm_trainer_uses_chapter_2_numbers_then_its_own():
     numbers = {int(k) for line in lines("train_ddp_minigpt.py") for k in TAG.findall(line)}
-    assert numbers <= set(range(1, CHANGES + 1)) and {1, 2, 3, 4, 5, 7, 8, 9} <= numbers
-    assert any("# DDP: " in line for line in lines("train_ddp_minigpt.py"))  # its own additions
+    assert numbers == set(range(1, LM_CHANGES + 1)), sorted(numbers)
+    section = (REPO / "README.md").read_text().split("## Chapter 3")[1].split("## Chapter 4")[0]
+    for k in range(CHANGES + 1, LM_CHANGES + 1):
+        assert re.search(rf"^\| {k} \|", section, re.M), f"chapter 3 has no row {k}"
+    for name in SCRIPTS[2:]:
+        code = lines(name)[lines(name).index('"""', 1):]  # after the docstring's commands
+        unnumbered = [line.strip() for line in code
+                      if re.search(r"# (DDP|FSDP|TP|PP)(:|$| [^\d])", line)]
+        assert not unnumbered, f"{name}: tags without a number: {unnumbered}"
+        assert "reading order" in (REPO / name).read_text().split('"""')[1], name
 
 
 def test_no_long_line_no_wide_function_and_main_before_the_steps():
@@ -108,7 +120,8 @@ def test_the_lm_trainers_read_lesson_first(name):
     where = {n.name: n.lineno for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     marks = [i for i, line in enumerate(lines(name), 1) if PLUMBING.match(line)]
     assert len(marks) == 1, f"{name}: {len(marks)} lines mark where the plumbing starts"
-    assert where["GPT"] < where["main"] <= 400, f"{name}: main() at line {where['main']}"
+    assert where["GPT"] < where["main"] <= 250, f"{name}: main() at line {where['main']}"
+    assert len(lines(name)) <= SIZE[name], f"{name} grew to {len(lines(name))} lines"
     assert where["main"] < marks[0] < where["parse_args"]
     steps = ["init_distributed", "build_data", "build_model", "train_step", "evaluate",
              "save_checkpoint", "leave_distributed"]  # what main() calls, in its order
@@ -125,10 +138,13 @@ def test_the_lm_trainers_read_lesson_first(name):
                                          ("train_tp_minigpt.py", "TP"),
                                          ("train_pp_minigpt.py", "PP")])
 def test_tags_first_appear_in_reading_order(name, family):
-    seen = []
-    for line in lines(name):
-        if not line.startswith(("import ", "from ")):
+    seen, tree = [], ast.parse((REPO / name).read_text())
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    for i, line in enumerate(lines(name), 1):  # main() repeats the tags of the steps it calls
+        if not line.startswith(("import ", "from ")) and not main.lineno <= i <= main.end_lineno:
             seen += [int(k) for k in re.findall(rf"# {family} (\d+)\b", line) if int(k) not in seen]
+    if name == "train_ddp_minigpt.py":  # 1..9 follow chapter 2's order; its own follow its own
+        seen = [k for k in seen if k > CHANGES]
     assert seen == sorted(seen) and seen, f"{name}: {family} tags first appear as {seen}"
 
 
@@ -139,8 +155,8 @@ def test_the_lm_training_loop_has_no_fault_switch():
 
 
 @pytest.mark.parametrize("parent,child,tag,changes,limit,chapter,row", [
-    # chapter 7: most of the 400 are the meta build, DCP checkpoints and the export
-    ("train_ddp_minigpt.py", "train_fsdp_minigpt.py", FSDP_TAG, FSDP_CHANGES, 400, "7", "F"),
+    # chapter 7: most of the 410 are the meta build, DCP checkpoints and the export
+    ("train_ddp_minigpt.py", "train_fsdp_minigpt.py", FSDP_TAG, FSDP_CHANGES, 410, "7", "F"),
     ("train_fsdp_minigpt.py", "train_tp_minigpt.py", TP_TAG, TP_CHANGES, 160, "8", "T"),
     ("train_fsdp_minigpt.py", "train_pp_minigpt.py", PP_TAG, PP_CHANGES, 400, "9", "P")])
 def test_every_changed_block_opens_with_its_tag_and_the_readme_has_every_row(
@@ -158,14 +174,17 @@ def test_every_changed_block_opens_with_its_tag_and_the_readme_has_every_row(
         assert re.search(rf"^\| {row}{k} \|", section, re.M), f"chapter {chapter} has no row {row}{k}"
 
 
-def test_chapter_9s_lesson_section_differs_from_chapter_7s_by_at_most_150_lines():
+@pytest.mark.parametrize("parent,child,limit", [
+    ("train_ddp_minigpt.py", "train_fsdp_minigpt.py", 200),
+    ("train_fsdp_minigpt.py", "train_tp_minigpt.py", 150),
+    ("train_fsdp_minigpt.py", "train_pp_minigpt.py", 200)])
+def test_each_twins_lesson_section_differs_from_its_parents_within_budget(parent, child, limit):
     def lesson(name):  # from the lesson's marker to the plumbing's
         text = lines(name)
         start = next(i for i, line in enumerate(text) if line.startswith("# ---") and
                      "the distributed lesson" in line)
         return text[start:next(i for i, line in enumerate(text) if PLUMBING.match(line))]
-    parent, child = lesson("train_fsdp_minigpt.py"), lesson("train_pp_minigpt.py")
-    matcher = difflib.SequenceMatcher(None, parent, child, autojunk=False)
+    matcher = difflib.SequenceMatcher(None, lesson(parent), lesson(child), autojunk=False)
     count = sum((i2 - i1) + (j2 - j1) for tag, i1, i2, j1, j2 in matcher.get_opcodes()
                 if tag != "equal")
-    assert 0 < count <= 150, f"{count} changed lines in the lesson section"
+    assert 0 < count <= limit, f"{child}: {count} changed lines in the lesson section"
