@@ -185,7 +185,7 @@ def main(argv=None):
     val_loss = evaluate(run, model, data.val)  # talks: the loss sums of every rank add up
     print0(run.is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
     meter = Meter(run, raw_model, start)  # the training clock starts now
-    for step in range(start, args.max_steps):
+    for step in range(start, args.max_steps):  # every step talks
         loss, grad_norm = train_step(run, model, optimizer, data.windows, step)  # talks
         done = step + 1
         if done % args.log_every == 0 or done == args.max_steps:
@@ -277,8 +277,8 @@ class Windows:
     """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
     block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
     ranks round-robin, like DistributedSampler: ranks read different windows, and an epoch reads
-    each token once. Micro-batch k is a function of k alone, so a resumed run reads what the
-    uninterrupted one would have."""
+    each token once. Micro-batch k is a function of k and of the ranks sharing the data, so a run
+    resumed with as many ranks reads what the uninterrupted one would have."""
 
     def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
         self.tokens, self.block, self.batch = tokens, block_size, batch_size

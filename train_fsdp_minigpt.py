@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # FSDP 3
                                                      get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh  # FSDP 2
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # FSDP 1
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # FSDP 1
 from torch.distributed.tensor import distribute_tensor  # FSDP 2
 from torch.utils.checkpoint import checkpoint
 
@@ -188,7 +188,7 @@ def main(argv=None):
     val_loss = evaluate(run, model, data.val)  # talks: the loss sums of every rank add up
     print0(run.is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
     meter = Meter(run, raw_model, start)  # the training clock starts now
-    for step in range(start, args.max_steps):
+    for step in range(start, args.max_steps):  # every step talks
         loss, grad_norm = train_step(run, model, optimizer, data.windows, step)  # talks
         done = step + 1
         if done % args.log_every == 0 or done == args.max_steps:
@@ -277,8 +277,8 @@ class Windows:
     """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
     block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
     ranks round-robin, like DistributedSampler: ranks read different windows, and an epoch reads
-    each token once. Micro-batch k is a function of k alone, so a resumed run reads what the
-    uninterrupted one would have."""
+    each token once. Micro-batch k is a function of k and of the ranks sharing the data, so a run
+    resumed with as many ranks reads what the uninterrupted one would have."""
 
     def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
         self.tokens, self.block, self.batch = tokens, block_size, batch_size
@@ -509,6 +509,7 @@ def mean_loss_over_ranks(model, batches):  # FSDP 1: no autocast; DDP 7: sum, di
         totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
         totals[1] += (y != -100).sum()  # FSDP 7: the padding counts no token
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # gloo has no AVG: sum, then divide
+    free_gathered_weights(model)  # FSDP 7: forwards without a backward leave them
     model.train()
     return (totals[0] / totals[1]).item()
 
@@ -571,8 +572,7 @@ def report(run, raw_model, data, val_loss, meter):
 
 
 def export(run, raw_model, data):  # FSDP 8: one plain file, chapter 3's format
-    """A collective: every rank's shards to rank 0's CPU, which writes --export in chapter 3's
-    format, for `python train_ddp_minigpt.py --sample --ckpt PATH`."""
+    """A collective: every rank's shards to rank 0's CPU, which writes chapter 3's format."""
     if not shards_finite(raw_model):  # talks: every rank gets the same answer
         raise SaveFailed(f"not exporting {run.args.export}: the weights are not finite")
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0
@@ -1006,6 +1006,14 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
     finally:
         if os.path.exists(tmp):  # the write failed: drop the partial file
             os.remove(tmp)
+
+
+def free_gathered_weights(model):  # FSDP 7: --reshard-after-forward no keeps them gathered
+    """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
+    sampling) gathered are freed, and the parameters are this rank's shards again."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def write_export(run, weights, data):  # FSDP 8: rank 0's part of --export

@@ -17,13 +17,15 @@ is downloaded; `--data` also takes a text file, a .bin of uint16 token ids, or a
 What PP adds to FSDP (`diff train_fsdp_minigpt.py train_pp_minigpt.py`: the `# PP k` lines, k =
 1 to 8 in reading order, the README's chapter 9 table; `# FSDP k`, `# DDP k`: chapters 7 and 3):
 - The ranks form a grid of --pp stages by (world size / pp) data-parallel ranks. A stage is
-  consecutive ranks (a node, or several), so that only activations cross between nodes.
+  consecutive ranks (a node, or several), so that FSDP's all-gathers stay inside a node.
 - Stage 0 holds the embeddings and the first blocks, the last stage the last blocks, the final norm
   and the head; every parameter keeps the whole model's name. FSDP shards each stage over its dp
   ranks as in chapter 7.
 - A step's --grad-accum micro-batches flow through the stages (GPipe: all forwards, then all
-  backwards; 1F1B: one forward, one backward, holding fewer micro-batches' activations). Between
-  stages only activations go forward and their gradients back. Only the last stage has a loss.
+  backwards; 1F1B: a warm-up of forwards, then one forward and one backward in turn, then a
+  cool-down of backwards, so stage s holds at most pp - s micro-batches' activations). Between
+  stages, per micro-batch, activations go forward and their gradients back; once a step, the tied
+  gradient, the norm and the loss. Only the last stage has a loss.
 - The tied embedding and head are two copies on two stages: they start equal and each step both
   get the sum of both gradients (one all-reduce between the first and the last stage).
 - The gradient norm adds up over every stage and shard; evaluation and sampling are forward-only
@@ -60,7 +62,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # FSDP 3
                                                      get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh  # FSDP 2
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # FSDP 1
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # FSDP 1
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # PP 2
 from torch.distributed.tensor import distribute_tensor  # FSDP 2
 from torch.utils.checkpoint import checkpoint
@@ -239,9 +241,8 @@ def main(argv=None):
     val_loss = evaluate(run, model, data.val)  # talks: the loss sums of every rank add up
     print0(run.is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
     meter = Meter(run, raw_model, start)  # the training clock starts now
-    for step in range(start, args.max_steps):
-        loss, grad_norm = train_step(run, schedule, model, optimizer,  # PP 2; talks
-                                     data.windows, step)
+    for step in range(start, args.max_steps):  # every step talks
+        loss, grad_norm = train_step(run, schedule, model, optimizer, data.windows, step)  # PP 2
         done = step + 1
         if done % args.log_every == 0 or done == args.max_steps:
             print0(run.is_main, meter.log_line(done, loss.item(), grad_norm.item()))
@@ -311,7 +312,7 @@ def make_run(args, device, rank, world_size):
 
 def grid(pp, device, world_size):  # PP 3: a 2-D mesh, a stage of consecutive ranks
     """The ranks as a pp x (world size / pp) DeviceMesh: a stage is consecutive ranks (a node, or
-    several), so that FSDP's all-gathers stay inside it and only activations cross nodes."""
+    several), so that FSDP's all-gathers stay inside it; the stages exchange activations."""
     if world_size % pp:
         raise InputError(f"--pp {pp} does not divide the world size {world_size}: start a "
                          f"multiple of {pp} processes, or give --pp 1")
@@ -357,8 +358,8 @@ class Windows:
     """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
     block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
     ranks round-robin, like DistributedSampler: ranks read different windows, and an epoch reads
-    each token once. Micro-batch k is a function of k alone, so a resumed run reads what the
-    uninterrupted one would have."""
+    each token once. Micro-batch k is a function of k and of the ranks sharing the data, so a run
+    resumed with as many ranks reads what the uninterrupted one would have."""
 
     def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
         self.tokens, self.block, self.batch = tokens, block_size, batch_size
@@ -499,8 +500,7 @@ def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
                    optim_state_dict=optim_state)
     if not shards_finite(raw_model):  # talks: every rank gets the same answer
         raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
-    saved = state["args"].get("pp"), len(state["rng"])  # PP 6: the grid that saved it
-    if saved == (run.args.pp, run.world_size):  # else the seeds by rank stay
+    if (state["args"].get("pp"), len(state["rng"])) == (run.args.pp, run.world_size):  # PP 6
         restore_rng(state["rng"][run.rank], run.device)  # FSDP 3: this rank's streams
 
 
@@ -515,8 +515,8 @@ def shards_finite(model):  # FSDP 3
 def wrap_model(run, raw_model):  # FSDP 4: no wrapper: the sharded model trains itself
     """The model that trains: the sharded raw_model, compiled with --compile. Two handles to one
     set of shards: `raw_model` (saved, exported) and `model`, the same or its compiled form."""
-    if run.args.compile:
-        return torch.compile(raw_model, backend=run.args.compile_backend)
+    for block in raw_model.blocks.values() if run.args.compile else []:  # PP 2: in place, so the
+        block.compile(backend=run.args.compile_backend)  # schedule still sees an FSDP module
     return raw_model
 
 
@@ -524,7 +524,9 @@ def pipeline_schedule(run, model):  # PP 2: the stage, in a schedule of the step
     """This rank's stage in a schedule of --grad-accum micro-batches, which sends each one's
     activations to the next stage and their gradients back; FSDP reduce-scatters once, after the
     last backward. The schedule divides the gradients by K: chapter 3's mean over micro-batches."""
-    stage = PipelineStage(model, run.stage, run.args.pp, run.device, group=run.mesh.get_group("pp"))
+    inputs, outputs = stage_shapes(run, model)  # given, so no forward is run to infer them
+    stage = PipelineStage(model, run.stage, run.args.pp, run.device, inputs, outputs,
+                          group=run.mesh.get_group("pp"))
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[run.args.schedule]
     return kind(stage, run.args.grad_accum, loss_fn=mean_token_loss)
 
@@ -554,7 +556,7 @@ def train_step(run, schedule, model, optimizer, windows, step):  # PP 2: the sch
     x, y = on_device(rows, run.device)
     first, last, losses = run.stage == 0, run.stage == args.pp - 1, []
     inputs, target = ((x,) if first else ()), (y if last else None)
-    schedule.step(*inputs, target=target, losses=losses if last else None)
+    schedule.step(*inputs, target=target, losses=losses if last else None, return_outputs=False)
     loss = torch.stack(losses).mean() if last else torch.zeros((), device=run.device)
     sum_tied_gradients(run, model)  # PP 5
     for group in optimizer.param_groups:
@@ -597,7 +599,7 @@ def mean_over_ranks(value):  # DDP 7
 def evaluate(run, model, val):  # FSDP 7: every rank runs as many forwards
     """The mean validation loss per token, exact at any world size; a collective. Each forward
     all-gathers with every rank, so fewer batches are padded with targets of -100: counted 0."""
-    batches = list(validation_batches(run, val))  # PP 4: by column, the same on every stage
+    batches = list(validation_batches(run, val))  # DDP 4: disjoint slices
     most = torch.tensor(len(batches), device=run.device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most batches any rank holds
     x = torch.zeros(1, run.args.block_size, dtype=torch.long, device=run.device)
@@ -619,6 +621,7 @@ def mean_loss_over_ranks(run, model, batches):  # PP 8; FSDP 1: no autocast; DDP
         totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
         totals[1] += (y != -100).sum()  # FSDP 7: the padding counts no token
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # gloo has no AVG: sum, then divide
+    free_gathered_weights(model)  # FSDP 7: forwards without a backward leave them
     model.train()
     return (totals[0] / totals[1]).item()
 
@@ -835,11 +838,13 @@ def parse_args(argv=None):
     a("--compile-backend", default="inductor", metavar="NAME",
       help="torch.compile backend (default: inductor)")
     a = p.add_argument_group("training").add_argument
-    a("--batch-size", type=positive(int), default=16, metavar="B",
-      help="sequences per micro-step, per process (default: 16)")
+    a("--batch-size", type=positive(int), default=16, metavar="B",  # PP 4: per column
+      help="sequences per micro-batch, per dp column: every stage of a column works on the same "
+           "ones (default: 16)")
     a("--grad-accum", type=positive(int), default=4, metavar="K",  # PP 2
-      help="micro-batches per optimizer step: the pipeline's; the more, the smaller its bubble, "
-           "(pp - 1) / (K + pp - 1) of the step idle; 1f1b needs K >= --pp (default: 4)")
+      help="micro-batches per optimizer step: the pipeline's; the more, the smaller its bubble "
+           "((pp - 1) / (K + pp - 1) of the step idle, for equal stages) and the larger the "
+           "global batch; 1f1b needs K >= --pp (default: 4)")
     a("--max-steps", type=positive(int), default=300, metavar="N",
       help="optimizer steps (default: 300)")
     a("--lr", type=positive(float), default=3e-3, help="peak learning rate (default: 0.003)")
@@ -864,10 +869,12 @@ def parse_args(argv=None):
            "ranks (a node); must divide the world size, at most --n-layer (default: 2)")
     a("--schedule", choices=["gpipe", "1f1b"], default="1f1b",  # PP 2
       help="the order of a step's micro-batches: gpipe (all forwards, then all backwards) or "
-           "1f1b (one forward, one backward: fewer activations held) (default: 1f1b)")
-    a("--reshard-after-forward", choices=["yes", "no"], default="yes",  # FSDP 2
-      help="yes: free each block's gathered weights after its forward (ZeRO-3); no: keep them "
-           "until its backward (fewer all-gathers, more memory) (default: yes)")
+           "1f1b (after a warm-up, one forward and one backward in turn: fewer activations "
+           "held) (default: 1f1b)")
+    a("--reshard-after-forward", choices=["yes", "no"], default="no",  # PP 2: no, unlike ch. 7
+      help="yes: free each block's gathered weights after each forward (ZeRO-3); no: keep them "
+           "until the step's backwards end (one all-gather per block and step, not one per "
+           "micro-batch; more memory) (default: no)")
     a("--debug", action="store_true", help="TORCH_DISTRIBUTED_DEBUG and each rank's data windows")
     a = p.add_argument_group("evaluation, logging, checkpoints").add_argument
     a("--eval-every", type=positive(int), default=100, metavar="N",
@@ -1166,6 +1173,14 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
             os.remove(tmp)
 
 
+def free_gathered_weights(model):  # FSDP 7: --reshard-after-forward no keeps them gathered
+    """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
+    sampling) gathered are freed, and the parameters are this rank's shards again."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def write_export(run, weights, data):  # FSDP 8: rank 0's part of --export
     """Write the gathered weights to --export in chapter 3's checkpoint format, atomically."""
     path, step = run.args.export, run.args.max_steps
@@ -1256,10 +1271,9 @@ def read_run_state(path, run, data):  # FSDP 3
 
 
 def as_whole_model(run, model, optim_state):  # PP 6: a checkpoint that knows no stages
-    """Rename this stage's optimizer state (in place) as chapter 7 names the whole model's, and
-    return the stage's own lists of names. AdamW's state of the tied matrix goes under
-    tok_emb.weight, as one process keeps it (the last stage's copy holds the same numbers), and
-    the param groups list the whole model's parameters, so that every stage writes the same."""
+    """Rename this stage's optimizer state in place as chapter 7 names the whole model's (the tied
+    matrix's under tok_emb.weight, as one process keeps it; param groups listing the whole model's
+    parameters, so that every stage writes the same); return the stage's own lists of names."""
     if "head.weight" in optim_state["state"] and run.args.pp > 1:  # the last stage's copy
         optim_state["state"]["tok_emb.weight"] = optim_state["state"].pop("head.weight")
     own_names = [group["params"] for group in optim_state["param_groups"]]
@@ -1311,6 +1325,17 @@ def traffic_line(run, vocab_size):  # PP 1: what a stage sends, per micro-batch 
             f"{tensor / 2**20:.2f} MiB of their gradients back, per micro-batch ({args.grad_accum}"
             f" per step); the tied matrix: an all-reduce of {tied / 2**20:.2f} MiB per step "
             f"between stage 0 and stage {args.pp - 1}")
+
+
+def stage_shapes(run, model):  # PP 2: what a micro-batch brings to a stage, and what it sends
+    """Meta tensors of a micro-batch's input to this stage (token ids on the first, activations
+    after) and of its output (activations, logits on the last)."""
+    size, width = (run.args.batch_size, run.args.block_size), run.args.n_embd
+    ids = torch.empty(*size, dtype=torch.long, device="meta")  # the first stage's input
+    inputs, outputs = (torch.empty(*size, n, dtype=activation_dtype(run), device="meta",
+                                   requires_grad=True)  # floats: gradients come back
+                       for n in (width, width if model.head is None else model.head.out_features))
+    return ids if run.stage == 0 else inputs, outputs
 
 
 def activation_dtype(run):  # PP 8: what goes between stages

@@ -6,7 +6,9 @@ course never imports it:
         each rank writes OUT_DIR/rank{RANK}.json: {"stage", "steps", "peak_saved_bytes": the most
         bytes of activations its stage held for backward at once during a step (tensors saved by
         autograd, each storage counted once, the weights left out), "micro_batch_saved_bytes":
-        what one micro-batch alone leaves saved (the first forward of step 1, before any backward)}
+        what one micro-batch alone leaves saved (the first forward of step 1, before any backward),
+        "reduce_scatters", "all_gathers": FSDP's calls inside training steps, "kept_outputs": the
+        most outputs the schedule's stage kept after a step (the last stage's logits, if kept)}
     torchrun ... tests/probe_pp.py crash STEP:RANK OUT_DIR [trainer flags]
         as record, and that rank SIGKILLs itself when step STEP begins, on the first attempt only
         (TORCHELASTIC_RESTART_COUNT 0), so a restarted job gets past it
@@ -63,9 +65,31 @@ def unpack(held):
     return held.tensor if isinstance(held, Held) else held
 
 
+def count_collectives(seen):
+    """Count FSDP's reduce-scatters and all-gathers made inside training steps (a call made of
+    another one counts once), into seen."""
+    dist, inside = trainer.dist, [False]
+    seen.update(reduce_scatters=0, all_gathers=0, in_step=False)
+    names = {"reduce_scatter_tensor": "reduce_scatters", "reduce_scatter_single": "reduce_scatters",
+             "all_gather_into_tensor": "all_gathers", "all_gather_single": "all_gathers"}
+    for name, key in names.items():  # the names vary by release
+        if not hasattr(dist, name):
+            continue
+
+        def counted(*args, original=getattr(dist, name), key=key, **kwargs):
+            outermost = not inside[0]
+            seen[key] += outermost and seen["in_step"]
+            inside[0] = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                inside[0] = not outermost
+        setattr(dist, name, counted)
+
+
 def record(out_dir, crash_at=None):
     import torch
-    saved, seen = Saved(), {"steps": 0}
+    saved, seen = Saved(), {"steps": 0, "kept_outputs": 0}
     kill_step, kill_rank = crash_at or (None, None)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     kill = first_attempt and int(os.environ["RANK"]) == kill_rank
@@ -91,14 +115,21 @@ def record(out_dir, crash_at=None):
     def counted_step(*args):
         if kill and args[-1] + 1 == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)  # a real kill: no cleanup, no goodbye
-        seen["steps"] += 1
-        return train_step(*args)
+        seen["steps"], seen["in_step"] = seen["steps"] + 1, True
+        try:
+            return train_step(*args)
+        finally:
+            seen["in_step"] = False
+            stage = args[1]._stage  # the schedule's stage: what it keeps once the step is over
+            seen["kept_outputs"] = max(seen["kept_outputs"], len(stage.output_chunks))
 
     trainer.pipeline_schedule, trainer.train_step = watched_schedule, counted_step
+    count_collectives(seen)
     try:
         run_as_script(trainer)
     finally:
         with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
+            seen.pop("in_step")
             json.dump({**seen, "peak_saved_bytes": saved.peak,
                        "micro_batch_saved_bytes": saved.first}, f)
 

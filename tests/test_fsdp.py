@@ -15,7 +15,8 @@ These tests prove:
    half-way) is named in one line and never resumed, and a --resume that names no complete step
    is an error; a full disk during a sharded save (3 processes) is one line on every rank (exit
    code 5), leaves no half-written step, and the previous step resumes; at one process FSDP, built on the meta
-   device, ends with chapter 3's weights; a worker killed at step 12 under `torchrun --max-restarts=1` is restarted with its peer and
+   device, ends with chapter 3's weights, and saves and exports them after an evaluation with
+   --reshard-after-forward no; a worker killed at step 12 under `torchrun --max-restarts=1` is restarted with its peer and
    `--resume auto` goes on from step 10 with the uninterrupted run's losses;
 5. bad input is one line and exit code 2: a DDP checkpoint file given to --resume, --amp fp16,
    a wrong --reshard-after-forward;
@@ -158,9 +159,13 @@ def test_a_step_without_dcps_metadata_is_never_resumed_and_is_named(runs, tmp_pa
 
 def test_at_one_process_fsdp_ends_with_chapter_3s_weights(tmp_path):
     """Built on the meta device and filled one parameter at a time, FSDP starts from chapter 3's
-    initial weights and, at world size 1, trains to the same weights."""
+    initial weights and, at world size 1, trains to the same weights. With
+    --reshard-after-forward no, the evaluation just before the save and the export leaves no
+    gathered weights behind (they are freed): both write the shards, not the gathered copies."""
     flags = FLAGS + ["--max-steps", 3, "--eval-every", 3, "--dropout", 0]
-    in_process(FSDP, flags + ["--save", "", "--export", tmp_path / "fsdp.pt"])
+    in_process(FSDP, flags + ["--save", tmp_path / "ck", "--export", tmp_path / "fsdp.pt",
+                              "--reshard-after-forward", "no"])
+    assert (tmp_path / "ck" / "step-000003" / ".metadata").is_file()
     in_process(GPT, flags + ["--save", tmp_path / "ddp.pt"])
     exported = torch.load(tmp_path / "fsdp.pt", weights_only=True)["model"]
     for key, value in torch.load(tmp_path / "ddp.pt", weights_only=True)["model"].items():

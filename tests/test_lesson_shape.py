@@ -16,15 +16,16 @@
 5. no line of a training script is over 100 characters and no function takes more than 6
    parameters; in the classifiers main() comes before the steps it calls; the LM trainers read
    lesson first: the model, then main() (within the first 250 lines, before parse_args) and its
-   steps, then one marked line, then the plumbing; no GPT script is longer than it was before the
-   collectives moved above the line (1,202 / 1,314 / 1,381 / 1,525 lines); no attribute is hung
-   on the argparse namespace;
+   steps, then one marked line, then the plumbing; no GPT script is longer than its budget (the
+   lines it had before the collectives moved above the line, 1,202 / 1,314 / 1,381 / 1,525, and
+   what chapter 9's fixes added since: 0 / 0 / 3 / 25); no attribute is hung on the argparse
+   namespace;
 6. the LM's training loop holds no fault switch (faults are injected from tests/, by a probe);
 7. the twins' lessons: the lesson section (main() and its steps, up to the marked line) of chapter
    7 differs from chapter 3's by at most 200 lines (the meta-device build, DCP checkpoints, the
    export), chapter 8's from chapter 7's by at most 150 (the mesh, the TP plan, the norm), chapter
    9's from chapter 7's by at most 200 (the stage, the schedule, the tied weight, forward-only
-   pipelines); the whole files by at most 410, 160 and 400 lines (the plumbing stays shared);
+   pipelines); the whole files by at most 420, 160 and 425 lines (the plumbing stays shared);
 8. every block a twin adds or changes opens with its tag (`# FSDP k`, k = 1..8; `# TP k`, 1..6;
    `# PP k`, 1..8; in reading order), and the README's chapter has a row (F1.., T1.., P1..) for each.
 """
@@ -45,7 +46,9 @@ FSDP_TAG, FSDP_CHANGES = re.compile(r"# FSDP (\d+)\b"), 8
 TP_TAG, TP_CHANGES = re.compile(r"# TP (\d+)\b"), 6
 PP_TAG, PP_CHANGES = re.compile(r"# PP (\d+)\b"), 8
 SIZE = {"train_ddp_minigpt.py": 1202, "train_fsdp_minigpt.py": 1314,  # lines, at most: moving
-        "train_tp_minigpt.py": 1381, "train_pp_minigpt.py": 1525}  # the collectives up added none
+        "train_tp_minigpt.py": 1384, "train_pp_minigpt.py": 1550}  # the collectives up added none;
+# since then, freeing the weights evaluation leaves gathered (7 lines in chapters 7-9) and chapter
+# 9's given stage shapes and in-place compile (17 lines) have
 
 
 def lines(name):
@@ -155,10 +158,10 @@ def test_the_lm_training_loop_has_no_fault_switch():
 
 
 @pytest.mark.parametrize("parent,child,tag,changes,limit,chapter,row", [
-    # chapter 7: most of the 410 are the meta build, DCP checkpoints and the export
-    ("train_ddp_minigpt.py", "train_fsdp_minigpt.py", FSDP_TAG, FSDP_CHANGES, 410, "7", "F"),
+    # chapter 7: most of the 420 are the meta build, DCP checkpoints and the export
+    ("train_ddp_minigpt.py", "train_fsdp_minigpt.py", FSDP_TAG, FSDP_CHANGES, 420, "7", "F"),
     ("train_fsdp_minigpt.py", "train_tp_minigpt.py", TP_TAG, TP_CHANGES, 160, "8", "T"),
-    ("train_fsdp_minigpt.py", "train_pp_minigpt.py", PP_TAG, PP_CHANGES, 400, "9", "P")])
+    ("train_fsdp_minigpt.py", "train_pp_minigpt.py", PP_TAG, PP_CHANGES, 425, "9", "P")])
 def test_every_changed_block_opens_with_its_tag_and_the_readme_has_every_row(
         parent, child, tag, changes, limit, chapter, row):
     docstring_end = lines(child).index('"""', 1)

@@ -2,11 +2,13 @@
 real torchrun launches on CPU/gloo. These tests prove:
 
 1. the same math as one process: at the same seed, data and flags (gradient norms above --clip, so
-   clipping binds), --pp 2 at 2 processes logs chapter 3's one-process losses and gradient norms
-   for the same global batch (1e-5 relative), under 1F1B (18 steps, two nodes of one stage each
-   through chapter 4's launcher) and under GPipe (8 steps); dp 2 x pp 2 at 4 processes logs the
-   losses and gradient norms of 2 DDP processes; the gradient norm is the global one (across the
-   stages and the shards: each stage alone has a smaller one);
+   clipping binds), --pp 2 at 2 processes logs chapter 3's one-process losses, gradient norms and
+   validation losses for the same global batch (1e-5 relative), under 1F1B (18 steps, two nodes of
+   one stage each through chapter 4's launcher) and under GPipe (8 steps); --pp 3 (a middle stage)
+   logs them too, and its greedy sample after training is chapter 3's text from its weights;
+   dp 2 x pp 2 at 4 processes logs the losses and gradient norms of 2 DDP processes; the gradient
+   norm is the global one (across the stages and the shards: each stage alone has a smaller one);
+   with dropout, --pp 1 draws one process's masks;
 2. the stages: the blocks are cut into contiguous runs that cover them once (any --n-layer and
    --pp); a column's stages read the same windows, the columns different ones, and column j reads
    what DDP's rank j reads; each stage holds its part of the model (the parameters add up to the
@@ -16,12 +18,15 @@ real torchrun launches on CPU/gloo. These tests prove:
    the losses would leave chapter 3's if either half's gradient were missing);
 4. checkpoints know no layout: the dp 2 x pp 2 checkpoint resumes at --pp 1 in this script and in
    chapter 7, each with the next losses of the uninterrupted DDP run; chapter 7's checkpoint resumes
-   here at --pp 2; a stage SIGKILLed under `torchrun --max-restarts=1` is restarted and
+   here at --pp 2; a --pp 1 checkpoint resumes at --pp 3; a stage SIGKILLed under
+   `torchrun --max-restarts=1` is restarted and
    `--resume auto` goes on from its last step with the killed run's losses; the export samples in
    chapter 3;
-5. what each stage holds and sends: 1F1B holds fewer micro-batches' activations for backward than
-   GPipe (measured by tests/probe_pp.py), and the traffic line counts the activations per
-   micro-batch;
+5. what each stage holds and sends (measured by tests/probe_pp.py): at 4 micro-batches 1F1B's
+   stage 0 holds 2 micro-batches' activations for backward and GPipe's 4, nothing more; the last
+   stage keeps no logits after a step; FSDP reduce-scatters and all-gathers once per group and
+   step, with --compile too (blocks compiled in place) and by default (--reshard-after-forward
+   no); the traffic line counts the activations per micro-batch;
 6. bad input is one line and exit code 2: a --pp that does not divide the world size, more stages
    than blocks, fewer micro-batches than stages under 1F1B, an unknown schedule;
 7. benchmark_scaling.py reads its summary: the global batch counts the dp columns, not the ranks.
@@ -39,10 +44,18 @@ from helpers import (GPT, REPO, SHARDED, TINY_GPT, as_script, command, ddp_refer
 import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
 
 PP, FSDP = "train_pp_minigpt.py", "train_fsdp_minigpt.py"
+
+
+def val_losses(out):
+    """{step: validation loss} of an LM trainer's log."""
+    return {int(step): float(loss) for step, loss in
+            re.findall(r"^step (\d+)/\d+ \| val loss (\d+\.\d+)", out, re.M)}
 pp = trainer(PP)
 # SHARDED's run (2 DDP processes of batch 6, 2 micro-batches: 24 sequences a step) as 2 stages of
 # one column: 4 micro-batches of 6, so that 1F1B (2 held on stage 0) and GPipe (4) differ
 COLUMN = SHARDED + ["--grad-accum", 4, "--pp", 2]
+# three blocks for three stages: 4 micro-batches of 3 a step (12 sequences), in every run that uses it
+THREE = SHARDED + ["--n-layer", 3, "--batch-size", 3, "--grad-accum", 4]
 
 
 
@@ -53,11 +66,23 @@ def runs(tmp_path_factory):
     step-10 checkpoint, its stage 1 killed at step 14 and restarted (`restarted`); chapter 3 at
     2 processes (ddp_reference) and at 1 (one_process_reference), for 18 steps."""
     d = tmp_path_factory.mktemp("pp")
-    for name in ("nodes", "restarted"):
+    for name in ("nodes", "restarted", "counted", "compiled"):
         (d / name).mkdir()
-    grid_cmd = command(PP, SHARDED + ["--pp", 2, "--max-steps", 10, "--debug", "--save",
-                                      d / "grid", "--export", ""], nproc=4)
+    grid_cmd = command("tests/probe_pp.py", ["record", d / "counted", *SHARDED, "--pp", 2,
+                                             "--max-steps", 10, "--debug", "--save", d / "grid",
+                                             "--export", ""], nproc=4)
     grid = start(grid_cmd, REPO)
+    compiled_cmd = command("tests/probe_pp.py", ["record", d / "compiled", *TINY_GPT, "--pp", 1,
+                                                 "--batch-size", 3, "--grad-accum", 4, "--compile",
+                                                 "--compile-backend", "eager", "--max-steps", 3,
+                                                 "--save", "", "--export", ""], nproc=2)
+    compiled = start(compiled_cmd, REPO)
+    # three stages, the middle one too, resumed from this trainer's one-stage checkpoint of step 4
+    in_process(PP, THREE + ["--pp", 1, "--max-steps", 4, "--save", d / "three"])
+    three_cmd = command(PP, THREE + ["--pp", 3, "--max-steps", 8, "--resume", d / "three", "--save",
+                                     "", "--export", d / "three.pt", "--top-k", 1,
+                                     "--max-new-tokens", 16], nproc=3)
+    three = start(three_cmd, REPO)
     nodes = start_two_nodes("tests/probe_pp.py", ["record", d / "nodes", *COLUMN, "--max-steps",
                                                    18, "--save", "", "--export", d / "pp.pt"])
     # meanwhile, chapter 7 in this process: its step-10 checkpoint, for the GPipe run to resume
@@ -71,8 +96,11 @@ def runs(tmp_path_factory):
     restarted = start(restart_cmd, REPO, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # #135712
     ddp, ddp_ckpt, ddp_records = ddp_reference()
     one, one_ckpt = one_process_reference()
+    one_of_three = in_process(GPT, THREE + ["--max-steps", 8, "--save", ""])  # chapter 3
     r = {"ddp": ddp, "ddp_records": ddp_records, "one": one, "one.pt": one_ckpt, "dir": d,
-         "grid": ok(finish(grid, grid_cmd)), "restarted": finish(restarted, restart_cmd)}
+         "grid": ok(finish(grid, grid_cmd)), "restarted": finish(restarted, restart_cmd),
+         "three": ok(finish(three, three_cmd)), "one of three": one_of_three,
+         "compiled": ok(finish(compiled, compiled_cmd))}
     outs = [out for out in nodes() if "world size 2 " in out]  # rank 0's node logs
     assert len(outs) == 1
     r["nodes"] = outs[0]
@@ -81,7 +109,8 @@ def runs(tmp_path_factory):
 
 def test_pp2_at_2_processes_computes_what_one_process_computes(runs):
     """1F1B over two nodes of one stage each equals chapter 3 in one process with the same global
-    batch (24 sequences a step), clipping that binds, and the norm of the whole model."""
+    batch (24 sequences a step), clipping that binds, the norm of the whole model, and the
+    validation loss (each token counted once, by the last stage)."""
     one, out = runs["one"], runs["nodes"]
     assert "world size 2 (2 pp x 1 dp) |" in out and "| schedule 1f1b" in out
     assert sorted(losses(out)) == list(range(1, 19)) and losses(out)[18] < losses(out)[1]
@@ -89,6 +118,9 @@ def test_pp2_at_2_processes_computes_what_one_process_computes(runs):
         assert loss == pytest.approx(losses(one)[step], rel=1e-5), step
     for step, norm in grad_norms(out).items():  # above --clip 1.0: clipping binds
         assert norm > 1.0 and norm == pytest.approx(grad_norms(one)[step], abs=2e-3), step
+    assert sorted(val_losses(out)) == [0, 18]  # before training, and after: the last stage's sums
+    for step, loss in val_losses(out).items():
+        assert loss == pytest.approx(val_losses(one)[step], abs=2e-4), step
 
 
 def test_gpipe_computes_what_one_process_computes_and_a_killed_stage_resumes(runs):
@@ -150,15 +182,68 @@ def test_each_stage_holds_its_part_and_the_traffic_line_counts_activations(runs)
             f"MiB of their gradients back, per micro-batch (4 per step)") in runs["nodes"]
 
 
-def test_1f1b_holds_fewer_micro_batches_for_backward_than_gpipe(runs):
+def test_1f1b_holds_two_micro_batches_gpipe_four_and_the_last_stage_keeps_no_logits(runs):
     """At 4 micro-batches on 2 stages, GPipe's stage 0 holds all 4 micro-batches' activations
-    before its first backward; 1F1B's holds at most 2 (its warm-up forward and one more)."""
+    before its first backward; 1F1B's holds 2 (its warm-up forward and one more), nothing else
+    (the stages' shapes are given, so no forward runs to infer them and leaves its tensors); the
+    last stage keeps no micro-batch's logits once a step is over (return_outputs=False)."""
     held = {}
     for schedule, name in (("1f1b", "nodes"), ("gpipe", "restarted")):
         seen = json.loads((runs["dir"] / name / "rank0.json").read_text())
         assert seen["stage"] == 0 and seen["micro_batch_saved_bytes"] > 0
         held[schedule] = seen["peak_saved_bytes"] / seen["micro_batch_saved_bytes"]
-    assert held["1f1b"] <= 2.05 and held["gpipe"] >= 2.9, held
+    assert 1.95 <= held["1f1b"] <= 2.05 and 3.9 <= held["gpipe"] <= 4.05, held
+    for name in ("nodes", "restarted"):
+        last = json.loads((runs["dir"] / name / "rank1.json").read_text())
+        assert last["stage"] == 1 and last["steps"] > 0 and last["kept_outputs"] == 0, last
+
+
+def test_compiled_or_not_fsdp_gathers_and_reduces_once_per_group_and_step(runs):
+    """FSDP's reduce-scatters and all-gathers inside the training steps, counted on every rank
+    (tests/probe_pp.py): one of each per FSDP group (each block, and the stage's root) and step,
+    at dp 2 x pp 2 (2 micro-batches a step) and compiled at dp 2 (4 micro-batches; the blocks
+    compiled in place, so the schedule still sees an FSDP module and syncs once). A compiled
+    stage was no FSDP module and reduce-scattered every micro-batch; --reshard-after-forward yes,
+    the default before, all-gathers every block for every micro-batch's forward and backward."""
+    assert pp.parse_args([]).reshard_after_forward == "no"
+    for name, ranks, groups, steps in (("counted", 4, 2, 10), ("compiled", 2, 3, 3)):
+        for rank in range(ranks):
+            seen = json.loads((runs["dir"] / name / f"rank{rank}.json").read_text())
+            assert seen["steps"] == steps, seen
+            assert seen["reduce_scatters"] == seen["all_gathers"] == groups * steps, (name, seen)
+    assert sorted(losses(runs["compiled"])) == [1, 2, 3]
+
+
+def test_three_stages_resume_a_one_stage_checkpoint_and_compute_what_one_process_does(runs):
+    """--pp 3 (its middle stage receives, runs its block and sends on: no loss, no tied copy),
+    resumed from this trainer's --pp 1 checkpoint of step 4, logs chapter 3's one-process steps
+    5-8, gradient norms and validation loss; its sample after training (greedy, --top-k 1, so no
+    draw is random) is the text chapter 3 generates from the exported weights."""
+    out, one, ck = runs["three"], runs["one of three"], runs["dir"] / "three"
+    assert "world size 3 (3 pp x 1 dp)" in out and "stage 1 (block 1)" in out
+    assert f"resumed from {ck / 'step-000004'} at step 4" in out
+    assert sorted(losses(out)) == [5, 6, 7, 8]
+    for step, loss in losses(out).items():
+        assert loss == pytest.approx(losses(one)[step], rel=1e-5), step
+        norm = grad_norms(out)[step]
+        assert norm > 1.0 and norm == pytest.approx(grad_norms(one)[step], abs=2e-3), step
+    assert val_losses(out)[8] == pytest.approx(val_losses(one)[8], abs=2e-4)
+    sampled = in_process(GPT, ["--sample", "--ckpt", runs["dir"] / "three.pt", "--prompt", "\n",
+                               "--top-k", 1, "--max-new-tokens", 16])
+    assert len(sampled) == 18 and out.split("sample:\n", 1)[1] == sampled, (out, sampled)
+
+
+def test_dropout_in_the_pipeline_draws_what_one_process_draws():
+    """With --dropout 0.1 the pipeline at --pp 1 logs chapter 3's one-process losses: the same
+    masks, drawn in the same order; without dropout chapter 3's losses differ, so dropout was on."""
+    flags = SHARDED + ["--max-steps", 3, "--save", ""]
+    piped = losses(in_process(PP, flags + ["--dropout", 0.1, "--pp", 1, "--export", ""]))
+    one = losses(in_process(GPT, flags + ["--dropout", 0.1]))
+    plain = losses(in_process(GPT, flags))
+    assert sorted(piped) == sorted(one) == [1, 2, 3]
+    for step, loss in piped.items():
+        assert loss == pytest.approx(one[step], rel=1e-5), step
+        assert abs(one[step] - plain[step]) > 1e-3, step
 
 
 def test_the_tied_copies_stay_equal_and_the_export_is_chapter_3s_model(runs):
