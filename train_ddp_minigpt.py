@@ -13,9 +13,9 @@ one plain process. Default data: the first 2,000,000 bytes of this Python's own 
 one token per byte (vocab 256), so nothing is downloaded; `--data` also takes a text file, a .bin
 of uint16 token ids, or a nanoGPT folder.
 
-Tags: `# DDP 1` to `9` are chapter 2's changes under chapter 2's numbers (the README's chapter 2
-table); `# DDP 10` to `16` are this chapter's own, numbered in reading order (its chapter 3 table).
-Every call that talks to another process is above the marked line. What DDP does, and when:
+Tags: `# DDP k`, k = 1 to 16 in reading order, each a row of the README's chapter 3 table, which
+says which of chapter 2's changes it is. Every call that talks to another process is above the
+marked line. What DDP does, and when:
 - torchrun starts one process per device; init_process_group joins them into one group.
 - DDP(model) broadcasts rank 0's parameters and buffers: every replica starts the same.
 - During backward(), a hook on each parameter marks its gradient ready; each full bucket (about
@@ -33,7 +33,7 @@ import ctypes
 import dataclasses
 import datetime
 import errno
-import gc  # DDP 9
+import gc  # DDP 16
 import glob
 import hashlib
 import json
@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist  # DDP 1
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP  # DDP 5
+from torch.nn.parallel import DistributedDataParallel as DDP  # DDP 9
 from torch.utils.checkpoint import checkpoint
 
 
@@ -169,16 +169,16 @@ def main(argv=None):
     args = parse_args(argv)
     if args.sample:  # inference: one plain process, no process group
         return sample(args)
-    # setup: one process per device, joined in one group; rank 0 logs and saves. A step that
-    # "talks" waits for the other ranks: every rank must call it, in the same order
+    # setup: one process per device, joined in one group (chapters 8-9: a mesh of groups too);
+    # rank 0 logs and saves. A step that "talks" waits for the others: all call it, in one order
     device, rank, world_size = init_distributed(args.device, args.dist_timeout, args.debug)  # talks
     run = make_run(args, device, rank, world_size)
     # data: every rank reads its own windows of the training tokens
     data = build_data(run)  # talks with --debug: rank 0 prints each rank's windows
     # model: the same initial weights on every rank, resumed if asked, then wrapped
-    raw_model, optimizer = build_model(run, data.vocab_size)
+    raw_model, optimizer = build_model(run, data.vocab_size)  # talks from chapter 7 on: a mesh
     start = resumed_step(run, raw_model, optimizer, data)  # talks: rank 0 finds it, all agree
-    model = wrap_model(run, raw_model)  # talks: DDP copies rank 0's weights to every rank
+    model = wrap_model(run, raw_model)  # talks in chapter 3: DDP sends rank 0's weights
     if args.benchmark:
         return benchmark(run, model, optimizer, data.windows)  # talks: training steps, timed
     # train: log, evaluate and save on schedule
@@ -203,7 +203,7 @@ def main(argv=None):
             save_checkpoint(run, raw_model, optimizer, data, done)  # talks
         meter.start_clock()
     # cleanup: the summary and a sample; the group is left by __main__'s `finally`
-    report(run, raw_model, data, val_loss, meter)  # talks on GPUs: every rank's peak memory
+    report(run, raw_model, data, val_loss, meter)  # talks: GPU peaks; from chapter 7 on, export
 
 
 def init_distributed(device_name, timeout_s, debug):  # DDP 1: join the group torchrun describes
@@ -290,7 +290,7 @@ class Windows:
 
     def starts_of_epoch(self, epoch):  # DDP 4: every rank its own share of the windows
         """The first token of every window this rank reads in `epoch`, in order."""
-        g = torch.Generator().manual_seed(self.seed + epoch)  # DDP 6: a new order each epoch
+        g = torch.Generator().manual_seed(self.seed + epoch)  # DDP 5: a new order each epoch
         offset = int(torch.randint(0, self.block + 1, (1,), generator=g))
         count = self.per_epoch * self.batch * self.world
         order = torch.randperm((len(self.tokens) - offset) // (self.block + 1), generator=g)[:count]
@@ -305,7 +305,7 @@ class Windows:
         return torch.from_numpy(rows.astype(np.int64))
 
 
-def log_windows(run, windows):  # DDP 10: --debug, which windows each rank reads
+def log_windows(run, windows):  # DDP 6: --debug, which windows each rank reads
     """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
     that lines from several processes never splice into each other."""
     line = (f"[rank {run.rank}] {windows.per_epoch} micro-batches per epoch, "
@@ -323,7 +323,7 @@ def build_model(run, vocab_size):
     raw_model.init_weights(args.seed)  # the same weights on every rank (DDP broadcasts rank 0's)
     raw_model.grad_checkpointing = args.grad_checkpointing
     optimizer = make_optimizer(raw_model, args, run.device)
-    torch.manual_seed(args.seed + run.rank)  # DDP 11: each rank its own dropout masks
+    torch.manual_seed(args.seed + run.rank)  # DDP 7: each rank its own dropout masks
     print0(run.is_main, f"model {sum(p.numel() for p in raw_model.parameters()):,} parameters | "
                         f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
                         f"context {args.block_size}")
@@ -354,7 +354,7 @@ def resume_path(run):
     if not save:
         raise InputError("--resume auto needs a --save path to look for")
     found = [os.path.isfile(save)]
-    dist.broadcast_object_list(found, src=0)  # DDP 12: rank 0 decides for every rank
+    dist.broadcast_object_list(found, src=0)  # DDP 8: rank 0 decides for every rank
     return save if found[0] else None
 
 
@@ -362,7 +362,7 @@ def agree_on_start(start, error, path):
     """Every rank resumed from the same step, or all stop with the same line (a rank on a node that
     cannot see the checkpoint, or sees another file: checkpoints need a shared filesystem)."""
     outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, (start, error))  # DDP 12: a collective, so no rank hangs
+    dist.all_gather_object(outcomes, (start, error))  # DDP 8: a collective, so no rank hangs
     failed = [(rank, problem) for rank, (_, problem) in enumerate(outcomes) if problem]
     if failed and len(failed) == len(outcomes) and len({p for _, p in failed}) == 1:
         raise InputError(failed[0][1])  # the same problem everywhere: the checkpoint itself
@@ -376,7 +376,7 @@ def agree_on_start(start, error, path):
     return start
 
 
-def wrap_model(run, raw_model):  # DDP 5: wrap the model
+def wrap_model(run, raw_model):  # DDP 9: wrap the model
     """DDP(raw_model): rank 0's weights go to every rank (compiled first with --compile). One set
     of weights, three handles: `raw_model` saves, `model.module` evaluates, `model` trains."""
     compiled = raw_model
@@ -413,7 +413,7 @@ def train_step(run, model, optimizer, windows, step):
         group["lr"] = lr_at(step, args)
     run.scaler.unscale_(optimizer)  # fp16: true gradients before clipping (no-op otherwise)
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
-    loss = mean_over_ranks(loss)  # DDP 7: every rank gets the same mean, so the same verdict
+    loss = mean_over_ranks(loss)  # DDP 10: every rank gets the same mean, so the same verdict
     stop_if_diverged(run, step, loss, grad_norm)
     run.scaler.step(optimizer)
     run.scaler.update()
@@ -421,7 +421,7 @@ def train_step(run, model, optimizer, windows, step):
     return loss, grad_norm
 
 
-def accumulate_gradients(model, batches, autocast, scaler):  # DDP 13: no_sync, one all-reduce
+def accumulate_gradients(model, batches, autocast, scaler):  # DDP 11: no_sync, one all-reduce
     """Forward and backward over each micro-batch (inputs, targets): gradients add up locally and
     DDP all-reduces them once, in the last backward. Returns the mean loss (detached). The forward
     goes inside no_sync() too: DDP decides in forward whether the next backward all-reduces."""
@@ -437,7 +437,7 @@ def accumulate_gradients(model, batches, autocast, scaler):  # DDP 13: no_sync, 
     return total
 
 
-def mean_over_ranks(value):  # DDP 7
+def mean_over_ranks(value):  # DDP 10
     """A collective: the average of a scalar tensor over all ranks (SUM, then divide)."""
     value = value.detach().clone().float()
     dist.all_reduce(value, op=dist.ReduceOp.SUM)  # every rank gets the sum of all ranks'
@@ -448,11 +448,11 @@ def evaluate(run, model, val):
     """The mean validation loss per token, exact at any world size; a collective. Through the
     plain module, which runs no collective itself, ranks may run unequal numbers of batches."""
     batches = validation_batches(run, val)  # DDP 4: disjoint slices, no padding
-    return mean_loss_over_ranks(model.module, batches, run.autocast)  # DDP 7: the plain module
+    return mean_loss_over_ranks(model.module, batches, run.autocast)  # DDP 10: the plain module
 
 
 @torch.no_grad()
-def mean_loss_over_ranks(model, batches, autocast):  # DDP 7: sum on every rank, then divide once
+def mean_loss_over_ranks(model, batches, autocast):  # DDP 10: sum on every rank, then divide once
     """The mean cross-entropy per target over all ranks' batches (inputs, targets): each rank
     sums its own, one all-reduce adds the sums and the counts up. A collective: every rank calls
     it (evaluate() says how many batches each rank may bring)."""
@@ -468,7 +468,7 @@ def mean_loss_over_ranks(model, batches, autocast):  # DDP 7: sum on every rank,
     return (totals[0] / totals[1]).item()
 
 
-def check_replicas_in_sync(model, when):  # DDP 14: --check-sync, every rank's weights
+def check_replicas_in_sync(model, when):  # DDP 12: --check-sync, every rank's weights
     """A collective: raise OutOfSync (exit code 3) if the replicas' weights differ (by a hash)."""
     weights = b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())
     digests = [None] * dist.get_world_size()
@@ -477,10 +477,10 @@ def check_replicas_in_sync(model, when):  # DDP 14: --check-sync, every rank's w
         raise OutOfSync(f"--check-sync: replicas differ after {when}: {digests}")
 
 
-def save_checkpoint(run, raw_model, optimizer, data, step):  # DDP 8: rank 0 writes, all wait
+def save_checkpoint(run, raw_model, optimizer, data, step):  # DDP 13: RNG to rank 0, which writes
     """A collective: every rank hands rank 0 its RNG state, rank 0 writes --save atomically, and
     every rank learns how it went (SaveFailed on all of them if it failed)."""
-    rng_states = [None] * run.world_size  # DDP 15: each rank has its own dropout stream
+    rng_states = [None] * run.world_size  # DDP 13: each rank has its own dropout stream
     dist.all_gather_object(rng_states, rng_state(run.device))  # so rank 0 can save them all
 
     def write():
@@ -490,7 +490,7 @@ def save_checkpoint(run, raw_model, optimizer, data, step):  # DDP 8: rank 0 wri
     save_on_rank_0(write, run.is_main)  # talks: rank 0 writes, every rank learns how it went
 
 
-def save_on_rank_0(write, is_main):  # DDP 8: one writer; every rank waits and learns the outcome
+def save_on_rank_0(write, is_main):  # DDP 14: one writer; every rank waits and learns the outcome
     """A collective: rank 0 calls write(); every rank waits for it and raises what it raised.
     Never call it inside `if is_main:`: the other ranks would not reach the broadcast."""
     error = None
@@ -523,7 +523,7 @@ def report(run, raw_model, data, val_loss, meter):
         print("sample:\n" + decode(out[0].tolist(), data.itos), flush=True)
 
 
-def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
+def log_peak_gpu_memory(run):  # DDP 15: every rank's peak, printed by rank 0
     """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in rank
     order (measured: weights, gradients, optimizer state, activations; docs/fsdp.md)."""
     if run.device.type != "cuda":
@@ -534,7 +534,7 @@ def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
            ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
 
 
-def leave_distributed():  # DDP 9: leave the process group on every path, error or not
+def leave_distributed():  # DDP 16: leave the process group on every path, error or not
     """Free what a failed run left (a DDP model holds the group), then leave the group."""
     gc.collect()
     if dist.is_initialized():
@@ -1198,5 +1198,5 @@ if __name__ == "__main__":
         sys.stderr.write(f"error: {err}\n")  # one write: lines from several ranks never splice
         code = err.code
     finally:
-        leave_distributed()  # DDP 9
+        leave_distributed()  # DDP 16
     sys.exit(code)

@@ -29,7 +29,7 @@ import ctypes
 import dataclasses
 import datetime
 import errno
-import gc  # DDP 9
+import gc  # DDP 16
 import glob
 import io  # FSDP 8
 import json
@@ -172,16 +172,16 @@ def main(argv=None):
     args = parse_args(argv)
     if args.sample:  # inference: one plain process, no process group
         return sample(args)
-    # setup: one process per device, joined in one group; rank 0 logs and saves. A step that
-    # "talks" waits for the other ranks: every rank must call it, in the same order
+    # setup: one process per device, joined in one group (chapters 8-9: a mesh of groups too);
+    # rank 0 logs and saves. A step that "talks" waits for the others: all call it, in one order
     device, rank, world_size = init_distributed(args.device, args.dist_timeout, args.debug)  # talks
     run = make_run(args, device, rank, world_size)
     # data: every rank reads its own windows of the training tokens
     data = build_data(run)  # talks with --debug: rank 0 prints each rank's windows
     # model: the same initial weights on every rank, resumed if asked, then wrapped
-    raw_model, optimizer = build_model(run, data.vocab_size)  # FSDP 2; talks: the mesh
+    raw_model, optimizer = build_model(run, data.vocab_size)  # talks from chapter 7 on: a mesh
     start = resumed_step(run, raw_model, optimizer, data)  # talks: rank 0 finds it, all agree
-    model = wrap_model(run, raw_model)  # FSDP 4: no wrapper
+    model = wrap_model(run, raw_model)  # talks in chapter 3: DDP sends rank 0's weights
     if args.benchmark:
         return benchmark(run, model, optimizer, data.windows)  # talks: training steps, timed
     # train: log, evaluate and save on schedule
@@ -204,7 +204,7 @@ def main(argv=None):
             save_checkpoint(run, raw_model, optimizer, data, done)  # talks
         meter.start_clock()
     # cleanup: the summary and a sample; the group is left by __main__'s `finally`
-    report(run, raw_model, data, val_loss, meter)  # FSDP 8; talks: export, sample
+    report(run, raw_model, data, val_loss, meter)  # talks: GPU peaks; from chapter 7 on, export
 
 
 def init_distributed(device_name, timeout_s, debug):  # DDP 1: join the group torchrun describes
@@ -290,7 +290,7 @@ class Windows:
 
     def starts_of_epoch(self, epoch):  # DDP 4: every rank its own share of the windows
         """The first token of every window this rank reads in `epoch`, in order."""
-        g = torch.Generator().manual_seed(self.seed + epoch)  # DDP 6: a new order each epoch
+        g = torch.Generator().manual_seed(self.seed + epoch)  # DDP 5: a new order each epoch
         offset = int(torch.randint(0, self.block + 1, (1,), generator=g))
         count = self.per_epoch * self.batch * self.world
         order = torch.randperm((len(self.tokens) - offset) // (self.block + 1), generator=g)[:count]
@@ -305,7 +305,7 @@ class Windows:
         return torch.from_numpy(rows.astype(np.int64))
 
 
-def log_windows(run, windows):  # DDP 10: --debug, which windows each rank reads
+def log_windows(run, windows):  # DDP 6: --debug, which windows each rank reads
     """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
     that lines from several processes never splice into each other."""
     line = (f"[rank {run.rank}] {windows.per_epoch} micro-batches per epoch, "
@@ -325,7 +325,7 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
     init_shards(raw_model, args.seed)  # FSDP 2: chapter 3's initial weights
     raw_model.grad_checkpointing = args.grad_checkpointing
     optimizer = make_optimizer(raw_model, args, run.device)
-    torch.manual_seed(args.seed + run.rank)  # DDP 11: each rank its own dropout masks
+    torch.manual_seed(args.seed + run.rank)  # DDP 7: each rank its own dropout masks
     print0(run.is_main, f"model {sum(p.numel() for p in raw_model.parameters()):,} parameters | "
                         f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
                         f"context {args.block_size}")
@@ -378,7 +378,7 @@ def resume_path(run):
     if not save:
         raise InputError("--resume auto needs a --save path to look for")
     found = [newest_complete_step(save, run.is_main) if run.is_main else None]  # FSDP 3
-    dist.broadcast_object_list(found, src=0)  # DDP 12: rank 0 decides for every rank
+    dist.broadcast_object_list(found, src=0)  # DDP 8: rank 0 decides for every rank
     return found[0]  # FSDP 3
 
 
@@ -386,7 +386,7 @@ def agree_on_start(start, error, path):
     """Every rank resumed from the same step, or all stop with the same line (a rank on a node that
     cannot see the checkpoint, or sees another file: checkpoints need a shared filesystem)."""
     outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, (start, error))  # DDP 12: a collective, so no rank hangs
+    dist.all_gather_object(outcomes, (start, error))  # DDP 8: a collective, so no rank hangs
     failed = [(rank, problem) for rank, (_, problem) in enumerate(outcomes) if problem]
     if failed and len(failed) == len(outcomes) and len({p for _, p in failed}) == 1:
         raise InputError(failed[0][1])  # the same problem everywhere: the checkpoint itself
@@ -459,7 +459,7 @@ def train_step(run, model, optimizer, windows, step):
         group["lr"] = lr_at(step, args)
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
     grad_norm = grad_norm.full_tensor()  # FSDP 5: the norm over all shards, the same everywhere
-    loss = mean_over_ranks(loss)  # DDP 7: every rank gets the same mean, so the same verdict
+    loss = mean_over_ranks(loss)  # DDP 10: every rank gets the same mean, so the same verdict
     stop_if_diverged(run, step, loss, grad_norm)
     optimizer.step()  # FSDP 1
     optimizer.zero_grad(set_to_none=True)
@@ -479,7 +479,7 @@ def accumulate_gradients(model, batches):  # FSDP 6: one reduce-scatter per step
     return total
 
 
-def mean_over_ranks(value):  # DDP 7
+def mean_over_ranks(value):  # DDP 10
     """A collective: the average of a scalar tensor over all ranks (SUM, then divide)."""
     value = value.detach().clone().float()
     dist.all_reduce(value, op=dist.ReduceOp.SUM)  # every rank gets the sum of all ranks'
@@ -498,7 +498,7 @@ def evaluate(run, model, val):  # FSDP 7: every rank runs as many forwards
 
 
 @torch.no_grad()
-def mean_loss_over_ranks(model, batches):  # FSDP 1: no autocast; DDP 7: sum, divide once
+def mean_loss_over_ranks(model, batches):  # FSDP 1: no autocast; DDP 10: sum, divide once
     """The mean cross-entropy per target over all ranks' batches (inputs, targets): each rank
     sums its own, one all-reduce adds the sums and the counts up. A collective: every rank calls
     it (evaluate() says how many batches each rank may bring)."""
@@ -518,7 +518,7 @@ def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every ran
     """A collective: rank 0 writes DIR/step-N/run.json (step, flags, vocabulary, every rank's RNG),
     every rank its shards of weights and AdamW state (DCP: no gather; .metadata last marks it
     complete). Failed: SaveFailed on every rank, the folder removed, the previous step intact."""
-    rng_states = [None] * run.world_size  # DDP 15: each rank has its own dropout stream
+    rng_states = [None] * run.world_size  # DDP 13: each rank has its own dropout stream
     dist.all_gather_object(rng_states, rng_state(run.device))  # so rank 0 can save them all
     folder = os.path.join(run.args.save, f"step-{step:06d}")  # FSDP 3: a folder per step
     if not shards_finite(raw_model):  # a collective: every rank gets the same answer
@@ -536,7 +536,7 @@ def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every ran
     print0(run.is_main, f"step {step}/{run.args.max_steps} | saved {folder}")
 
 
-def save_on_rank_0(write, is_main):  # DDP 8: one writer; every rank waits and learns the outcome
+def save_on_rank_0(write, is_main):  # DDP 14: one writer; every rank waits and learns the outcome
     """A collective: rank 0 calls write(); every rank waits for it and raises what it raised.
     Never call it inside `if is_main:`: the other ranks would not reach the broadcast."""
     error = None
@@ -580,7 +580,7 @@ def export(run, raw_model, data):  # FSDP 8: one plain file, chapter 3's format
     save_on_rank_0(lambda: write_export(run, weights, data), run.is_main)  # talks
 
 
-def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
+def log_peak_gpu_memory(run):  # DDP 15: every rank's peak, printed by rank 0
     """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in rank
     order (measured: weights, gradients, optimizer state, activations; docs/fsdp.md)."""
     if run.device.type != "cuda":
@@ -591,7 +591,7 @@ def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
            ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
 
 
-def leave_distributed():  # DDP 9: leave the process group on every path, error or not
+def leave_distributed():  # DDP 16: leave the process group on every path, error or not
     """Free what a failed run left (a DDP model holds the group), then leave the group."""
     gc.collect()
     if dist.is_initialized():
@@ -1310,5 +1310,5 @@ if __name__ == "__main__":
         sys.stderr.write(f"error: {err}\n")  # one write: lines from several ranks never splice
         code = err.code
     finally:
-        leave_distributed()  # DDP 9
+        leave_distributed()  # DDP 16
     sys.exit(code)

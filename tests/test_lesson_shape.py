@@ -7,12 +7,12 @@
 2. every block of lines the DDP script adds or changes (outside its docstring, which holds the
    launch commands) opens with a short `# DDP k` tag on its first line; the tags 1..9 are all
    there, and the README's table of changes has a row for each;
-3. the LM trainer tags its DDP lines with chapter 2's numbers 1..9 (each of them used) and its own
-   10..16, which first appear in reading order and each have a row in the README's chapter 3;
-   no GPT script has a tag without a number (`# DDP:`), and each says in its docstring how its
-   tags are numbered;
-4. in every twin the tags first appear in reading order (1, 2, 3...; imports and main(), which
-   repeats the tags of the steps it calls, aside);
+3. the LM trainer numbers its DDP lines 1..16 in its own reading order, each with a row in the
+   README's chapter 3 (which says which of chapter 2's changes it is); no GPT script has a tag
+   without a number (`# DDP:`), and each says in its docstring how its tags are numbered;
+4. in every GPT script and chapter 2, every family's tags first appear in reading order (1, 2,
+   3...; imports aside, main() and the docstring included), and main() is the same in chapters 3,
+   7 and 8 but for chapter 3's --check-sync (chapter 9 adds its schedule);
 5. no line of a training script is over 100 characters and no function takes more than 6
    parameters; in the classifiers main() comes before the steps it calls; the LM trainers read
    lesson first: the model, then main() (within the first 250 lines, before parse_args) and its
@@ -40,8 +40,8 @@ TAG = re.compile(r"# DDP (\d+)\b")
 PLUMBING = re.compile(r"^# =+ the plumbing$")
 SCRIPTS = ["train_single_gpu.py", "train_ddp_basic.py", "train_ddp_minigpt.py",
            "train_fsdp_minigpt.py", "train_tp_minigpt.py", "train_pp_minigpt.py"]
-CHANGES = 9  # chapter 2's; chapter 3 goes on to 16 with its own
-LM_CHANGES = 16
+CHANGES = 9  # chapter 2's
+LM_CHANGES = 16  # chapter 3's, in its own reading order
 FSDP_TAG, FSDP_CHANGES = re.compile(r"# FSDP (\d+)\b"), 8
 TP_TAG, TP_CHANGES = re.compile(r"# TP (\d+)\b"), 6
 PP_TAG, PP_CHANGES = re.compile(r"# PP (\d+)\b"), 8
@@ -87,12 +87,12 @@ def test_every_ddp_block_opens_with_its_tag_and_the_readme_has_every_row():
         assert re.search(rf"^\| {k} \|", readme, re.M), f"README's table of changes has no row {k}"
 
 
-def test_the_lm_trainer_uses_chapter_2_numbers_then_its_own():
+def test_the_lm_trainer_numbers_its_ddp_lines_and_the_readme_has_every_row():
     numbers = {int(k) for line in lines("train_ddp_minigpt.py") for k in TAG.findall(line)}
     assert numbers == set(range(1, LM_CHANGES + 1)), sorted(numbers)
     section = (REPO / "README.md").read_text().split("## Chapter 3")[1].split("## Chapter 4")[0]
-    for k in range(CHANGES + 1, LM_CHANGES + 1):
-        assert re.search(rf"^\| {k} \|", section, re.M), f"chapter 3 has no row {k}"
+    for k in range(1, LM_CHANGES + 1):  # two rows of the table to a line
+        assert re.search(rf"^.*\| {k} \| [^|]+\|", section, re.M), f"chapter 3 has no row {k}"
     for name in SCRIPTS[2:]:
         code = lines(name)[lines(name).index('"""', 1):]  # after the docstring's commands
         unnumbered = [line.strip() for line in code
@@ -138,17 +138,28 @@ def test_the_lm_trainers_read_lesson_first(name):
 @pytest.mark.parametrize("name,family", [("train_ddp_basic.py", "DDP"),
                                          ("train_ddp_minigpt.py", "DDP"),
                                          ("train_fsdp_minigpt.py", "FSDP"),
+                                         ("train_fsdp_minigpt.py", "DDP"),
                                          ("train_tp_minigpt.py", "TP"),
-                                         ("train_pp_minigpt.py", "PP")])
+                                         ("train_tp_minigpt.py", "FSDP"),
+                                         ("train_pp_minigpt.py", "PP"),
+                                         ("train_pp_minigpt.py", "FSDP")])
 def test_tags_first_appear_in_reading_order(name, family):
-    seen, tree = [], ast.parse((REPO / name).read_text())
-    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
-    for i, line in enumerate(lines(name), 1):  # main() repeats the tags of the steps it calls
-        if not line.startswith(("import ", "from ")) and not main.lineno <= i <= main.end_lineno:
+    seen = []
+    for line in lines(name):
+        if not line.startswith(("import ", "from ")):
             seen += [int(k) for k in re.findall(rf"# {family} (\d+)\b", line) if int(k) not in seen]
-    if name == "train_ddp_minigpt.py":  # 1..9 follow chapter 2's order; its own follow its own
-        seen = [k for k in seen if k > CHANGES]
     assert seen == sorted(seen) and seen, f"{name}: {family} tags first appear as {seen}"
+
+
+def test_main_is_the_same_in_the_twins():
+    def main(name):
+        tree = ast.parse((REPO / name).read_text())
+        node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+        return lines(name)[node.lineno - 1:node.end_lineno]
+    check_sync = [line for line in main("train_ddp_minigpt.py") if "check_" not in line]
+    assert check_sync == main("train_fsdp_minigpt.py") == main("train_tp_minigpt.py")
+    extra = [line for line in main("train_pp_minigpt.py") if line not in main("train_fsdp_minigpt.py")]
+    assert len(extra) == 3 and all("# PP 2" in line for line in extra), extra  # the schedule
 
 
 def test_the_lm_training_loop_has_no_fault_switch():
