@@ -1298,8 +1298,8 @@ def stage_holding(run, model):  # PP 1: what this rank holds
     span = f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}"
     parts = ["embeddings"] * (model.tok_emb is not None) + [span] \
         + ["final norm and head"] * (model.head is not None)
-    return run.dp_rank, run.stage, ", ".join(parts), sum(p.to_local().numel()
-                                                        for p in model.parameters())
+    mine = sum(p.to_local().numel() for p in model.parameters())
+    return run.dp_rank, run.stage, ", ".join(parts), mine  # PP 1: for rank 0's memory line
 
 
 def memory_line(model, held):  # PP 1: what a rank of each stage holds, against DDP's full copy

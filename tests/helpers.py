@@ -255,6 +255,26 @@ def weights(path):
 
 # -------------------------------------------------------------------------------------- in process
 
+def count_calls(module, keys, seen, counting=lambda: True):
+    """Wrap the functions of `module` named in `keys` ({name: key}; a name this release lacks is
+    skipped) so that each call adds 1 to seen[key] while counting() holds; a call made of another
+    one (reduce_scatter_tensor of reduce_scatter_single, say) counts once."""
+    inside = [False]
+    for name, key in keys.items():
+        if not hasattr(module, name):
+            continue
+
+        def counted(*args, original=getattr(module, name), key=key, **kwargs):
+            outermost = not inside[0]
+            seen[key] += outermost and counting()
+            inside[0] = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                inside[0] = not outermost
+        setattr(module, name, counted)
+
+
 def run_as_script(module):
     """What a trainer's `if __name__ == "__main__":` block does, around module.main(): for the probes,
     which run a trainer with a function wrapped and must end as the script would (one error line and

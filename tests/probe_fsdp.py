@@ -20,21 +20,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_fsdp_minigpt as trainer  # noqa: E402
-from helpers import run_as_script  # noqa: E402
+from helpers import count_calls, run_as_script  # noqa: E402
 
 def count(out_dir):
-    seen, dist, inside = {"reduce_scatters": 0, "steps": 0}, trainer.dist, [False]
-    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):  # the name varies by release
-        if hasattr(dist, name):
-            def counted(*args, original=getattr(dist, name), **kwargs):
-                outermost = not inside[0]  # one call may be made of the other: count it once
-                seen["reduce_scatters"] += outermost
-                inside[0] = True
-                try:
-                    return original(*args, **kwargs)
-                finally:
-                    inside[0] = not outermost
-            setattr(dist, name, counted)
+    seen = {"reduce_scatters": 0, "steps": 0}
+    count_calls(trainer.dist, {"reduce_scatter_tensor": "reduce_scatters",  # the name varies
+                               "reduce_scatter_single": "reduce_scatters"}, seen)  # by release
     train_step = trainer.train_step
 
     def counted_step(*args):

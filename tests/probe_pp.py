@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_pp_minigpt as trainer  # noqa: E402
-from helpers import run_as_script  # noqa: E402
+from helpers import count_calls, run_as_script  # noqa: E402
 
 
 class Saved:
@@ -65,31 +65,9 @@ def unpack(held):
     return held.tensor if isinstance(held, Held) else held
 
 
-def count_collectives(seen):
-    """Count FSDP's reduce-scatters and all-gathers made inside training steps (a call made of
-    another one counts once), into seen."""
-    dist, inside = trainer.dist, [False]
-    seen.update(reduce_scatters=0, all_gathers=0, in_step=False)
-    names = {"reduce_scatter_tensor": "reduce_scatters", "reduce_scatter_single": "reduce_scatters",
-             "all_gather_into_tensor": "all_gathers", "all_gather_single": "all_gathers"}
-    for name, key in names.items():  # the names vary by release
-        if not hasattr(dist, name):
-            continue
-
-        def counted(*args, original=getattr(dist, name), key=key, **kwargs):
-            outermost = not inside[0]
-            seen[key] += outermost and seen["in_step"]
-            inside[0] = True
-            try:
-                return original(*args, **kwargs)
-            finally:
-                inside[0] = not outermost
-        setattr(dist, name, counted)
-
-
 def record(out_dir, crash_at=None):
     import torch
-    saved, seen = Saved(), {"steps": 0, "kept_outputs": 0}
+    saved, seen = Saved(), {"steps": 0, "kept_outputs": 0, "reduce_scatters": 0, "all_gathers": 0}
     kill_step, kill_rank = crash_at or (None, None)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     kill = first_attempt and int(os.environ["RANK"]) == kill_rank
@@ -124,7 +102,11 @@ def record(out_dir, crash_at=None):
             seen["kept_outputs"] = max(seen["kept_outputs"], len(stage.output_chunks))
 
     trainer.pipeline_schedule, trainer.train_step = watched_schedule, counted_step
-    count_collectives(seen)
+    seen["in_step"] = False  # FSDP's calls inside training steps, not evaluation's or export's
+    count_calls(trainer.dist, {"reduce_scatter_tensor": "reduce_scatters",  # the names vary by
+                               "reduce_scatter_single": "reduce_scatters",  # release
+                               "all_gather_into_tensor": "all_gathers",
+                               "all_gather_single": "all_gathers"}, seen, lambda: seen["in_step"])
     try:
         run_as_script(trainer)
     finally:
