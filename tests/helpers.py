@@ -174,13 +174,14 @@ def started(launches):
     return functools.cache(lambda: {name: finish(proc, cmd) for name, (proc, cmd) in procs.items()})
 
 
-def start_two_nodes(script, args):
-    """Two nodes of one process each on this machine: the commands chapter 4's launcher prints
-    (meeting at 127.0.0.1), each run by its own torchrun agent, started now (the environment is
-    read now). Returns a function that waits for both and returns what each node printed."""
+def start_two_nodes(script, args, nproc=1):
+    """Two nodes of `nproc` processes each on this machine: the commands chapter 4's launcher
+    prints (meeting at 127.0.0.1), each run by its own torchrun agent, started now (the environment
+    is read now). Returns a function that waits for both and returns what each node printed."""
     printed = subprocess.run(
-        [str(REPO / "launch_multinode_ddp.sh"), "--nnodes", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(free_port()), "--join-timeout", "60", script, *map(str, args)],
+        [str(REPO / "launch_multinode_ddp.sh"), "--nnodes", "2", "--nproc-per-node", str(nproc),
+         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--join-timeout", "60",
+         script, *map(str, args)],
         cwd=REPO, capture_output=True, text=True, timeout=60,
         env={**environment(), "TORCHRUN": f"{sys.executable} -m torch.distributed.run"})
     nodes = [line for line in printed.stdout.splitlines() if line and not line.startswith("#")]
@@ -273,6 +274,46 @@ def count_calls(module, keys, seen, counting=lambda: True):
             finally:
                 inside[0] = not outermost
         setattr(module, name, counted)
+
+
+class Saved:
+    """The activation bytes autograd holds for backward, live and at their peak."""
+
+    def __init__(self):
+        self.model, self.counts, self.live, self.peak, self.first = None, {}, 0, 0, None
+
+    def pack(self, tensor):
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        weights = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr()
+                   for p in self.model.parameters()}
+        if key in weights or tensor.requires_grad and tensor.is_leaf:
+            return tensor  # a weight (gathered or not), not an activation
+        if key not in self.counts:
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        return Held(self, tensor, key, storage.nbytes())
+
+    def release(self, key, nbytes):
+        self.counts[key] -= 1
+        if not self.counts[key]:
+            del self.counts[key]
+            self.live -= nbytes
+
+
+class Held:
+    """A saved tensor; when autograd drops it (after its backward), its bytes are released."""
+
+    def __init__(self, saved, tensor, key, nbytes):
+        self.saved, self.tensor, self.key, self.nbytes = saved, tensor, key, nbytes
+
+    def __del__(self):
+        self.saved.release(self.key, self.nbytes)
+
+
+def unpack(held):
+    return held.tensor if isinstance(held, Held) else held
 
 
 def run_as_script(module):

@@ -22,47 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_pp_minigpt as trainer  # noqa: E402
-from helpers import count_calls, run_as_script  # noqa: E402
-
-
-class Saved:
-    """The activation bytes autograd holds for backward, live and at their peak."""
-
-    def __init__(self):
-        self.model, self.counts, self.live, self.peak, self.first = None, {}, 0, 0, None
-
-    def pack(self, tensor):
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        weights = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr()
-                   for p in self.model.parameters()}
-        if key in weights or tensor.requires_grad and tensor.is_leaf:
-            return tensor  # a weight (gathered or not), not an activation
-        if key not in self.counts:
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-        self.counts[key] = self.counts.get(key, 0) + 1
-        return Held(self, tensor, key, storage.nbytes())
-
-    def release(self, key, nbytes):
-        self.counts[key] -= 1
-        if not self.counts[key]:
-            del self.counts[key]
-            self.live -= nbytes
-
-
-class Held:
-    """A saved tensor; when autograd drops it (after its backward), its bytes are released."""
-
-    def __init__(self, saved, tensor, key, nbytes):
-        self.saved, self.tensor, self.key, self.nbytes = saved, tensor, key, nbytes
-
-    def __del__(self):
-        self.saved.release(self.key, self.nbytes)
-
-
-def unpack(held):
-    return held.tensor if isinstance(held, Held) else held
+from helpers import Saved, count_calls, run_as_script, unpack  # noqa: E402
 
 
 def record(out_dir, crash_at=None):

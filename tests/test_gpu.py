@@ -18,7 +18,9 @@ module also runs on a single GPU. These tests prove, on NCCL:
 7. chapter 8's TP trainer, its tp group the min(2, GPUs) GPUs, trains on NCCL in bf16 (fused AdamW
    over two meshes), saves, resumes, and exports a file that samples in one process;
 8. chapter 9's PP trainer, one stage per GPU of min(2, GPUs), trains on NCCL in bf16 (bf16 activations
-   sent between the stages), saves, resumes, and exports a file that samples in one process.
+   sent between the stages), saves, resumes, and exports a file that samples in one process;
+9. chapter 10's CP trainer, its cp group the min(2, GPUs) GPUs, trains on NCCL in bf16 (the keys and
+   values gathered in bf16, flash attention aligned at each chunk's end), saves, resumes, and exports.
 The CPU tests hide the GPUs (helpers.environment); these launches alone see them (cuda=True).
 """
 import math
@@ -101,8 +103,9 @@ def test_fsdp_in_bf16_on_nccl_saves_resumes_and_exports(tmp_path):
 
 @pytest.mark.parametrize("script,flag,grid", [
     ("train_tp_minigpt.py", "--tp", f"(1 dp x {NPROC} tp)"),  # its tp group: the GPUs
-    ("train_pp_minigpt.py", "--pp", f"({NPROC} pp x 1 dp)")])  # a stage per GPU
-def test_tp_and_pp_in_bf16_on_nccl_save_resume_and_export(script, flag, grid, tmp_path):
+    ("train_pp_minigpt.py", "--pp", f"({NPROC} pp x 1 dp)"),  # a stage per GPU
+    ("train_cp_minigpt.py", "--cp", f"(1 dp x {NPROC} cp)")])  # its cp group: the GPUs
+def test_tp_pp_and_cp_in_bf16_on_nccl_save_resume_and_export(script, flag, grid, tmp_path):
     if not torch.cuda.is_bf16_supported(including_emulation=False):
         pytest.skip("this GPU has no native bf16")
     flags = LM + ["--amp", "bf16", flag, NPROC, "--save", tmp_path / "ck",

@@ -1,6 +1,6 @@
-"""The marked line of each GPT chapter (3, 7, 8, 9) means what it says: everything that talks to
-another process is above it, the lesson; below it is code one process would run the same way.
-These tests prove that, for each of the four scripts,
+"""The marked line of each GPT chapter (3, 7, 8, 9, 10) means what it says: everything that talks
+to another process is above it, the lesson; below it is code one process would run the same way.
+These tests prove that, for each of the five scripts,
 
 1. no call below the line reaches torch.distributed (the process group, DCP, the state-dict
    helpers, DeviceMesh, FSDP, TP, pipelining, DTensor's full_tensor/redistribute) or DDP, neither
@@ -26,7 +26,7 @@ import pytest
 from helpers import REPO
 
 SCRIPTS = ["train_ddp_minigpt.py", "train_fsdp_minigpt.py", "train_tp_minigpt.py",
-           "train_pp_minigpt.py"]
+           "train_pp_minigpt.py", "train_cp_minigpt.py"]
 PLUMBING = re.compile(r"^# =+ the plumbing$")
 TALKS_TO_NO_ONE = {  # calls into torch.distributed that send nothing: queries and settings
     "get_rank", "get_world_size", "is_initialized", "get_debug_level", "set_debug_level",

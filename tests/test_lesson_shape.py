@@ -12,22 +12,24 @@
    without a number (`# DDP:`), and each says in its docstring how its tags are numbered;
 4. in every GPT script and chapter 2, every family's tags first appear in reading order (1, 2,
    3...; imports aside, main() and the docstring included), and main() is the same in chapters 3,
-   7 and 8 but for chapter 3's --check-sync (chapter 9 adds its schedule);
+   7, 8 and 10 but for chapter 3's --check-sync (chapter 9 adds its schedule);
 5. no line of a training script is over 100 characters and no function takes more than 6
    parameters; in the classifiers main() comes before the steps it calls; the LM trainers read
    lesson first: the model, then main() (within the first 250 lines, before parse_args) and its
    steps, then one marked line, then the plumbing; no GPT script is longer than its budget (the
    lines it had before the collectives moved above the line, 1,202 / 1,314 / 1,381 / 1,525, and
-   what chapter 9's fixes added since: 0 / 0 / 3 / 25); no attribute is hung on the argparse
-   namespace;
+   what chapter 9's fixes added since: 0 / 0 / 3 / 25; chapter 10, 1,438); no attribute is hung on
+   the argparse namespace;
 6. the LM's training loop holds no fault switch (faults are injected from tests/, by a probe);
 7. the twins' lessons: the lesson section (main() and its steps, up to the marked line) of chapter
    7 differs from chapter 3's by at most 200 lines (the meta-device build, DCP checkpoints, the
    export), chapter 8's from chapter 7's by at most 150 (the mesh, the TP plan, the norm), chapter
    9's from chapter 7's by at most 200 (the stage, the schedule, the tied weight, forward-only
-   pipelines); the whole files by at most 420, 160 and 425 lines (the plumbing stays shared);
+   pipelines), chapter 10's from chapter 7's by at most 120 (the mesh, the split, the gather);
+   the whole files by at most 420, 160, 425 and 230 lines (the plumbing stays shared);
 8. every block a twin adds or changes opens with its tag (`# FSDP k`, k = 1..8; `# TP k`, 1..6;
-   `# PP k`, 1..8; in reading order), and the README's chapter has a row (F1.., T1.., P1..) for each.
+   `# PP k`, 1..8; `# CP k`, 1..6; in reading order), and the README's chapter has a row (F1..,
+   T1.., P1.., C1..) for each.
 """
 import ast
 import difflib
@@ -39,14 +41,17 @@ from helpers import REPO
 TAG = re.compile(r"# DDP (\d+)\b")
 PLUMBING = re.compile(r"^# =+ the plumbing$")
 SCRIPTS = ["train_single_gpu.py", "train_ddp_basic.py", "train_ddp_minigpt.py",
-           "train_fsdp_minigpt.py", "train_tp_minigpt.py", "train_pp_minigpt.py"]
+           "train_fsdp_minigpt.py", "train_tp_minigpt.py", "train_pp_minigpt.py",
+           "train_cp_minigpt.py"]
 CHANGES = 9  # chapter 2's
 LM_CHANGES = 16  # chapter 3's, in its own reading order
 FSDP_TAG, FSDP_CHANGES = re.compile(r"# FSDP (\d+)\b"), 8
 TP_TAG, TP_CHANGES = re.compile(r"# TP (\d+)\b"), 6
 PP_TAG, PP_CHANGES = re.compile(r"# PP (\d+)\b"), 8
+CP_TAG, CP_CHANGES = re.compile(r"# CP (\d+)\b"), 6
 SIZE = {"train_ddp_minigpt.py": 1202, "train_fsdp_minigpt.py": 1314,  # lines, at most: moving
-        "train_tp_minigpt.py": 1384, "train_pp_minigpt.py": 1550}  # the collectives up added none;
+        "train_tp_minigpt.py": 1384, "train_pp_minigpt.py": 1550,  # the collectives up added none;
+        "train_cp_minigpt.py": 1438}  # chapter 10: chapter 7's 1,314 and 124 of CP
 # since then, freeing the weights evaluation leaves gathered (7 lines in chapters 7-9) and chapter
 # 9's given stage shapes and in-place compile (17 lines) have
 
@@ -96,7 +101,7 @@ def test_the_lm_trainer_numbers_its_ddp_lines_and_the_readme_has_every_row():
     for name in SCRIPTS[2:]:
         code = lines(name)[lines(name).index('"""', 1):]  # after the docstring's commands
         unnumbered = [line.strip() for line in code
-                      if re.search(r"# (DDP|FSDP|TP|PP)(:|$| [^\d])", line)]
+                      if re.search(r"# (DDP|FSDP|TP|PP|CP)(:|$| [^\d])", line)]
         assert not unnumbered, f"{name}: tags without a number: {unnumbered}"
         assert "reading order" in (REPO / name).read_text().split('"""')[1], name
 
@@ -142,7 +147,9 @@ def test_the_lm_trainers_read_lesson_first(name):
                                          ("train_tp_minigpt.py", "TP"),
                                          ("train_tp_minigpt.py", "FSDP"),
                                          ("train_pp_minigpt.py", "PP"),
-                                         ("train_pp_minigpt.py", "FSDP")])
+                                         ("train_pp_minigpt.py", "FSDP"),
+                                         ("train_cp_minigpt.py", "CP"),
+                                         ("train_cp_minigpt.py", "FSDP")])
 def test_tags_first_appear_in_reading_order(name, family):
     seen = []
     for line in lines(name):
@@ -157,7 +164,8 @@ def test_main_is_the_same_in_the_twins():
         node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
         return lines(name)[node.lineno - 1:node.end_lineno]
     check_sync = [line for line in main("train_ddp_minigpt.py") if "check_" not in line]
-    assert check_sync == main("train_fsdp_minigpt.py") == main("train_tp_minigpt.py")
+    assert check_sync == main("train_fsdp_minigpt.py") == main("train_tp_minigpt.py") \
+        == main("train_cp_minigpt.py")
     extra = [line for line in main("train_pp_minigpt.py") if line not in main("train_fsdp_minigpt.py")]
     assert len(extra) == 3 and all("# PP 2" in line for line in extra), extra  # the schedule
 
@@ -172,7 +180,8 @@ def test_the_lm_training_loop_has_no_fault_switch():
     # chapter 7: most of the 420 are the meta build, DCP checkpoints and the export
     ("train_ddp_minigpt.py", "train_fsdp_minigpt.py", FSDP_TAG, FSDP_CHANGES, 420, "7", "F"),
     ("train_fsdp_minigpt.py", "train_tp_minigpt.py", TP_TAG, TP_CHANGES, 160, "8", "T"),
-    ("train_fsdp_minigpt.py", "train_pp_minigpt.py", PP_TAG, PP_CHANGES, 425, "9", "P")])
+    ("train_fsdp_minigpt.py", "train_pp_minigpt.py", PP_TAG, PP_CHANGES, 425, "9", "P"),
+    ("train_fsdp_minigpt.py", "train_cp_minigpt.py", CP_TAG, CP_CHANGES, 230, "10", "C")])
 def test_every_changed_block_opens_with_its_tag_and_the_readme_has_every_row(
         parent, child, tag, changes, limit, chapter, row):
     docstring_end = lines(child).index('"""', 1)
@@ -191,7 +200,8 @@ def test_every_changed_block_opens_with_its_tag_and_the_readme_has_every_row(
 @pytest.mark.parametrize("parent,child,limit", [
     ("train_ddp_minigpt.py", "train_fsdp_minigpt.py", 200),
     ("train_fsdp_minigpt.py", "train_tp_minigpt.py", 150),
-    ("train_fsdp_minigpt.py", "train_pp_minigpt.py", 200)])
+    ("train_fsdp_minigpt.py", "train_pp_minigpt.py", 200),
+    ("train_fsdp_minigpt.py", "train_cp_minigpt.py", 120)])
 def test_each_twins_lesson_section_differs_from_its_parents_within_budget(parent, child, limit):
     def lesson(name):  # from the lesson's marker to the plumbing's
         text = lines(name)

@@ -1,0 +1,148 @@
+"""Chapter 10, train_cp_minigpt.py (context parallelism inside FSDP, a (dp, cp) mesh), under real
+torchrun launches on CPU/gloo. These tests prove:
+
+1. the same math as one process: at the same seed, data and flags (2 accumulation steps, gradient
+   norms above --clip, so clipping binds), --cp 2 at 2 processes logs the losses and gradient norms
+   of chapter 3 in one process with the same global batch (1e-5 relative), for 10 steps (5-14). So
+   would not a run where a rank's queries saw a later token (the loss falls too fast), where the
+   positions were a rank's own (0..T/cp - 1, not its tokens' places in the sequence), or where a
+   rank's keys and values got no gradient from the other rank's queries;
+2. dp 2 x cp 2 at 4 processes, two nodes of 2 started through chapter 4's launcher, logs the
+   losses and gradient norms of 2 DDP processes (1e-5 relative): every rank of a row reads one
+   batch, and the rows read what DDP's ranks read;
+3. the split the docs describe: at cp 2 and T 32, context rank 0 holds tokens 0-7 and 24-31 and
+   rank 1 tokens 8-23, whatever its row; the split line shows equal attention work (50%, 50%)
+   where contiguous halves would give 26% and 74%; at cp 4 the chunks cover each position once
+   with equal work; each block's all-gather returns the keys and values of the whole sequence,
+   once per block and micro-batch;
+4. checkpoints are chapter 7's: the --cp 2 run resumes chapter 7's checkpoint (step 4), and
+   chapter 7 resumes its last (step 14) to step 18 with one process's losses and weights; its
+   export samples in chapter 3; a rank SIGKILLed at step 10 under `torchrun --max-restarts=1`
+   (the README's restart setting) is restarted and `--resume auto` goes on from step 8 with the
+   uninterrupted run's losses (those of item 1);
+5. bad input is one line and exit code 2: a --cp that does not divide the world size, a
+   --block-size that 2 x cp does not divide, more chunks than tokens;
+6. benchmark_scaling.py reads its summary: the global batch counts the dp rows, not the ranks.
+"""
+import json
+
+import pytest
+import torch
+from helpers import logged_grad_norms as grad_norms, logged_losses as losses
+from helpers import (GPT, REPO, SHARDED, as_script, command, ddp_reference, finish, in_process,
+                     ok, one_process_reference, start, start_two_nodes, summary, trainer)
+
+import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
+
+CP, FSDP = "train_cp_minigpt.py", "train_fsdp_minigpt.py"
+cp = trainer(CP)
+ONE = SHARDED + ["--batch-size", 12]  # chapter 3's one-process global batch: 12 sequences
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """dp 2 x cp 2 for 10 steps on two nodes of 2 processes (recorded); chapter 7 in process for
+    4 steps (its checkpoint: step 4), then --cp 2 from it to step 14, rank 1 killed at step 10 and
+    restarted (recorded; its last checkpoint: step 14); chapter 7 from that to step 18, in
+    process; chapter 3 at 2 processes (ddp_reference) and at 1 (one_process_reference)."""
+    d = tmp_path_factory.mktemp("cp")
+    (d / "grid").mkdir()
+    (d / "rec").mkdir()
+    grid = start_two_nodes("tests/probe_cp.py", ["record", d / "grid", *SHARDED, "--cp", 2,
+                                                 "--max-steps", 10, "--save", "", "--export", ""],
+                           nproc=2)
+    in_process(FSDP, ONE + ["--max-steps", 4, "--save", d / "ck", "--export", ""])
+    cmd = command("tests/probe_cp.py", ["crash", "10:1", d / "rec", *ONE, "--cp", 2,
+                                        "--max-steps", 14, "--save-every", 4, "--save", d / "ck",
+                                        "--resume", "auto", "--export", d / "cp.pt"],
+                  nproc=2, torchrun_args=["--max-restarts=1"])
+    proc = start(cmd, REPO, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # pytorch#135712
+    r = {"one": one_process_reference(), "ddp": ddp_reference()[0]}  # meanwhile
+    r["restarted"] = ok(finish(proc, cmd))
+    r["fsdp"] = in_process(FSDP, ONE + ["--max-steps", 18, "--resume", d / "ck", "--save", "",
+                                        "--export", d / "f18.pt"])
+    r["grid"] = next(out for out in grid() if "world size 4 " in out)  # rank 0's node logs
+    return {**r, "dir": d}
+
+
+def test_cp2_logs_one_processs_losses_and_gradient_norms(runs):
+    out, (one, _) = runs["restarted"], runs["one"]
+    assert "world size 2 (1 dp x 2 cp)" in out
+    assert sorted(losses(out)) == list(range(5, 15))
+    for step, loss in losses(out).items():
+        assert loss == pytest.approx(losses(one)[step], rel=1e-5), step
+    for step, norm in grad_norms(out).items():  # above --clip 1.0: clipping binds
+        assert norm > 1.0 and norm == pytest.approx(grad_norms(one)[step], rel=1e-5), step
+
+
+def test_dp2_x_cp2_on_two_nodes_logs_ddps_losses_and_gradient_norms(runs):
+    grid, ddp = runs["grid"], runs["ddp"]
+    assert "world size 4 (2 dp x 2 cp)" in grid
+    assert sorted(losses(grid)) == list(range(1, 11))
+    for step, loss in losses(grid).items():
+        assert loss == pytest.approx(losses(ddp)[step], rel=1e-5), step
+    for step, norm in grad_norms(grid).items():
+        assert norm > 1.0 and norm == pytest.approx(grad_norms(ddp)[step], rel=1e-5), step
+
+
+def test_each_rank_holds_an_early_chunk_and_a_late_one(runs):
+    held = {0: list(range(0, 8)) + list(range(24, 32)), 1: list(range(8, 24))}
+    whole = 2 * 6 * 2 * 32 * 16 * 4  # K and V: batch 6, 2 heads, 32 tokens, head size 16, fp32
+    for rank in range(4):
+        seen = json.loads((runs["dir"] / "grid" / f"rank{rank}.json").read_text())
+        assert (seen["dp_rank"], seen["cp_rank"]) == (rank // 2, rank % 2), seen
+        assert seen["positions"] == held[rank % 2], seen
+        assert seen["all_gathers"] == 2 * 2, seen  # 2 blocks x 2 micro-batches in step 1
+        assert seen["gathered_bytes"] == 4 * whole, seen
+    assert ("CP split: 4 chunks of 8 tokens, rank i of a row holds chunks i and 3 - i | attention "
+            "pairs per rank: 50.0%, 50.0% (contiguous shares would give 25.8%, 74.2%) | gathered "
+            "per block and micro-batch: 0.02 MiB of keys and values") in runs["grid"]
+
+
+def test_four_context_ranks_cover_every_position_once_with_equal_work():
+    shares = [cp.chunk_positions(r, 4, 64) for r in range(4)]
+    assert sorted(torch.cat(shares).tolist()) == list(range(64))
+    assert len({int((s + 1).sum()) for s in shares}) == 1  # query p reads p + 1 keys
+    contiguous = [torch.arange(16 * r, 16 * r + 16) for r in range(4)]  # the control: unequal
+    assert len({int((s + 1).sum()) for s in contiguous}) == 4
+
+
+def test_checkpoints_move_between_chapter_7_and_cp_and_a_killed_rank_resumes(runs):
+    out, d, (one, one_ckpt) = runs["restarted"], runs["dir"], runs["one"]
+    assert f"resumed from {d / 'ck' / 'step-000004'} at step 4" in out  # chapter 7's
+    assert f"resumed from {d / 'ck' / 'step-000008'} at step 8" in out  # after the kill
+    assert out.count("step 9/14 | loss") == 2  # logged before the kill, and again after it
+    resumed = losses(runs["fsdp"])
+    assert sorted(resumed) == [15, 16, 17, 18]
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(losses(one)[step], rel=1e-5), step
+    exported = torch.load(d / "f18.pt", map_location="cpu", weights_only=True)["model"]
+    for key, value in torch.load(one_ckpt, map_location="cpu", weights_only=True)["model"].items():
+        torch.testing.assert_close(exported[key], value, rtol=1e-4, atol=1e-4, msg=key)
+    sampled = in_process(GPT, ["--sample", "--ckpt", d / "cp.pt", "--prompt", "def ",
+                               "--max-new-tokens", 20])
+    assert sampled.startswith("def ") and len(sampled) > 10
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--cp", 3], "--block-size 32 must be a multiple of 2 x --cp = 6: each sequence is cut "
+                  "into 6 equal chunks"),
+    (["--cp", 32], "--cp 32 cuts a sequence into 64 chunks, more than the 32 tokens of "
+                   "--block-size: give a --block-size of at least 64")])
+def test_a_split_that_does_not_fit_is_one_line(flags, message):
+    result = as_script(CP, SHARDED + flags)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result
+    assert message in result.stderr
+
+
+def test_a_cp_that_does_not_divide_the_world_is_one_line():
+    with pytest.raises(cp.InputError, match=r"^--cp 2 does not divide the world size 1: start a"):
+        in_process(CP, SHARDED + ["--cp", 2, "--max-steps", 1, "--save", "", "--export", ""])
+
+
+def test_benchmark_scaling_reads_the_cp_trainers_summary(runs):
+    """benchmark_scaling.py runs any trainer the same way (its launches: test_benchmark.py);
+    what it needs of a trainer is its summary's pace keys: tokens per step over the dp rows."""
+    row = bench.pace_row(summary(runs["grid"]), 4, 0.0)
+    assert row["per_step"] == 6 * 32 * 2 * 2 and row["unit"] == "tokens/s"  # batch x T x K x dp
+    assert row["throughput"] == pytest.approx(768 / (row["step_ms"] / 1000), rel=0.01)

@@ -1,0 +1,1438 @@
+"""Chapter 10: the chapter-7 GPT trainer with context parallelism (CP) inside FSDP: each sequence's
+tokens split across --cp ranks, on a 2-D mesh of (dp, cp) ranks, for contexts whose activations no
+longer fit on one device. The same math as one process.
+
+    torchrun --standalone --nproc_per_node=2 train_cp_minigpt.py --cp 2    # 1 x 2: CPU or 2 GPUs
+    torchrun --standalone --nproc_per_node=4 train_cp_minigpt.py --cp 2    # 2 x 2: CPU or 4 GPUs
+    torchrun --standalone --nproc_per_node=gpu train_cp_minigpt.py --cp 8 --block-size 16384
+    ./launch_multinode_ddp.sh --nnodes 2 --nproc-per-node 8 --master-addr N0 \
+        train_cp_minigpt.py --cp 8 --block-size 16384
+    python train_ddp_minigpt.py --sample --ckpt checkpoints/minigpt_cp.pt --prompt "def main("
+
+The multi-node line prints the torchrun command to run on each node (chapter 4): with --cp 8,
+each node is one cp group. Sampling runs in one plain process. Default data: the first 2,000,000
+bytes of this Python's own standard library, one token per byte (vocab 256), so nothing is
+downloaded; `--data` also takes a text file, a .bin of uint16 token ids, or a nanoGPT folder.
+
+What CP adds to FSDP (`diff train_fsdp_minigpt.py train_cp_minigpt.py`: the `# CP k` lines, k =
+1 to 6 in reading order, the README's chapter 10 table; `# FSDP k`, `# DDP k`: chapters 7 and 3):
+- The ranks form a grid of (world size / cp) rows by cp columns. A row is a cp group: consecutive
+  ranks, one node's GPUs. Every rank of a row reads the same sequences; each holds its share of
+  every sequence's tokens. FSDP shards the weights over all the ranks, as in chapter 7.
+- Each sequence is cut into 2 x cp chunks; context rank i holds chunks i and 2 cp - 1 - i. Causal
+  attention gives a late token more keys to read than an early one: an early chunk and a late one
+  give every rank the same work (the split line at start-up shows it). Positions are global.
+- In every block each rank computes q, k, v for its own tokens, all-gathers the keys and values of
+  the whole sequence from its row (backward: a reduce-scatter of their gradients), and each chunk's
+  queries read the keys up to the chunk's end, causally: every earlier token, wherever it is held.
+- The loss is each rank's mean over its tokens; all ranks hold as many, so their mean is the mean
+  over the global batch, and FSDP's mean of gradients is one process's gradient.
+"""
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import datetime
+import errno
+import gc  # DDP 16
+import glob
+import io  # FSDP 8
+import json
+import math
+import os
+import pickle
+import shutil
+import statistics
+import sys
+import sysconfig
+import time
+import zlib
+
+import numpy as np
+import torch
+import torch.distributed as dist  # DDP 1
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.distributed.checkpoint as dcp  # FSDP 3
+from torch.distributed.checkpoint.api import CheckpointException  # FSDP 3
+from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # FSDP 3
+                                                     get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh  # FSDP 2
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # FSDP 1
+from torch.distributed.tensor import distribute_tensor  # FSDP 2
+from torch.nn.attention.bias import causal_lower_right  # CP 1
+from torch.utils.checkpoint import checkpoint
+
+
+# ------------------------------------------------------- the model: a GPT, nothing distributed
+def causal_attention(q, k, v):
+    """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
+    attention on GPUs); is_causal builds no mask. No dropout on the attention weights: on a CPU it
+    forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
+    bf16 CPU backward kernel is 3x slower than the fp32 one (measured: docs/performance.md)."""
+    # CP 1: q holds the last positions of k's sequence (all of them, or one chunk's): is_causal
+    # aligned at the end (flash attention builds no mask for it; a CPU builds one)
+    causal = causal_lower_right(q.shape[-2], k.shape[-2])
+    if q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal)  # CP 1
+    with torch.autocast("cpu", enabled=False):
+        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),  # CP 1
+                                           attn_mask=causal)
+    return y.to(q.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x, context=None):  # CP 1: context: this rank's share of the sequence
+        B, T, C = x.shape
+        # qkv's outputs come head by head (head 0's q, k, v, then head 1's...): equal parts are
+        # whole heads, as chapter 8's tensor-parallel split needs; -1: the heads this module holds
+        qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
+        if context is None:  # CP 1: the whole sequence is here
+            y = causal_attention(q, k, v)
+        else:  # CP 1: this rank's queries over the keys and values of every rank of its row
+            y = context.attention(q, k, v)
+        return self.proj(y.transpose(1, 2).flatten(2))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attention(norm(x)), then x + MLP(norm(x))."""
+
+    def __init__(self, n_embd, n_head, dropout):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
+                                 nn.Linear(4 * n_embd, n_embd))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x, context=None):  # CP 1
+        x = x + self.drop(self.attn(self.ln1(x), context))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd, dropout):
+        super().__init__()
+        self.block_size = block_size
+        self.grad_checkpointing = False  # True: recompute each block's activations in backward
+        self.tok_emb = nn.Embedding(vocab_size, n_embd)
+        self.pos_emb = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # weight tying: one matrix embeds and un-embeds
+        if not self.head.weight.is_meta:  # on the meta device there is nothing to fill yet
+            self.init_weights(seed=0)
+
+    @torch.no_grad()
+    def init_weights(self, seed):
+        """Every parameter from initial_value(): the same weights for the same seed, whether
+        the model is made whole here or one parameter at a time (chapter 7's sharded build)."""
+        for name, p in self.named_parameters():
+            p.copy_(initial_value(name, p.shape, seed, len(self.blocks)))
+
+    def forward(self, idx, targets=None, context=None):  # CP 1: context: this rank's share
+        """Logits (B, T, vocab), and the mean cross-entropy per token if targets are given. With a
+        context, idx holds this rank's tokens of each sequence, at context.positions."""
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        if context is not None:  # CP 1: the tokens' places in the whole sequence
+            positions = context.positions
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+        for block in self.blocks:
+            if self.grad_checkpointing and self.training:  # keep block inputs; recompute the rest
+                x = checkpoint(block, x, context, use_reentrant=False)  # CP 1
+            else:
+                x = block(x, context)  # CP 1
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature, top_k):
+        """Append max_new_tokens tokens to idx (1, T), each drawn from the model's prediction."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.block_size:])[0][:, -1] / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            idx = torch.cat([idx, torch.multinomial(logits.softmax(-1), 1)], dim=1)
+        return idx
+
+
+def initial_value(name, shape, seed, n_layer):
+    """The initial value of parameter `name`, GPT-2's scheme: N(0, 0.02) for matrices (residual
+    projections shrink with depth), zero biases, unit norm weights. Each parameter draws from a
+    generator of its own, seeded by (seed, name), so any one can be made without the others."""
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if len(shape) == 1:  # a LayerNorm's weight
+        return torch.ones(shape)
+    residual = name.endswith(("attn.proj.weight", "mlp.2.weight"))
+    std = 0.02 / math.sqrt(2 * n_layer) if residual else 0.02
+    generator = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=generator) * std
+
+
+# ------------------------------------- the distributed lesson: main() and its steps, in order
+def main(argv=None):
+    args = parse_args(argv)
+    if args.sample:  # inference: one plain process, no process group
+        return sample(args)
+    # setup: one process per device, joined in one group (chapters 8-9: a mesh of groups too);
+    # rank 0 logs and saves. A step that "talks" waits for the others: all call it, in one order
+    device, rank, world_size = init_distributed(args.device, args.dist_timeout, args.debug)  # talks
+    run = make_run(args, device, rank, world_size)
+    # data: every rank reads its own windows of the training tokens
+    data = build_data(run)  # talks with --debug: rank 0 prints each rank's windows
+    # model: the same initial weights on every rank, resumed if asked, then wrapped
+    raw_model, optimizer = build_model(run, data.vocab_size)  # talks from chapter 7 on: a mesh
+    start = resumed_step(run, raw_model, optimizer, data)  # talks: rank 0 finds it, all agree
+    model = wrap_model(run, raw_model)  # talks in chapter 3: DDP sends rank 0's weights
+    if args.benchmark:
+        return benchmark(run, model, optimizer, data.windows)  # talks: training steps, timed
+    # train: log, evaluate and save on schedule
+    val_loss = evaluate(run, model, data.val)  # talks: the loss sums of every rank add up
+    print0(run.is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
+    meter = Meter(run, raw_model, start)  # the training clock starts now
+    for step in range(start, args.max_steps):  # every step talks
+        loss, grad_norm = train_step(run, model, optimizer, data.windows, step)  # talks
+        done = step + 1
+        if done % args.log_every == 0 or done == args.max_steps:
+            print0(run.is_main, meter.log_line(done, loss.item(), grad_norm.item()))
+        meter.stop_clock()  # evaluation and checkpoints are not training time
+        if done % args.eval_every == 0 or done == args.max_steps:
+            val_loss = evaluate(run, model, data.val)  # talks
+            print0(run.is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | "
+                                f"baseline {data.baseline:.4f}")
+        # save: rank 0 writes, every rank waits for it
+        due = done == args.max_steps or (args.save_every and done % args.save_every == 0)
+        if args.save and due:
+            save_checkpoint(run, raw_model, optimizer, data, done)  # talks
+        meter.start_clock()
+    # cleanup: the summary and a sample; the group is left by __main__'s `finally`
+    report(run, raw_model, data, val_loss, meter)  # talks: GPU peaks; from chapter 7 on, export
+
+
+def init_distributed(device_name, timeout_s, debug):  # DDP 1: join the group torchrun describes
+    """Join the process group of the processes torchrun started, one device each: a collective,
+    every process calls it. Returns (device, rank, world size)."""
+    refuse_a_bad_launch(device_name)  # guard: no torchrun, or more processes than GPUs
+    if device_name == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device("cpu")
+    if device_name == "cuda":  # DDP 2: one GPU per process, picked by LOCAL_RANK, before CUDA work
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.set_debug_level(safe_debug_level(backend, debug, dist.get_debug_level()))  # guard
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device if backend == "nccl" else None)  # NCCL: bind it
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+@dataclasses.dataclass
+class Run:
+    """What every step of one process's run shares, set once at the start."""
+    args: argparse.Namespace  # the flags
+    device: torch.device
+    rank: int
+    world_size: int
+    is_main: bool  # rank 0: the one process that logs and writes files
+    amp: str  # FSDP 1: the compute dtype's name ("bfloat16"), or "off"
+    policy: MixedPrecisionPolicy  # FSDP 1: casts the gathered weights; no autocast, no scaler
+    mesh: object  # CP 2: the (dp, cp) grid of ranks, a DeviceMesh
+    dp_rank: int  # CP 3: this rank's row: the sequences it reads
+    dp_size: int  # CP 3: the rows, data-parallel replicas: world size / cp
+    context: "Context"  # CP 4: this rank's share of every sequence, and its attention
+
+
+def make_run(args, device, rank, world_size):
+    """This process's Run; logs the run's shape (world size, device, precision, batch)."""
+    is_main = rank == 0  # DDP 3: rank 0 alone logs and saves
+    avoid_page_faults_on_cpu(device)  # guard: page faults every step on Linux CPUs
+    amp, policy = mixed_precision(args.amp, device)  # FSDP 1
+    mesh = grid(args.cp, device, world_size)  # CP 2: (world size / cp) x cp ranks
+    context = Context(mesh["cp"].get_group(), mesh.get_local_rank("cp"), args, device)  # CP 4
+    run = Run(args, device, rank, world_size, is_main, amp, policy, mesh,
+              mesh.get_local_rank("dp"), mesh.size(0), context)
+    print0(is_main, f"world size {world_size} ({run.dp_size} dp x {args.cp} cp) | device "
+                    f"{device} | amp {amp} | {tokens_per_step(run):,} tokens per step "
+                    f"({args.batch_size} x {args.block_size} x {args.grad_accum} accumulation x "
+                    f"{run.dp_size} replicas)")  # CP 3: a global batch per row, not per rank
+    print0(is_main, split_line(run))  # CP 4: what each rank holds and gathers
+    return run
+
+
+def grid(cp, device, world_size):  # CP 2: a 2-D mesh, rows of cp ranks
+    """The ranks as a (world size / cp) x cp DeviceMesh: rank r in row r // cp (its data-parallel
+    replica) and column r % cp (its share of every sequence). A row is consecutive ranks: under
+    torchrun, one node's GPUs, so that every block's all-gather stays on the node's links."""
+    if world_size % cp:
+        raise InputError(f"--cp {cp} does not divide the world size {world_size}: start a "
+                         f"multiple of {cp} processes, or give --cp 1")
+    shape, names = (world_size // cp, cp), ("dp", "cp")
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)  # a group per row, column
+
+
+class Context:  # CP 4: this rank's share of every sequence, and how its queries see the rest
+    """Context rank i of cp holds chunks i and 2 cp - 1 - i of every sequence cut into 2 cp equal
+    chunks, one early and one late: a causal query reads as many keys as its position, so every
+    rank gets the same work (split_line). Its attention gathers the keys and values of the whole
+    sequence from its row, and each chunk's queries read those up to the chunk's end (CP 5)."""
+
+    def __init__(self, group, cp_rank, args, device):
+        every = [chunk_positions(r, args.cp, args.block_size) for r in range(args.cp)]
+        self.group, self.cp, self.positions = group, args.cp, every[cp_rank].to(device)  # CP 4
+        self.order = torch.cat(every).argsort().to(device)  # CP 5: gathered -> sequence order
+        size = len(self.positions) // 2
+        self.ends = [int(self.positions[i * size + size - 1]) + 1 for i in (0, 1)]  # CP 5: a
+        # chunk's queries read the keys before its end, and only those: no later token
+
+    def share(self, x, y):  # CP 4: this rank's tokens of each sequence, and their targets
+        return x[:, self.positions], y[:, self.positions]
+
+    def attention(self, q, k, v):  # CP 5: each chunk's queries over every key up to its end
+        if self.cp == 1:  # the whole sequence is here: chapter 7's attention
+            return causal_attention(q, k, v)
+        kv = GatherContext.apply(torch.stack([k, v]), self.group)  # (2, B, heads, T, head size)
+        k, v = kv.index_select(-2, self.order)  # the whole sequence, in order of position
+        chunks = q.chunk(2, dim=-2)  # an early chunk's queries and a late one's
+        return torch.cat([causal_attention(part, k[..., :end, :], v[..., :end, :])
+                          for part, end in zip(chunks, self.ends)], dim=-2)
+
+
+def chunk_positions(cp_rank, cp, block_size):  # CP 4: an early chunk and a late one
+    """The positions context rank cp_rank holds in a sequence of block_size tokens: chunks cp_rank
+    and 2 cp - 1 - cp_rank of 2 cp equal chunks."""
+    size = block_size // (2 * cp)
+    chunks = (cp_rank, 2 * cp - 1 - cp_rank)
+    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
+
+
+class GatherContext(torch.autograd.Function):  # CP 5: an all-gather that carries gradients
+    """All-gather over the context ranks along the sequence (dim -2), in rank order. Its backward
+    is a reduce-scatter: each rank's keys and values were read by every rank's queries, so their
+    gradient is the sum of every rank's gradient for them."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, n = group, dist.get_world_size(group)
+        parts = x.new_empty((n * x.shape[0], *x.shape[1:]))  # rank r's x at [r * len(x):]
+        dist.all_gather_single(parts, x.contiguous(), group=group)  # talks: every rank's share
+        return torch.cat(parts.chunk(n), dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = dist.get_world_size(ctx.group)
+        parts = torch.cat(grad.chunk(n, dim=-2))  # rank r's part at [r * len(mine):]
+        mine = grad.new_empty((parts.shape[0] // n, *parts.shape[1:]))
+        dist.reduce_scatter_single(mine, parts, group=ctx.group)  # talks: sums, each rank its own
+        return mine, None
+
+
+@dataclasses.dataclass
+class Data:
+    windows: "Windows"  # this rank's training batches
+    val: np.ndarray  # the validation tokens
+    vocab_size: int
+    itos: dict  # id -> text, from a nanoGPT folder's meta.pkl; None for bytes or plain ids
+    baseline: float  # the loss of predicting each token by its frequency: the loss to beat
+
+
+def build_data(run):
+    """This rank's training windows and the validation tokens (--debug: a collective)."""
+    args = run.args
+    train, val, vocab_size, itos = load_data(args, run.dp_size)  # CP 3: a batch per row
+    windows = Windows(train, args.block_size, args.batch_size, run.dp_rank, run.dp_size,
+                      args.seed)  # CP 3: each row its own windows, the same in a row
+    baseline = unigram_loss(train, val, vocab_size)
+    unit = "byte" if vocab_size == 256 else "token"
+    print0(run.is_main, f"data {args.data or 'Python standard library'} | {len(train):,} train "
+                        f"/ {len(val):,} val tokens | vocab {vocab_size} | "
+                        f"{unit}-frequency baseline loss {baseline:.4f}")
+    if args.debug:
+        log_windows(run, windows)  # talks: rank 0 prints every rank's
+    return Data(windows, val, vocab_size, itos, baseline)
+
+
+class Windows:
+    """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
+    block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
+    ranks round-robin, like DistributedSampler: ranks read different windows, and an epoch reads
+    each token once. Micro-batch k is a function of k and of the ranks sharing the data, so a run
+    resumed with as many ranks reads what the uninterrupted one would have."""
+
+    def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
+        self.tokens, self.block, self.batch = tokens, block_size, batch_size
+        self.rank, self.world, self.seed = rank, world_size, seed
+        per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size  # at any offset
+        self.per_epoch = per_rank // batch_size  # micro-batches per rank per epoch
+        self.span = np.arange(block_size + 1)
+        self.epoch, self.starts = None, None
+
+    def starts_of_epoch(self, epoch):  # DDP 4: every rank its own share of the windows
+        """The first token of every window this rank reads in `epoch`, in order."""
+        g = torch.Generator().manual_seed(self.seed + epoch)  # DDP 5: a new order each epoch
+        offset = int(torch.randint(0, self.block + 1, (1,), generator=g))
+        count = self.per_epoch * self.batch * self.world
+        order = torch.randperm((len(self.tokens) - offset) // (self.block + 1), generator=g)[:count]
+        return (offset + order * (self.block + 1))[self.rank::self.world].numpy()
+
+    def rows(self, k):
+        """Micro-batch k of this rank: (B, block_size + 1) token ids, inputs and the next token."""
+        epoch, i = divmod(k, self.per_epoch)
+        if epoch != self.epoch:
+            self.epoch, self.starts = epoch, self.starts_of_epoch(epoch)
+        rows = self.tokens[self.starts[i * self.batch:(i + 1) * self.batch, None] + self.span]
+        return torch.from_numpy(rows.astype(np.int64))
+
+
+def log_windows(run, windows):  # DDP 6: --debug, which windows each rank reads
+    """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
+    that lines from several processes never splice into each other."""
+    line = (f"[rank {run.rank}] {windows.per_epoch} micro-batches per epoch, "
+            f"first windows at tokens {windows.starts_of_epoch(0)[:4].tolist()}")
+    lines = [None] * run.world_size
+    dist.all_gather_object(lines, line)  # to rank 0, which prints them in rank order
+    print0(run.is_main, "\n".join(lines))
+
+
+def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, then filled
+    """The sharded model (1/N of every parameter here; no rank ever holds it whole), and AdamW."""
+    args = run.args
+    with torch.device("meta"):  # FSDP 2: shapes and dtypes, no memory
+        raw_model = GPT(**model_config(args, vocab_size))
+    shard(run, raw_model)  # FSDP 2: before the optimizer, which must see the shards
+    raw_model.to_empty(device=run.device)  # FSDP 2: this rank's shards, not yet filled
+    init_shards(raw_model, args.seed)  # FSDP 2: chapter 3's initial weights
+    raw_model.grad_checkpointing = args.grad_checkpointing
+    optimizer = make_optimizer(raw_model, args, run.device)
+    torch.manual_seed(args.seed + run.rank)  # DDP 7: each rank its own dropout masks
+    print0(run.is_main, f"model {sum(p.numel() for p in raw_model.parameters()):,} parameters | "
+                        f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
+                        f"context {args.block_size}")
+    print0(run.is_main, memory_line(raw_model))  # FSDP 2: what each rank holds
+    return raw_model, optimizer
+
+
+def shard(run, model):  # FSDP 2: every block a group of its own, then the root
+    """fully_shard turns each block's parameters into DTensors split across the ranks (dim 0): a
+    block's weights are all-gathered just before its forward and its gradients reduce-scattered
+    after its backward, so at most a block or two are whole at a time; the root holds the rest."""
+    mesh = init_device_mesh(run.device.type, (run.world_size,))  # on the group's device type
+    reshard = run.args.reshard_after_forward == "yes"
+    for block in model.blocks:  # sharding sends nothing: the hooks it adds all-gather later
+        fully_shard(block, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)  # hooks
+    fully_shard(model, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)  # the root
+
+
+@torch.no_grad()
+def init_shards(model, seed):  # FSDP 2: one whole parameter at a time, each rank keeps its slice
+    """Fill this rank's shards with chapter 3's initial weights: each parameter made whole from the
+    seed, one at a time; each rank keeps its slice, sending nothing (src_data_rank=None)."""
+    for name, p in model.named_parameters():
+        full = initial_value(name, p.shape, seed, len(model.blocks)).to(p.device)
+        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))  # mine
+
+
+def resumed_step(run, raw_model, optimizer, data):
+    """A collective: the step to go on from, 0 or --resume's after loading it. Rank 0 decides
+    whether `--resume auto` finds a checkpoint; all ranks load it, or all stop with one line."""
+    path, state, problem = resume_path(run), None, None  # FSDP 3: read the small file, agree,
+    try:  # and only then load the shards, a collective
+        state = read_run_state(path, run, data) if path else None
+    except InputError as err:  # told to every rank below, so that none waits for this one
+        problem = str(err)
+    step = agree_on_start(state["step"] if state else 0, problem, path)  # FSDP 3; talks
+    if path:
+        load_shards(path, state, run, raw_model, optimizer)  # FSDP 3: every rank, at once
+        print0(run.is_main, f"resumed from {path} at step {step}")
+    return step
+
+
+def resume_path(run):
+    """A collective: the checkpoint to resume from, or None. --resume auto: the --save checkpoint
+    if it exists (so that a restart after a crash runs the same command and goes on from the last
+    checkpoint). Rank 0 looks and tells the rest: ranks that looked on their own could disagree."""
+    resume, save = run.args.resume, run.args.save
+    if resume != "auto":
+        return resume and newest_complete_step(resume, run.is_main) or resume  # FSDP 3: a step
+    if not save:
+        raise InputError("--resume auto needs a --save path to look for")
+    found = [newest_complete_step(save, run.is_main) if run.is_main else None]  # FSDP 3
+    dist.broadcast_object_list(found, src=0)  # DDP 8: rank 0 decides for every rank
+    return found[0]  # FSDP 3
+
+
+def agree_on_start(start, error, path):
+    """Every rank resumed from the same step, or all stop with the same line (a rank on a node that
+    cannot see the checkpoint, or sees another file: checkpoints need a shared filesystem)."""
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, (start, error))  # DDP 8: a collective, so no rank hangs
+    failed = [(rank, problem) for rank, (_, problem) in enumerate(outcomes) if problem]
+    if failed and len(failed) == len(outcomes) and len({p for _, p in failed}) == 1:
+        raise InputError(failed[0][1])  # the same problem everywhere: the checkpoint itself
+    if failed:
+        raise InputError(f"rank {failed[0][0]}: {failed[0][1]} (every rank reads --resume: on "
+                         "several nodes it must be on a filesystem they share, docs/multinode.md)")
+    steps = [step for step, _ in outcomes]
+    if len(set(steps)) > 1:
+        raise InputError(f"the ranks read {path} at different steps {steps}: on several nodes it "
+                         "must be one file on a filesystem they share (docs/multinode.md)")
+    return start
+
+
+def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
+    """A collective: every rank reads the slices its shards hold, whatever world size wrote them
+    (DCP knows which slice each file holds); then its RNG, at the world size that saved."""
+    model_state, optim_state = get_state_dict(raw_model, optimizer)  # my shards' state
+    try:
+        dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)  # every rank
+    except (Exception, CheckpointException) as err:  # raised on every rank: DCP gathers them
+        raise InputError(f"cannot load the shards of {path}: {first_reason(err)}") from None
+    set_state_dict(raw_model, optimizer, model_state_dict=model_state,  # into my shards
+                   optim_state_dict=optim_state)
+    if not shards_finite(raw_model):  # talks: every rank gets the same answer
+        raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
+    if run.rank < len(state["rng"]):  # the same world size gets its exact dropout streams back
+        restore_rng(state["rng"][run.rank], run.device)  # FSDP 3: this rank's streams
+
+
+def shards_finite(model):  # FSDP 3
+    """A collective: True on every rank if every rank's shards are free of NaN and infinity."""
+    mine = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
+    flag = torch.tensor([float(mine)], device=next(model.parameters()).device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # 0 if any rank's shards are not finite
+    return bool(flag.item())
+
+
+def wrap_model(run, raw_model):  # FSDP 4: no wrapper: the sharded model trains itself
+    """The model that trains: the sharded raw_model, compiled with --compile. Two handles to one
+    set of shards: `raw_model` (saved, exported) and `model`, the same or its compiled form."""
+    if run.args.compile:
+        return torch.compile(raw_model, backend=run.args.compile_backend)
+    return raw_model
+
+
+def benchmark(run, model, optimizer, windows):
+    """--benchmark: 5 warm-up steps, then --max-steps timed ones; median ms/step and tokens/s."""
+    times = []
+    for step in range(5 + run.args.max_steps):
+        start = time.perf_counter()
+        loss, _ = train_step(run, model, optimizer, windows, step)  # talks
+        loss.item()  # wait for the device: the step is over
+        times.append(time.perf_counter() - start)
+    result = {**pace_keys(statistics.median(times[5:]), tokens_per_step(run)),
+              "timed_steps": run.args.max_steps}
+    log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
+    print0(run.is_main, f"benchmark | {result['step_ms']} ms/step | "
+                        f"{result['throughput']:,.0f} tok/s")
+    print0(run.is_main, summary_line(result))
+
+
+def train_step(run, model, optimizer, windows, step):
+    """One optimizer step over --grad-accum micro-batches; a collective. Returns the loss (mean
+    over all ranks) and the gradient norm before clipping, both device tensors."""
+    args = run.args
+    batches = [on_device(windows.rows(step * args.grad_accum + i), run.device)
+               for i in range(args.grad_accum)]
+    batches = [run.context.share(x, y) for x, y in batches]  # CP 4: this rank's tokens of each
+    loss = accumulate_gradients(model, batches, run.context)  # FSDP 1: the policy casts
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, args)
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
+    grad_norm = grad_norm.full_tensor()  # FSDP 5: the norm over all shards, the same everywhere
+    loss = mean_over_ranks(loss)  # DDP 10: every rank gets the same mean, so the same verdict
+    stop_if_diverged(run, step, loss, grad_norm)
+    optimizer.step()  # FSDP 1
+    optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm
+
+
+def accumulate_gradients(model, batches, context):  # CP 4: FSDP 6's, on this rank's tokens
+    """Forward and backward over each micro-batch (inputs, targets): gradients add up in each
+    rank's shards, and FSDP reduce-scatters them once, in the last backward; the mean loss."""
+    total = 0.0
+    for i, (x, y) in enumerate(batches):
+        model.set_requires_gradient_sync(i == len(batches) - 1)  # FSDP 6: FSDP's no_sync
+        _, loss = model(x, y, context)  # CP 4: the mean over this rank's tokens
+        loss = loss / len(batches)  # micro-batches of equal size: the mean of their means
+        loss.backward()  # CP 5: talks: each block reduce-scatters its keys' and values' gradients
+        total += loss.detach()
+    return total
+
+
+def mean_over_ranks(value):  # DDP 10
+    """A collective: the average of a scalar tensor over all ranks (SUM, then divide)."""
+    value = value.detach().clone().float()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # every rank gets the sum of all ranks'
+    return value / dist.get_world_size()
+
+
+def evaluate(run, model, val):  # FSDP 7: every rank runs as many forwards
+    """The mean validation loss per token, exact at any world size; a collective. Each forward
+    all-gathers with every rank, so fewer batches are padded with targets of -100: counted 0."""
+    batches = list(validation_batches(run, val))  # CP 3: disjoint slices by row
+    most = torch.tensor(len(batches), device=run.device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most batches any rank holds
+    x = torch.zeros(1, run.args.block_size, dtype=torch.long, device=run.device)
+    batches += [(x, torch.full_like(x, -100))] * (int(most) - len(batches))
+    batches = [run.context.share(x, y) for x, y in batches]  # CP 4: this rank's tokens
+    return mean_loss_over_ranks(model, batches, run.context)  # talks: every rank's sums
+
+
+@torch.no_grad()
+def mean_loss_over_ranks(model, batches, context):  # CP 4: FSDP 1's, on this rank's tokens
+    """The mean cross-entropy per target over all ranks' batches (inputs, targets): each rank
+    sums its own, one all-reduce adds the sums and the counts up. A collective: every rank calls
+    it (evaluate() says how many batches each rank may bring)."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
+    for x, y in batches:
+        logits, _ = model(x, context=context)  # CP 4: this rank's tokens
+        totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
+        totals[1] += (y != -100).sum()  # FSDP 7: the padding counts no token
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # CP 4: each token on one rank: once
+    free_gathered_weights(model)  # FSDP 7: forwards without a backward leave them
+    model.train()
+    return (totals[0] / totals[1]).item()
+
+
+def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every rank its shards
+    """A collective: rank 0 writes DIR/step-N/run.json (step, flags, vocabulary, every rank's RNG),
+    every rank its shards of weights and AdamW state (DCP: no gather; .metadata last marks it
+    complete). Failed: SaveFailed on every rank, the folder removed, the previous step intact."""
+    rng_states = [None] * run.world_size  # DDP 13: each rank has its own dropout stream
+    dist.all_gather_object(rng_states, rng_state(run.device))  # so rank 0 can save them all
+    folder = os.path.join(run.args.save, f"step-{step:06d}")  # FSDP 3: a folder per step
+    if not shards_finite(raw_model):  # a collective: every rank gets the same answer
+        raise SaveFailed(f"not saving {folder}: the weights are not finite")
+    state = dict(zip(("model", "optimizer"), get_state_dict(raw_model, optimizer)))  # mine
+    try:  # rank 0 writes run.json, then every rank its shards
+        save_on_rank_0(lambda: write_file(os.path.join(folder, "run.json"),  # talks
+                                          run_state(run, data, step, rng_states)), run.is_main)
+        dcp.save(state, checkpoint_id=folder)  # every rank its shards; .metadata last, by rank 0
+    except (SaveFailed, OSError, RuntimeError, CheckpointException) as err:  # DCP: on every rank
+        save_on_rank_0(lambda: shutil.rmtree(folder, ignore_errors=True), run.is_main)  # talks
+        failed = SaveFailed(f"cannot save {folder}: {first_reason(err, folder, state)}")
+        raise (err if isinstance(err, SaveFailed) else failed) from None
+    save_on_rank_0(lambda: drop_older_steps(run.args.save, folder), run.is_main)  # talks
+    print0(run.is_main, f"step {step}/{run.args.max_steps} | saved {folder}")
+
+
+def save_on_rank_0(write, is_main):  # DDP 14: one writer; every rank waits and learns the outcome
+    """A collective: rank 0 calls write(); every rank waits for it and raises what it raised.
+    Never call it inside `if is_main:`: the other ranks would not reach the broadcast."""
+    error = None
+    if is_main:
+        try:
+            write()
+        except Exception as err:  # sent to every rank below, so that none goes on alone
+            error = err
+    outcome = [error]
+    dist.broadcast_object_list(outcome, src=0)  # every rank waits here for rank 0's write
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
+def report(run, raw_model, data, val_loss, meter):
+    """The done line, the summary line, and (rank 0, the plain model) a taste of what it learned;
+    on GPUs first every rank's peak memory (a collective)."""
+    log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
+    summary = {**meter.summary(), "val_loss": val_loss, "baseline_loss": data.baseline}
+    unit = "byte" if data.vocab_size == 256 else "token"
+    print0(run.is_main, f"done | val loss {val_loss:.4f} ({unit}-frequency baseline "
+                        f"{data.baseline:.4f}) | {summary['tokens_per_s']:,.0f} tok/s over "
+                        f"{summary['train_s']:.1f} s of training")
+    print0(run.is_main, summary_line(summary))
+    if run.args.export:  # FSDP 8: one plain file, for one-process sampling
+        export(run, raw_model, data)  # talks: every rank's shards to rank 0
+    if unit == "byte" or data.itos:  # FSDP 7: every rank generates: each forward gathers weights
+        raw_model.eval()
+        start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
+        first, args = torch.tensor([[start]], device=run.device), run.args
+        out = raw_model.generate(first, args.max_new_tokens, args.temperature, args.top_k)
+        print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 7
+
+
+def export(run, raw_model, data):  # FSDP 8: one plain file, chapter 3's format
+    """A collective: every rank's shards to rank 0's CPU, which writes chapter 3's format."""
+    if not shards_finite(raw_model):  # talks: every rank gets the same answer
+        raise SaveFailed(f"not exporting {run.args.export}: the weights are not finite")
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0
+    weights = get_model_state_dict(raw_model, options=options)  # empty on the other ranks
+    save_on_rank_0(lambda: write_export(run, weights, data), run.is_main)  # talks
+
+
+def log_peak_gpu_memory(run):  # DDP 15: every rank's peak, printed by rank 0
+    """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in rank
+    order (measured: weights, gradients, optimizer state, activations; docs/fsdp.md)."""
+    if run.device.type != "cuda":
+        return
+    peaks = [None] * run.world_size
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # for rank 0
+    print0(run.is_main, "peak GPU memory per rank (max_memory_allocated): " +
+           ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
+
+
+def leave_distributed():  # DDP 16: leave the process group on every path, error or not
+    """Free what a failed run left (a DDP model holds the group), then leave the group."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()  # waits for no one: each rank leaves on its own
+
+
+# ============================================================================== the plumbing
+# Flags, data files, mixed precision, the optimizer and schedule, checkpoint files, logging and
+# timing, sampling, and the errors: what any trainer needs, distributed or not.
+
+
+# ---------------------------------------- guards: each stops one thing going wrong in production
+def refuse_a_bad_launch(device_name):  # guard: a process that could never join a group
+    """Exit code 2 and one line if torchrun did not start this process, or its GPU is missing."""
+    def refuse(problem):
+        sys.stderr.write(f"error: {problem}\n")
+        sys.exit(2)
+
+    if "RANK" not in os.environ:  # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT
+        refuse("not launched by torchrun: see the commands at the top of this script")
+    if device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available()):
+        local_rank, visible = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+        if local_rank >= visible:
+            refuse(f"--device cuda: GPU {local_rank} asked for, but {visible} visible: start at "
+                   "most one process per GPU (--nproc_per_node), or --device cpu")
+
+
+def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo
+    """The debug level to run at, from the shell's: --debug asks DETAIL (NCCL) or INFO (gloo); a
+    shell's DETAIL on gloo, where it crashes DDP, becomes INFO with one warning from rank 0."""
+    if debug:
+        level = dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO
+    if backend == "gloo" and level == dist.DebugLevel.DETAIL:  # the shell's
+        if os.environ["RANK"] == "0":  # before the group: torchrun's RANK says who logs
+            print("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on gloo "
+                  "(docs/troubleshooting.md): going on at INFO", flush=True)
+        level = dist.DebugLevel.INFO
+    return level
+
+
+def avoid_page_faults_on_cpu(device):  # guard: glibc returning freed memory at once
+    """On Linux CPUs (glibc), keep freed memory in the process: glibc hands each step's tens of MB
+    (the logits) back to the OS, and page faults cost 10-30% of a step (docs/performance.md)."""
+    if device.type != "cpu":
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc (macOS, musl, Windows): nothing to tune
+    libc.mallopt(-4, 0)  # M_MMAP_MAX = 0: serve large blocks from the heap, not fresh mmaps
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD = 1 GiB: keep that much freed heap for reuse
+
+
+# ------------------------------------------------------------------------------------------ flags
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2, instead of argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive(kind, zero_ok=False):
+    """An argparse type: a number of `kind` above zero, or at least zero if zero_ok."""
+    def parse(text):
+        value = kind(text)
+        if value < 0 or (value == 0 and not zero_ok):
+            bound = "at least 0" if zero_ok else "positive"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+    parse.__name__ = f"positive {kind.__name__}"  # argparse names it: "invalid positive int value"
+    return parse
+
+
+def parse_args(argv=None):
+    p = Parser(description=__doc__.split("\n\n")[0])
+    a = p.add_argument_group("data").add_argument
+    a("--data", metavar="PATH",
+      help="a text file (its bytes are the tokens), a .bin of uint16 token ids, or a nanoGPT "
+           "folder: train.bin, val.bin, meta.pkl (default: the Python standard library)")
+    a("--vocab-size", type=positive(int), metavar="N",
+      help="the ids of a .bin (or a folder without meta.pkl) are below N")
+    a("--val-fraction", type=float, default=0.1, metavar="F",
+      help="the tail of the data held out for validation (default: 0.1)")
+    a = p.add_argument_group("model").add_argument
+    a("--n-layer", type=positive(int), default=4, metavar="N",
+      help="transformer blocks (default: 4)")
+    a("--n-head", type=positive(int), default=4, metavar="N",
+      help="attention heads, must divide --n-embd (default: 4)")
+    a("--n-embd", type=positive(int), default=128, metavar="N",
+      help="width of the residual stream (default: 128)")
+    a("--block-size", type=positive(int), default=128, metavar="T",
+      help="context length in tokens (default: 128)")
+    a("--dropout", type=float, default=0.0, metavar="P", help="dropout probability (default: 0.0)")
+    a("--grad-checkpointing", action="store_true",
+      help="recompute each block's activations in backward: less memory, more time")
+    a("--compile", action="store_true", help="torch.compile the model (default: off)")
+    a("--compile-backend", default="inductor", metavar="NAME",
+      help="torch.compile backend (default: inductor)")
+    a = p.add_argument_group("training").add_argument
+    a("--batch-size", type=positive(int), default=16, metavar="B",
+      help="sequences per micro-step, per process (default: 16)")
+    a("--grad-accum", type=positive(int), default=1, metavar="K",
+      help="micro-steps per optimizer step (default: 1)")
+    a("--max-steps", type=positive(int), default=300, metavar="N",
+      help="optimizer steps (default: 300)")
+    a("--lr", type=positive(float), default=3e-3, help="peak learning rate (default: 0.003)")
+    a("--min-lr", type=positive(float, zero_ok=True), default=3e-4, metavar="LR",
+      help="where the cosine ends (default: 0.0003)")
+    a("--warmup-steps", type=positive(int, zero_ok=True), default=30, metavar="N",
+      help="steps of linear warmup (default: 30)")
+    a("--weight-decay", type=positive(float, zero_ok=True), default=0.1, metavar="W",
+      help="AdamW's, on matrices only (default: 0.1)")
+    a("--clip", type=positive(float, zero_ok=True), default=1.0, metavar="NORM",
+      help="clip the gradient norm to NORM, 0 = off (default: 1.0)")
+    a("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
+      help="autocast dtype; auto: bf16 (or fp16) on GPUs, off on CPUs (default: auto)")
+    a("--seed", type=int, default=0, help="seeds the weights, data order, dropout (default: 0)")
+    a("--device", choices=["auto", "cpu", "cuda"], default="auto",
+      help="auto = cuda if there is one, else cpu (default: auto)")
+    a = p.add_argument_group("distributed: timeouts and debugging (chapters 5 and 6)").add_argument
+    a("--dist-timeout", type=positive(float), default=300, metavar="S",
+      help="seconds a collective waits for a peer before the job fails (default: 300)")
+    a("--cp", type=positive(int), default=2, metavar="N",  # CP 2
+      help="context-parallel ranks per row: consecutive ranks, one node's GPUs; must divide the "
+           "world size, and 2 x N must divide --block-size; 1: FSDP alone (default: 2)")
+    a("--reshard-after-forward", choices=["yes", "no"], default="yes",  # FSDP 2
+      help="yes: free each block's gathered weights after its forward (ZeRO-3); no: keep them "
+           "until its backward (fewer all-gathers, more memory) (default: yes)")
+    a("--debug", action="store_true", help="TORCH_DISTRIBUTED_DEBUG and each rank's data windows")
+    a = p.add_argument_group("evaluation, logging, checkpoints").add_argument
+    a("--eval-every", type=positive(int), default=100, metavar="N",
+      help="steps between evaluations (default: 100)")
+    a("--eval-windows", type=positive(int), default=128, metavar="N",
+      help="validation sequences per evaluation (default: 128)")
+    a("--log-every", type=positive(int), default=10, metavar="N",
+      help="steps between log lines (default: 10)")
+    a("--save", default="checkpoints/minigpt_cp", metavar="DIR",  # CP 6
+      help="checkpoint folder of step-N folders, '' for none (default: %(default)s)")
+    a("--export", default="checkpoints/minigpt_cp.pt", metavar="PATH",  # CP 6
+      help="the final weights in one file, chapter 3's format, '' for none (default: %(default)s)")
+    a("--save-every", type=positive(int, zero_ok=True), default=0, metavar="N",
+      help="also save every N steps, 0 = only at the end (default: 0)")
+    a("--resume", metavar="DIR",  # FSDP 3
+      help="go on from this checkpoint folder's newest complete step; 'auto': from --save's")
+    a("--gpu-peak-tflops", type=positive(float), metavar="T",
+      help="one GPU's peak TFLOPS for MFU (default: from the GPU's name and --amp, for A100, "
+           "H100, H200, L4, L40S, A10, V100, T4, RTX 3090/4090)")
+    a("--benchmark", action="store_true",
+      help="time --max-steps steps after 5 warm-up steps; no evaluation, no checkpoint")
+    a = p.add_argument_group("sampling (one process, no torchrun)").add_argument
+    a("--sample", action="store_true", help="generate text from --ckpt instead of training")
+    a("--ckpt", metavar="PATH", help="the checkpoint to sample from")
+    a("--prompt", default="\n", metavar="TEXT",
+      help="text to start from, not empty (default: a newline)")
+    a("--max-new-tokens", type=positive(int), default=300, metavar="N",
+      help="tokens to generate, by --sample and after training (default: 300)")
+    a("--temperature", type=positive(float), default=0.8, metavar="T",
+      help="below 1: safer choices, above 1: wilder ones (default: 0.8)")
+    a("--top-k", type=positive(int, zero_ok=True), default=40, metavar="K",
+      help="draw from the K likeliest tokens, 0 = from all (default: 40)")
+    args = p.parse_args(argv)
+    if args.n_embd % args.n_head:
+        p.error(f"--n-head {args.n_head} must divide --n-embd {args.n_embd}")
+    if not 0 <= args.dropout < 1 or not 0 < args.val_fraction < 1:
+        p.error("--dropout must be in [0, 1) and --val-fraction in (0, 1)")
+    if args.block_size < 2 * args.cp:  # CP 4: every rank holds two chunks of a token or more
+        p.error(f"--cp {args.cp} cuts a sequence into {2 * args.cp} chunks, more than the "
+                f"{args.block_size} tokens of --block-size: give a --block-size of at least "
+                f"{2 * args.cp}")
+    if args.block_size % (2 * args.cp):  # CP 4: 2 x cp equal chunks
+        p.error(f"--block-size {args.block_size} must be a multiple of 2 x --cp = {2 * args.cp}: "
+                f"each sequence is cut into {2 * args.cp} equal chunks")
+    if args.sample and not args.ckpt:
+        p.error("--sample needs --ckpt PATH")
+    if not args.prompt:
+        p.error("--prompt must not be empty")
+    return args
+
+
+# ------------------------------------------------------------------------------------------- data
+def load_tokens(args, default_bytes=2_000_000):
+    """All tokens as a 1-D numpy array, and the vocabulary size. A text file's bytes are its
+    tokens; a .bin file is memory-mapped, so a corpus of many GB costs no RAM until it is read."""
+    if args.data is None:
+        files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+        raw = b"".join(open(f, "rb").read() for f in files)[:default_bytes]
+        return np.frombuffer(raw, dtype=np.uint8), 256
+    if not os.path.isfile(args.data):
+        raise InputError(f"data file not found: {args.data}")
+    if not args.data.endswith(".bin"):
+        return np.fromfile(args.data, dtype=np.uint8), 256
+    if args.vocab_size is None:
+        raise InputError(f"{args.data} holds token ids: give --vocab-size "
+                         "(e.g. 50304 for GPT-2's BPE)")
+    return read_ids(args.data, args.vocab_size, "--vocab-size"), args.vocab_size
+
+
+def read_meta(path):
+    """nanoGPT's meta.pkl ({"vocab_size", "itos", "stoi"}), read without running it. A pickle can
+    call any function while it loads; this unpickler refuses every class and function, so only
+    plain data can load, and only dicts, lists, strings and ints are accepted."""
+    class PlainData(pickle.Unpickler):
+        def find_class(self, module, name):
+            raise pickle.UnpicklingError(f"it asks for {module}.{name}, not plain data")
+
+    def plain(x):  # dicts, lists, strings and ints, all the way down
+        if isinstance(x, dict):
+            return all(plain(k) and plain(v) for k, v in x.items())
+        if isinstance(x, list):
+            return all(plain(v) for v in x)
+        return isinstance(x, (str, int))
+    try:
+        with open(path, "rb") as f:
+            meta = PlainData(f).load()
+    except Exception as err:  # refused, truncated, not a pickle
+        raise InputError(f"cannot read {path}: {type(err).__name__}: {err}") from None
+    size, itos = (meta.get("vocab_size"), meta.get("itos")) if isinstance(meta, dict) else (0, 0)
+    ids_to_text = isinstance(itos, dict) and all(isinstance(v, str) for v in itos.values())
+    if not (plain(meta) and ids_to_text and type(size) is int and set(itos) == set(range(size))):
+        raise InputError(f"{path} is not a nanoGPT meta.pkl of plain dicts, strings and ints, with "
+                         "itos naming each id below vocab_size")
+    return size, itos
+
+
+def load_folder(args):
+    """A nanoGPT data folder: train.bin and val.bin of uint16 ids, and for character-level sets a
+    meta.pkl with the vocabulary. Returns train, val, vocab size, and itos (id -> text) or None."""
+    paths = [os.path.join(args.data, name) for name in ("train.bin", "val.bin", "meta.pkl")]
+    missing = [p for p in paths[:2] if not os.path.isfile(p)]
+    if missing:
+        raise InputError(f"{args.data} is a folder but holds no {' and no '.join(missing)}")
+    vocab_size, itos = read_meta(paths[2]) if os.path.isfile(paths[2]) else (args.vocab_size, None)
+    if vocab_size is None:
+        raise InputError(f"{args.data} has no meta.pkl: give --vocab-size (e.g. 50304 for GPT-2)")
+    train, val = (read_ids(p, vocab_size, "its meta.pkl" if itos else "--vocab-size")
+                  for p in paths[:2])
+    return train, val, vocab_size, itos
+
+
+def read_ids(path, vocab_size, source):
+    """A .bin of uint16 token ids, memory-mapped; every id must be below vocab_size."""
+    size = os.path.getsize(path)
+    if size % 2:
+        raise InputError(f"{path} has an odd number of bytes: not a file of uint16 token ids")
+    tokens = np.memmap(path, dtype=np.uint16, mode="r") if size else np.zeros(0, np.uint16)
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        raise InputError(f"{path} holds token id {int(tokens.max())}, not below the vocabulary "
+                         f"size {vocab_size} ({source})")
+    return tokens
+
+
+def load_data(args, world_size):
+    """Training and validation tokens, the vocabulary size and itos (id -> text, or None). A file
+    is split: training on the head, validation on the tail. Refuses data too short for a batch."""
+    if args.data is not None and os.path.isdir(args.data):
+        train, val, vocab_size, itos = load_folder(args)
+    else:
+        tokens, vocab_size = load_tokens(args)
+        n_val, itos = int(len(tokens) * args.val_fraction), None
+        train, val = tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]
+    need = world_size * args.batch_size * (args.block_size + 1)
+    if len(train) < need + args.block_size or len(val) < args.block_size + 1:
+        raise InputError(f"{args.data or 'the default corpus'} has {len(train):,} training and "
+                         f"{len(val):,} validation tokens: too few for {world_size} process(es) x "
+                         f"--batch-size {args.batch_size} x --block-size {args.block_size}; give "
+                         "more data or smaller sizes")
+    return train, val, vocab_size, itos
+
+
+def unigram_loss(train, val, vocab_size):
+    """Cross-entropy (nats/token) on the validation tokens of predicting each token by its frequency
+    in the training tokens: the loss to beat, for a model that ignores context."""
+    counts = np.bincount(train, minlength=vocab_size) + 1.0  # +1: no token has probability 0
+    return float(-np.log(counts / counts.sum())[val].mean())
+
+
+def validation_batches(run, val):
+    """This rank's validation batches, (inputs, targets) on its device: the first --eval-windows
+    non-overlapping windows of the validation tokens, dealt to the ranks round-robin."""
+    args = run.args
+    starts = np.arange(0, len(val) - args.block_size, args.block_size + 1)[:args.eval_windows]
+    mine = starts[run.dp_rank::run.dp_size]  # CP 3: by row
+    for i in range(0, len(mine), args.batch_size):
+        rows = val[mine[i:i + args.batch_size, None] + np.arange(args.block_size + 1)]
+        yield on_device(torch.from_numpy(rows.astype(np.int64)), run.device)
+
+
+def on_device(rows, device):
+    """Token rows (B, T + 1) as inputs and targets (B, T) on `device`. On a GPU the rows are
+    copied from page-locked memory, so the copy can overlap GPU work, and sliced there."""
+    if device.type == "cuda":
+        rows = rows.pin_memory()
+    rows = rows.to(device, non_blocking=True)
+    return rows[:, :-1], rows[:, 1:]
+
+
+# -------------------------------------------------------------- precision, optimizer, schedule
+def amp_dtype(choice, device):
+    """The autocast dtype, or None for fp32. bf16 has fp32's range: no loss scaling. fp16 needs a
+    GradScaler. Only native bf16 counts: V100s and T4s emulate it, slower than fp16."""
+    native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    if choice == "auto":
+        if device.type != "cuda":
+            return None
+        return torch.bfloat16 if native_bf16 else torch.float16
+    if choice == "fp16" and device.type != "cuda":
+        raise InputError("--amp fp16 needs a CUDA device; on a CPU use --amp bf16 or --amp off")
+    if choice == "bf16" and device.type == "cuda" and not native_bf16:
+        raise InputError("--amp bf16: this GPU has no native bf16 (only slow emulation); "
+                         "use --amp fp16")
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[choice]
+
+
+def mixed_precision(choice, device):  # FSDP 1: FSDP's policy casts the weights, not autocast
+    """(the dtype's name, FSDP's policy): compute in bf16 on the gathered weights, gradients
+    reduced in fp32, shards kept in fp32; no GradScaler."""
+    dtype = amp_dtype(choice, device)
+    if dtype == torch.float16 and choice == "auto":  # FSDP 1: no native bf16: fp32 here
+        dtype = None
+    if dtype == torch.float16:
+        raise InputError("--amp fp16: this FSDP trainer runs bf16 or fp32 (fp16 would need loss "
+                         "scaling of sharded gradients); use --amp bf16, or train_ddp_minigpt.py")
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    return str(dtype or "off").replace("torch.", ""), policy
+
+
+def model_config(args, vocab_size):
+    return {"vocab_size": vocab_size, "block_size": args.block_size, "n_layer": args.n_layer,
+            "n_head": args.n_head, "n_embd": args.n_embd, "dropout": args.dropout}
+
+
+def make_optimizer(model, args, device):
+    """AdamW; weight decay on matrices (embeddings, linear weights) only, never biases or norms."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
+def lr_at(step, args):
+    """Linear warmup to --lr over --warmup-steps, then a cosine down to --min-lr at --max-steps."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))  # from 1 down to 0
+    return args.min_lr + cosine * (args.lr - args.min_lr)
+
+
+def stop_if_diverged(run, step, loss, grad_norm):
+    """Raise Diverged, before the optimizer applies it, if a step's loss or gradient norm is not
+    finite. Both are the same on every rank (all-reduced), so every rank stops at this step. With
+    fp16 a non-finite gradient is the GradScaler's to skip; only a non-finite loss stops the run."""
+    loss, grad_norm = loss.item(), grad_norm.item()  # a host sync per step: the price of the check
+    fp16 = run.amp == "float16"
+    if math.isfinite(loss) and (math.isfinite(grad_norm) or fp16):
+        return
+    args = run.args
+    raise Diverged(f"step {step + 1}/{args.max_steps}: loss {loss:.4g}, grad norm {grad_norm:.4g}: "
+                   f"not finite, step not applied; try a lower --lr (now {args.lr:g}), a --clip "
+                   f"(now {args.clip:g}){', or --amp bf16 instead of fp16' if fp16 else ''}")
+
+
+# ------------------------------------------------------------------------------- checkpoint files
+def all_finite(state_dict):
+    """True if every floating-point tensor of a state dict is free of NaN and infinity."""
+    return all(bool(torch.isfinite(t).all()) for t in state_dict.values() if t.is_floating_point())
+
+
+def state_bytes(state):
+    """About the bytes a checkpoint of `state` takes on disk: its tensors', in nested dicts and
+    lists (a DTensor counts whole)."""
+    if torch.is_tensor(state):
+        return state.nbytes
+    if isinstance(state, bytes):  # a file's bytes, ready to write
+        return len(state)
+    if isinstance(state, dict):
+        state = list(state.values())
+    return sum(map(state_bytes, state)) if isinstance(state, (list, tuple)) else 0
+
+
+def why_not_written(err, tmp, needed):
+    """Why writing `tmp` failed, in one line and the user's words: a full disk (or quota) says so,
+    with the room there is once the partial file is gone and the room a checkpoint needs; the
+    system's or torch's own words follow as the detail."""
+    detail = getattr(err, "strerror", None) or (str(err).strip().splitlines() or [repr(err)])[0]
+    folder = os.path.dirname(os.path.abspath(tmp))
+    while not os.path.isdir(folder):  # a folder that could not be made
+        folder = os.path.dirname(folder)
+    free = shutil.disk_usage(folder).free + (os.path.getsize(tmp) if os.path.isfile(tmp) else 0)
+    if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < needed:
+        return (f"the disk holding {folder} is full: {readable_size(free)} free, a checkpoint "
+                f"needs about {readable_size(needed)} ({detail})")
+    return detail
+
+
+def readable_size(n):
+    """A number of bytes for a person: MB, or kB below 0.1 MB."""
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+def run_state(run, data, step, rng_states):  # FSDP 3: all of a step but the shards
+    """What a step needs besides its shards, as JSON: the step, model config, flags and every
+    rank's RNG states (their bytes as lists of numbers)."""
+    rng = [{k: None if v is None else v.tolist() for k, v in r.items()} for r in rng_states]
+    return json.dumps({"step": step, "config": model_config(run.args, data.vocab_size),
+                       "args": vars(run.args), "rng": rng}).encode()
+
+
+def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
+    """Write atomically: a temp file in the same folder, fsync, then rename over the final name.
+    Any failure is SaveFailed and leaves the previous file as it was."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(state)  # FSDP 3
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half
+    except (OSError, RuntimeError) as err:  # disk full, no permission, a folder at `path`...
+        needed = state_bytes(state)
+        raise SaveFailed(f"cannot save {path}: {why_not_written(err, tmp, needed)}") from None
+    finally:
+        if os.path.exists(tmp):  # the write failed: drop the partial file
+            os.remove(tmp)
+
+
+def free_gathered_weights(model):  # FSDP 7: --reshard-after-forward no keeps them gathered
+    """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
+    sampling) gathered are freed, and the parameters are this rank's shards again."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def write_export(run, weights, data):  # FSDP 8: rank 0's part of --export
+    """Write the gathered weights to --export in chapter 3's checkpoint format, atomically."""
+    path, step = run.args.export, run.args.max_steps
+    state = {"model": weights, "optimizer": {}, "scaler": {}, "step": step, "args": vars(run.args),
+             "config": model_config(run.args, data.vocab_size), "itos": data.itos, "rng": []}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    write_file(path, buffer.getvalue())
+    print(f"step {step}/{step} | exported {path}", flush=True)
+
+
+def restore_rng(saved, device):  # FSDP 3: run.json keeps the states as lists of bytes
+    """Set this process's RNG states (the CPU's, and its GPU's on a GPU) from run.json's lists."""
+    torch.set_rng_state(torch.tensor(saved["cpu"], dtype=torch.uint8))
+    if saved["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(torch.tensor(saved["cuda"], dtype=torch.uint8))
+
+
+def rng_state(device):
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def first_reason(err, folder=None, state=None):  # FSDP 3
+    """One line for a failed load, or save of `state` into `folder`; DCP's holds each rank's."""
+    if isinstance(err, CheckpointException):
+        err = next(iter(err.failures.values()))[0]
+    if folder:
+        return why_not_written(err, folder, state_bytes(state))
+    return getattr(err, "strerror", None) or (str(err).strip().splitlines() or [repr(err)])[0]
+
+
+def newest_complete_step(folder, is_main):  # FSDP 3
+    """The newest step folder in `folder` that DCP finished (.metadata is written last), or
+    None; newer unfinished ones are named in one line and ignored."""
+    steps = sorted(glob.glob(os.path.join(glob.escape(folder), "step-*")))
+    done = [s for s in steps if os.path.isfile(os.path.join(s, ".metadata"))]
+    unfinished = [s for s in steps if not done or s > done[-1]]
+    print0(is_main and unfinished, f"ignoring unfinished checkpoint steps (no .metadata): "
+                                   f"{', '.join(unfinished)}")
+    return done[-1] if done else None
+
+
+def drop_older_steps(folder, newest):  # FSDP 3
+    """Remove every complete step in `folder` older than `newest`: first its .metadata (no longer
+    complete), then the rest. A step left behind costs only disk."""
+    for old in sorted(glob.glob(os.path.join(glob.escape(folder), "step-*"))):
+        if old < newest:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(old, ".metadata"))
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def read_checkpoint(path):
+    """The checkpoint dict, loaded to the CPU with weights_only=True; a problem is an InputError."""
+    if not os.path.isfile(path):
+        raise InputError(f"checkpoint not found: {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or not {"model", "config", "step"} <= state.keys():
+            raise ValueError("not a checkpoint of this script (no model, config and step)")
+    except Exception as err:  # truncated, not a torch file, not a checkpoint of ours: bad input
+        reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+        raise InputError(f"cannot read checkpoint {path}: {reason}") from None
+    if not all_finite(state["model"]):
+        raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
+    return state
+
+
+def read_run_state(path, run, data):  # FSDP 3
+    """A step folder's run.json, checked against this run's model; a problem is an InputError."""
+    if os.path.isfile(path):  # FSDP 3: folders, not files
+        raise InputError(f"{path} is one file, as train_ddp_minigpt.py saves; this trainer "
+                         "resumes from a checkpoint folder of its own (--save DIR)")
+    file = os.path.join(path, "run.json")
+    if not os.path.isfile(os.path.join(path, ".metadata")) or not os.path.isfile(file):
+        raise InputError(f"no complete checkpoint at {path} (it needs .metadata and run.json)")
+    try:
+        with open(file, "rb") as f:  # FSDP 3
+            state = json.load(f)
+        config = state["config"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise InputError(f"cannot read {file}: {type(err).__name__}: {err}") from None
+    if config != model_config(run.args, data.vocab_size):
+        raise InputError(f"{path} was trained with {config}, this run builds "
+                         f"{model_config(run.args, data.vocab_size)}")
+    return state
+
+
+def split_line(run):  # CP 4: the split, each rank's work, and what a block gathers
+    """Each context rank's share of causal attention's (query, key) pairs, with the chunks it holds
+    and with contiguous shares instead, and the keys and values each rank gathers per block and
+    micro-batch in the compute dtype (docs/cp.md)."""
+    args, cp, T = run.args, run.args.cp, run.args.block_size
+    pairs = [int((chunk_positions(r, cp, T) + 1).sum()) for r in range(cp)]  # query p reads p + 1
+    contiguous = [sum(range(r * T // cp + 1, (r + 1) * T // cp + 1)) for r in range(cp)]
+    width = 2 if run.amp in ("bfloat16", "float16") else 4
+    gathered = 2 * args.batch_size * T * args.n_embd * width * (cp - 1) / cp  # K and V, not mine
+    return (f"CP split: {2 * cp} chunks of {T // (2 * cp)} tokens, rank i of a row holds chunks i "
+            f"and {2 * cp - 1} - i | attention pairs per rank: {percents(pairs)} (contiguous "
+            f"shares would give {percents(contiguous)}) | gathered per block and micro-batch: "
+            f"{gathered / 2**20:.2f} MiB of keys and values")
+
+
+def percents(counts):
+    """Each count's share of their sum, as "50.0%, 50.0%"."""
+    return ", ".join(f"{100 * n / sum(counts):.1f}%" for n in counts)
+
+
+def memory_line(model):  # FSDP 2: what each rank holds, against DDP's full copy
+    """Bytes of weights + gradients + AdamW's two moments (fp32: 4 copies) held by this rank."""
+    mine = sum(p.to_local().numel() for p in model.parameters())
+    full = sum(p.numel() for p in model.parameters())
+    where = next(model.parameters()).device.type
+    return (f"memory per rank ({where}): weights, gradients and AdamW state "
+            f"{16 * mine / 2**20:.2f} MiB "
+            f"({mine:,} of {full:,} parameters; DDP: {16 * full / 2**20:.2f} MiB); every "
+            "parameter is sharded, the embeddings too")
+
+
+# --------------------------------------------------------------------------- logging and timing
+def print0(is_main, message):
+    """Print a log line if this process is the one that logs; flush, so it shows at once."""
+    if is_main:
+        print(message, flush=True)
+
+
+def tokens_per_step(run):
+    return run.args.batch_size * run.args.block_size * run.args.grad_accum * run.dp_size  # CP 3
+
+
+def peak_tflops(gpu_name, amp):
+    """The dense peak TFLOPS of a GPU in the table (vendor datasheets, no sparsity; 16-bit with fp32
+    accumulation, as autocast runs) for the autocast dtype ("off": fp32 without TF32). Names match
+    word by word: an "H100 NVL" is no H100 SXM, an "L40" no "L4", an "A10G" no "A10". None for a GPU
+    not in the table."""
+    words = gpu_name.replace("-", " ").split()
+    table = {  # the words of a model's name: (16-bit tensor cores, fp32); variants first
+        ("H100", "PCIe"): (756, 51), ("H100", "NVL"): (835, 60), ("H100",): (989, 67),
+        ("H200", "NVL"): (835, 60), ("H200",): (989, 67), ("A100",): (312, 19.5),
+        ("L40S",): (362, 91.6), ("L40",): (181, 90.5), ("L4",): (121, 30.3),
+        ("A10",): (125, 31.2), ("V100",): (125, 15.7), ("T4",): (65, 8.1),
+        ("RTX", "4090"): (165, 82.6), ("RTX", "3090"): (71, 35.6)}
+    for model, (half, single) in table.items():
+        if all(word in words for word in model):
+            return single if amp == "off" else half
+    return None
+
+
+def flops_per_token(raw_model, args):
+    """The model's FLOPs per token of training as nanoGPT counts them: 6 per parameter (forward
+    and backward), position embeddings aside, plus attention's 12 x layers x width x context."""
+    n = sum(p.numel() for p in raw_model.parameters()) - raw_model.pos_emb.weight.numel()
+    return 6 * n + 12 * args.n_layer * args.n_embd * args.block_size
+
+
+def gpu_peak_flops(run):
+    """The peak FLOP/s of all the job's GPUs together and a line naming the peak used; (None,
+    None) on a CPU, (None, a hint) for a GPU not in peak_tflops' table without --gpu-peak-tflops."""
+    if run.device.type != "cuda":
+        return None, None
+    name = torch.cuda.get_device_name(run.device)
+    peak = run.args.gpu_peak_tflops or peak_tflops(name, run.amp)
+    if peak is None:
+        return None, f"MFU: {name} is not in the table; give --gpu-peak-tflops"
+    precision = "fp32" if run.amp == "off" else run.amp
+    note = f"MFU against {peak:g} TFLOPS per GPU ({name}, {precision})"
+    return peak * 1e12 * run.world_size, note
+
+
+class Meter:
+    """The training clock and the log line. Time between log lines counts training only:
+    main() stops the clock for evaluation and checkpoints."""
+
+    def __init__(self, run, raw_model, start):
+        self.args, self.tokens = run.args, tokens_per_step(run)
+        peak, note = gpu_peak_flops(run)
+        self.flops_over_peak = peak and self.tokens * flops_per_token(raw_model, run.args) / peak
+        print0(run.is_main and note is not None, note)
+        self.clock, self.last_step, self.intervals = Stopwatch(), start, []  # (steps, seconds)
+
+    def stop_clock(self):
+        self.clock.stop()
+
+    def start_clock(self):
+        self.clock.start()
+
+    def log_line(self, step, loss, grad_norm):
+        """step N/M | loss | lr | grad norm | ms/step | tok/s, and MFU on CUDA, over the steps
+        since the last log line (docs/conventions.md)."""
+        self.intervals.append((step - self.last_step, self.clock.lap()))
+        self.last_step = step
+        step_s = self.intervals[-1][1] / self.intervals[-1][0]
+        line = (f"step {step}/{self.args.max_steps} | loss {loss:.4f} | "
+                f"lr {lr_at(step - 1, self.args):.2e} | grad norm {grad_norm:.3f} | "
+                f"{1000 * step_s:.1f} ms/step | {self.tokens / step_s:,.0f} tok/s")
+        if self.flops_over_peak:  # model FLOPs utilisation
+            line += f" | MFU {100 * self.flops_over_peak / step_s:.1f}%"
+        return line
+
+    def summary(self):
+        """Steps, seconds and tokens/s of training, and the median pace (docs/conventions.md)."""
+        steps, train_s = sum(n for n, _ in self.intervals), sum(s for _, s in self.intervals)
+        timed = self.intervals[1:] or self.intervals  # the first interval is the warm-up
+        step_s = statistics.median([s / n for n, s in timed]) if timed else 0.0
+        return {"steps": steps, "train_s": round(train_s, 3),
+                "tokens_per_s": round(steps * self.tokens / train_s, 1) if train_s else 0.0,
+                **pace_keys(step_s, self.tokens)}
+
+
+def pace_keys(step_s, tokens_per_step):
+    """The summary keys benchmark_scaling.py reads (docs/conventions.md): the median ms per
+    optimizer step, and the throughput of all ranks it implies."""
+    return {"step_ms": round(1000 * step_s, 3), "per_step": tokens_per_step,
+            "throughput_unit": "tokens/s",
+            "throughput": round(tokens_per_step / step_s, 1) if step_s else 0.0}
+
+
+class Stopwatch:
+    """Training seconds between log lines; evaluation and checkpoints are left out (stop/start)."""
+
+    def __init__(self):
+        self.since, self.elapsed = time.perf_counter(), 0.0
+
+    def stop(self):
+        self.elapsed += time.perf_counter() - self.since
+
+    def start(self):
+        self.since = time.perf_counter()
+
+    def lap(self):
+        """Training seconds since the last lap (or the start), and start counting again."""
+        self.stop()
+        seconds, self.elapsed = self.elapsed, 0.0
+        self.start()
+        return seconds
+
+
+def summary_line(summary):
+    """`summary {...}` in strict JSON: a value that is not finite is written as null."""
+    finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+              for k, v in summary.items()}
+    return "summary " + json.dumps(finite, allow_nan=False)
+
+
+# --------------------------------------------------------------------------------------- sampling
+def sample(args):
+    """Inference: ONE plain process, no process group (generation has no gradients to average)."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda, but no CUDA device is visible (try --device cpu)")
+    cuda = args.device != "cpu" and torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    state = read_checkpoint(args.ckpt)
+    itos = state.get("itos")
+    if state["config"]["vocab_size"] != 256 and itos is None:
+        raise InputError(f"{args.ckpt} was trained on token ids (vocab "
+                         f"{state['config']['vocab_size']}) without a meta.pkl: --prompt text "
+                         "needs a byte-level checkpoint or a nanoGPT folder's vocabulary")
+    model = GPT(**state["config"]).to(device)
+    model.load_state_dict(state["model"])
+    model.eval()
+    torch.manual_seed(args.seed)
+    prompt = torch.tensor([encode(args.prompt, itos)], device=device)
+    out = model.generate(prompt, args.max_new_tokens, args.temperature, args.top_k)
+    print(decode(out[0].tolist(), itos), flush=True)
+
+
+def encode(text, itos):
+    """Token ids of text: its UTF-8 bytes, or through a nanoGPT vocabulary (itos: id -> text)."""
+    if itos is None:
+        return list(text.encode("utf-8"))
+    stoi = {piece: i for i, piece in itos.items()}
+    unknown = sorted({c for c in text if c not in stoi})
+    if unknown:
+        raise InputError(f"--prompt has characters the vocabulary lacks: {unknown}")
+    return [stoi[c] for c in text]
+
+
+def decode(ids, itos):
+    """Text of token ids: UTF-8 bytes (a broken character shows as U+FFFD), or through itos."""
+    if itos is None:
+        return bytes(ids).decode("utf-8", errors="replace")
+    return "".join(itos[i] for i in ids)
+
+
+# ----------------------------------------------------------------------------------------- errors
+class Stop(Exception):
+    """A run that cannot go on: one line on stderr and exit code `code`, never a traceback."""
+    code = 1
+
+
+class InputError(Stop):
+    """Bad input from the user: a flag, a file, a checkpoint."""
+    code = 2
+
+
+class Diverged(Stop):
+    """A step whose loss or gradient norm is not finite: not applied, the run stops."""
+    code = 4
+
+
+class SaveFailed(Stop):
+    """A checkpoint that could not be written; the previous one is left as it was."""
+    code = 5
+
+
+if __name__ == "__main__":
+    code = 0
+    try:
+        main()
+    except Stop as err:  # handled here, so the traceback (and the model it holds) is freed at once
+        sys.stderr.write(f"error: {err}\n")  # one write: lines from several ranks never splice
+        code = err.code
+    finally:
+        leave_distributed()  # DDP 16
+    sys.exit(code)
