@@ -14,19 +14,34 @@ each node is one cp group. Sampling runs in one plain process. Default data: the
 bytes of this Python's own standard library, one token per byte (vocab 256), so nothing is
 downloaded; `--data` also takes a text file, a .bin of uint16 token ids, or a nanoGPT folder.
 
-What CP adds to FSDP (`diff train_fsdp_minigpt.py train_cp_minigpt.py`: the `# CP k` lines, k =
-1 to 6 in reading order, the README's chapter 10 table; `# FSDP k`, `# DDP k`: chapters 7 and 3):
-- The ranks form a grid of (world size / cp) rows by cp columns. A row is a cp group: consecutive
-  ranks, one node's GPUs. Every rank of a row reads the same sequences; each holds its share of
-  every sequence's tokens. FSDP shards the weights over all the ranks, as in chapter 7.
-- Each sequence is cut into 2 x cp chunks; context rank i holds chunks i and 2 cp - 1 - i. Causal
-  attention gives a late token more keys to read than an early one: an early chunk and a late one
-  give every rank the same work (the split line at start-up shows it). Positions are global.
-- In every block each rank computes q, k, v for its own tokens, all-gathers the keys and values of
-  the whole sequence from its row (backward: a reduce-scatter of their gradients), and each chunk's
-  queries read the keys up to the chunk's end, causally: every earlier token, wherever it is held.
-- The loss is each rank's mean over its tokens; all ranks hold as many, so their mean is the mean
-  over the global batch, and FSDP's mean of gradients is one process's gradient.
+Read it top-down: main(), then its core steps in the order it calls them, the model, and what goes
+beyond the core (debugging, checks, the benchmark, the report). All that talks to other processes
+is above the line `# === the plumbing`; below it, guards, flags, files, logging and errors.
+
+Tags: `# CP k` marks each line CP changes in the FSDP trainer, numbered in reading order:
+  CP 1  --cp N: a (world / N, N) mesh ("dp", "cp"); a row is consecutive ranks, one node
+  CP 2  data and global batch by the dp row: a row's ranks share its sequences
+  CP 3  Context: rank i holds chunks i and 2N - 1 - i of each sequence; loss, evaluation on them
+  CP 4  GatherContext: all-gather K, V (backward: reduce-scatter); keys up to each chunk's end
+  CP 5  the model takes a context: global positions, and the attention over the gathered keys
+  CP 6  its checkpoint and export names: the FSDP trainer's formats
+What CP saves: each rank holds 1/cp of every sequence's activations (embeddings, norms, MLPs,
+the residual stream, logits). What it keeps: each block's keys and values of the whole sequence,
+gathered and held for backward (2 T C numbers, whatever cp is), and on a CPU each chunk's mask.
+Weights, gradients and AdamW state are FSDP's shards. Positions are global.
+Kept from the DDP trainer (chapter 3), where they mark the same lines:
+  DDP 1  join the group torchrun started             DDP 9   SUM over ranks, then divide
+  DDP 2  one GPU per process, by LOCAL_RANK          DDP 11  every rank's RNG state, saved
+  DDP 3  is_main: rank 0 alone logs and saves        DDP 12  rank 0 writes, every rank waits
+  DDP 4  each rank its own windows of an epoch       DDP 13  leave the group on every path
+  DDP 5  one shuffled order, the same on all ranks   DDP 14  --debug: each rank's windows
+  DDP 6  dropout seeded by rank                      DDP 16  every rank's peak GPU memory
+  DDP 7  resume: rank 0 looks, every rank agrees
+Kept from the FSDP trainer (chapter 7), where they mark the same lines:
+  FSDP 1  bf16 by FSDP's MixedPrecisionPolicy        FSDP 5  every rank runs every forward
+  FSDP 2  built on the meta device, then sharded     FSDP 6  the norm: a DTensor, made whole
+  FSDP 3  DCP checkpoints: every rank its shards     FSDP 7  one reduce-scatter per step
+  FSDP 4  no wrapper: fully_shard hooks the model    FSDP 8  --export: one plain file
 """
 import argparse
 import contextlib
@@ -34,7 +49,7 @@ import ctypes
 import dataclasses
 import datetime
 import errno
-import gc  # DDP 16
+import gc
 import glob
 import io  # FSDP 8
 import json
@@ -50,7 +65,7 @@ import zlib
 
 import numpy as np
 import torch
-import torch.distributed as dist  # DDP 1
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.distributed.checkpoint as dcp  # FSDP 3
@@ -61,143 +76,26 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # FSDP 3
 from torch.distributed.device_mesh import init_device_mesh  # FSDP 2
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # FSDP 1
 from torch.distributed.tensor import distribute_tensor  # FSDP 2
-from torch.nn.attention.bias import causal_lower_right  # CP 1
+from torch.nn.attention.bias import causal_lower_right  # CP 5
 from torch.utils.checkpoint import checkpoint
 
 
-# ------------------------------------------------------- the model: a GPT, nothing distributed
-def causal_attention(q, k, v):
-    """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
-    attention on GPUs); is_causal builds no mask. No dropout on the attention weights: on a CPU it
-    forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
-    bf16 CPU backward kernel is 3x slower than the fp32 one (measured: docs/performance.md)."""
-    # CP 1: q holds the last positions of k's sequence (all of them, or one chunk's): is_causal
-    # aligned at the end (flash attention builds no mask for it; a CPU builds one)
-    causal = causal_lower_right(q.shape[-2], k.shape[-2])
-    if q.device.type != "cpu":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal)  # CP 1
-    with torch.autocast("cpu", enabled=False):
-        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),  # CP 1
-                                           attn_mask=causal)
-    return y.to(q.dtype)
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd, n_head):
-        super().__init__()
-        self.n_head = n_head
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
-        self.proj = nn.Linear(n_embd, n_embd)
-
-    def forward(self, x, context=None):  # CP 1: context: this rank's share of the sequence
-        B, T, C = x.shape
-        # qkv's outputs come head by head (head 0's q, k, v, then head 1's...): equal parts are
-        # whole heads, as chapter 8's tensor-parallel split needs; -1: the heads this module holds
-        qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
-        q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
-        if context is None:  # CP 1: the whole sequence is here
-            y = causal_attention(q, k, v)
-        else:  # CP 1: this rank's queries over the keys and values of every rank of its row
-            y = context.attention(q, k, v)
-        return self.proj(y.transpose(1, 2).flatten(2))
-
-
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attention(norm(x)), then x + MLP(norm(x))."""
-
-    def __init__(self, n_embd, n_head, dropout):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
-                                 nn.Linear(4 * n_embd, n_embd))
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x, context=None):  # CP 1
-        x = x + self.drop(self.attn(self.ln1(x), context))
-        return x + self.drop(self.mlp(self.ln2(x)))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd, dropout):
-        super().__init__()
-        self.block_size = block_size
-        self.grad_checkpointing = False  # True: recompute each block's activations in backward
-        self.tok_emb = nn.Embedding(vocab_size, n_embd)
-        self.pos_emb = nn.Embedding(block_size, n_embd)
-        self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd)
-        self.head = nn.Linear(n_embd, vocab_size, bias=False)
-        self.head.weight = self.tok_emb.weight  # weight tying: one matrix embeds and un-embeds
-        if not self.head.weight.is_meta:  # on the meta device there is nothing to fill yet
-            self.init_weights(seed=0)
-
-    @torch.no_grad()
-    def init_weights(self, seed):
-        """Every parameter from initial_value(): the same weights for the same seed, whether
-        the model is made whole here or one parameter at a time (chapter 7's sharded build)."""
-        for name, p in self.named_parameters():
-            p.copy_(initial_value(name, p.shape, seed, len(self.blocks)))
-
-    def forward(self, idx, targets=None, context=None):  # CP 1: context: this rank's share
-        """Logits (B, T, vocab), and the mean cross-entropy per token if targets are given. With a
-        context, idx holds this rank's tokens of each sequence, at context.positions."""
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        if context is not None:  # CP 1: the tokens' places in the whole sequence
-            positions = context.positions
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
-        for block in self.blocks:
-            if self.grad_checkpointing and self.training:  # keep block inputs; recompute the rest
-                x = checkpoint(block, x, context, use_reentrant=False)  # CP 1
-            else:
-                x = block(x, context)  # CP 1
-        logits = self.head(self.ln_f(x))
-        if targets is None:
-            return logits, None
-        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature, top_k):
-        """Append max_new_tokens tokens to idx (1, T), each drawn from the model's prediction."""
-        for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.block_size:])[0][:, -1] / temperature
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            idx = torch.cat([idx, torch.multinomial(logits.softmax(-1), 1)], dim=1)
-        return idx
-
-
-def initial_value(name, shape, seed, n_layer):
-    """The initial value of parameter `name`, GPT-2's scheme: N(0, 0.02) for matrices (residual
-    projections shrink with depth), zero biases, unit norm weights. Each parameter draws from a
-    generator of its own, seeded by (seed, name), so any one can be made without the others."""
-    if name.endswith(".bias"):
-        return torch.zeros(shape)
-    if len(shape) == 1:  # a LayerNorm's weight
-        return torch.ones(shape)
-    residual = name.endswith(("attn.proj.weight", "mlp.2.weight"))
-    std = 0.02 / math.sqrt(2 * n_layer) if residual else 0.02
-    generator = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
-    return torch.randn(shape, generator=generator) * std
-
-
-# ------------------------------------- the distributed lesson: main() and its steps, in order
+# ------------------- the distributed lesson: main(), then its core steps in the order it calls them
 def main(argv=None):
     args = parse_args(argv)
     if args.sample:  # inference: one plain process, no process group
         return sample(args)
-    # setup: one process per device, joined in one group (chapters 8-9: a mesh of groups too);
-    # rank 0 logs and saves. A step that "talks" waits for the others: all call it, in one order
-    device, rank, world_size = init_distributed(args.device, args.dist_timeout, args.debug)  # talks
+    avoid_known_failures(args)  # guard: refuses a bad launch, avoids known failures
+    # setup: one process per device, joined in one group; rank 0 logs and saves. A step that
+    # "talks" waits for the others: every rank calls it, in the same order
+    device, rank, world_size = init_distributed(args.device, args.dist_timeout)  # talks
     run = make_run(args, device, rank, world_size)
     # data: every rank reads its own windows of the training tokens
     data = build_data(run)  # talks with --debug: rank 0 prints each rank's windows
     # model: the same initial weights on every rank, resumed if asked, then wrapped
-    raw_model, optimizer = build_model(run, data.vocab_size)  # talks from chapter 7 on: a mesh
+    raw_model, optimizer = build_model(run, data.vocab_size)  # talks where the model is sharded
     start = resumed_step(run, raw_model, optimizer, data)  # talks: rank 0 finds it, all agree
-    model = wrap_model(run, raw_model)  # talks in chapter 3: DDP sends rank 0's weights
+    model = wrap_model(run, raw_model)  # talks under DDP: rank 0's weights go to every rank
     if args.benchmark:
         return benchmark(run, model, optimizer, data.windows)  # talks: training steps, timed
     # train: log, evaluate and save on schedule
@@ -220,21 +118,20 @@ def main(argv=None):
             save_checkpoint(run, raw_model, optimizer, data, done)  # talks
         meter.start_clock()
     # cleanup: the summary and a sample; the group is left by __main__'s `finally`
-    report(run, raw_model, data, val_loss, meter)  # talks: GPU peaks; from chapter 7 on, export
+    report(run, raw_model, data, val_loss, meter)  # talks: GPU peaks; a sharded model's export
 
 
-def init_distributed(device_name, timeout_s, debug):  # DDP 1: join the group torchrun describes
-    """Join the process group of the processes torchrun started, one device each: a collective,
-    every process calls it. Returns (device, rank, world size)."""
-    refuse_a_bad_launch(device_name)  # guard: no torchrun, or more processes than GPUs
+def init_distributed(device_name, timeout_s):  # DDP 1: join the group torchrun describes
+    """A collective: join the group torchrun started; returns (device, rank, world size)."""
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device("cpu")
     if device_name == "cuda":  # DDP 2: one GPU per process, picked by LOCAL_RANK, before CUDA work
+        # LOCAL_RANK numbers the processes of this node (its GPUs: 0, 1...); RANK, of all nodes
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.set_debug_level(safe_debug_level(backend, debug, dist.get_debug_level()))  # guard
+    # no address given: it reads torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=device if backend == "nccl" else None)  # NCCL: bind it
     return device, dist.get_rank(), dist.get_world_size()
@@ -250,33 +147,32 @@ class Run:
     is_main: bool  # rank 0: the one process that logs and writes files
     amp: str  # FSDP 1: the compute dtype's name ("bfloat16"), or "off"
     policy: MixedPrecisionPolicy  # FSDP 1: casts the gathered weights; no autocast, no scaler
-    mesh: object  # CP 2: the (dp, cp) grid of ranks, a DeviceMesh
-    dp_rank: int  # CP 3: this rank's row: the sequences it reads
-    dp_size: int  # CP 3: the rows, data-parallel replicas: world size / cp
-    context: "Context"  # CP 4: this rank's share of every sequence, and its attention
+    mesh: object  # CP 1: the (dp, cp) grid of ranks, a DeviceMesh
+    dp_rank: int  # CP 2: this rank's row: the sequences it reads
+    dp_size: int  # CP 2: the rows, data-parallel replicas: world size / cp
+    context: "Context"  # CP 3: this rank's share of every sequence, and its attention
 
 
 def make_run(args, device, rank, world_size):
     """This process's Run; logs the run's shape (world size, device, precision, batch)."""
     is_main = rank == 0  # DDP 3: rank 0 alone logs and saves
-    avoid_page_faults_on_cpu(device)  # guard: page faults every step on Linux CPUs
     amp, policy = mixed_precision(args.amp, device)  # FSDP 1
-    mesh = grid(args.cp, device, world_size)  # CP 2: (world size / cp) x cp ranks
-    context = Context(mesh["cp"].get_group(), mesh.get_local_rank("cp"), args, device)  # CP 4
+    mesh = grid(args.cp, device, world_size)  # CP 1: (world size / cp) x cp ranks
+    context = Context(mesh["cp"].get_group(), mesh.get_local_rank("cp"), args, device)  # CP 3
     run = Run(args, device, rank, world_size, is_main, amp, policy, mesh,
               mesh.get_local_rank("dp"), mesh.size(0), context)
     print0(is_main, f"world size {world_size} ({run.dp_size} dp x {args.cp} cp) | device "
                     f"{device} | amp {amp} | {tokens_per_step(run):,} tokens per step "
                     f"({args.batch_size} x {args.block_size} x {args.grad_accum} accumulation x "
-                    f"{run.dp_size} replicas)")  # CP 3: a global batch per row, not per rank
-    print0(is_main, split_line(run))  # CP 4: what each rank holds and gathers
+                    f"{run.dp_size} replicas)")  # CP 2: a global batch per row, not per rank
+    print0(is_main, split_line(run))  # CP 3: what each rank holds and gathers
     return run
 
 
-def grid(cp, device, world_size):  # CP 2: a 2-D mesh, rows of cp ranks
-    """The ranks as a (world size / cp) x cp DeviceMesh: rank r in row r // cp (its data-parallel
-    replica) and column r % cp (its share of every sequence). A row is consecutive ranks: under
-    torchrun, one node's GPUs, so that every block's all-gather stays on the node's links."""
+def grid(cp, device, world_size):  # CP 1: a 2-D mesh, rows of cp ranks
+    """(world size / cp) x cp ranks: rank r in row r // cp (its replica), column r % cp (its share
+    of each sequence). A row is consecutive ranks, one node's GPUs, so the gathers stay on its
+    links. FSDP shards over another mesh: every rank, in one dimension (shard, in build_model)."""
     if world_size % cp:
         raise InputError(f"--cp {cp} does not divide the world size {world_size}: start a "
                          f"multiple of {cp} processes, or give --cp 1")
@@ -284,25 +180,25 @@ def grid(cp, device, world_size):  # CP 2: a 2-D mesh, rows of cp ranks
     return init_device_mesh(device.type, shape, mesh_dim_names=names)  # a group per row, column
 
 
-class Context:  # CP 4: this rank's share of every sequence, and how its queries see the rest
-    """Context rank i of cp holds chunks i and 2 cp - 1 - i of every sequence cut into 2 cp equal
-    chunks, one early and one late: a causal query reads as many keys as its position, so every
-    rank gets the same work (split_line). Its attention gathers the keys and values of the whole
-    sequence from its row, and each chunk's queries read those up to the chunk's end (CP 5)."""
+class Context:  # CP 3: this rank's share of every sequence, and how its queries see the rest
+    """Rank i of a row holds chunks i and 2 cp - 1 - i of 2 cp: one early, one late, equal work.
+    Its attention gathers the row's keys and values, each chunk's queries reading up to its end."""
 
     def __init__(self, group, cp_rank, args, device):
+        # cp 2, 16 tokens, 4 chunks of 4: rank 0 holds positions 0-3 and 12-15, rank 1 4-7, 8-11.
+        # Gathered in rank order the keys stand as 0-3, 12-15, 4-7, 8-11; order [0-3, 8-15, 4-7]
+        # sorts them to 0-15. ends: rank 0 [4, 16], rank 1 [8, 12] (queries 12-15 read keys 0-15)
         every = [chunk_positions(r, args.cp, args.block_size) for r in range(args.cp)]
-        self.group, self.cp, self.positions = group, args.cp, every[cp_rank].to(device)  # CP 4
-        self.order = torch.cat(every).argsort().to(device)  # CP 5: gathered -> sequence order
+        self.group, self.cp, self.positions = group, args.cp, every[cp_rank].to(device)  # CP 3
+        self.order = torch.cat(every).argsort().to(device)  # CP 4: gathered -> sequence order
         size = len(self.positions) // 2
-        self.ends = [int(self.positions[i * size + size - 1]) + 1 for i in (0, 1)]  # CP 5: a
-        # chunk's queries read the keys before its end, and only those: no later token
+        self.ends = [int(self.positions[i * size + size - 1]) + 1 for i in (0, 1)]  # CP 4
 
-    def share(self, x, y):  # CP 4: this rank's tokens of each sequence, and their targets
+    def share(self, x, y):  # CP 3: this rank's tokens of each sequence, and their targets
         return x[:, self.positions], y[:, self.positions]
 
-    def attention(self, q, k, v):  # CP 5: each chunk's queries over every key up to its end
-        if self.cp == 1:  # the whole sequence is here: chapter 7's attention
+    def attention(self, q, k, v):  # CP 4: each chunk's queries over every key up to its end
+        if self.cp == 1:  # the whole sequence is here: plain causal attention
             return causal_attention(q, k, v)
         kv = GatherContext.apply(torch.stack([k, v]), self.group)  # (2, B, heads, T, head size)
         k, v = kv.index_select(-2, self.order)  # the whole sequence, in order of position
@@ -311,7 +207,7 @@ class Context:  # CP 4: this rank's share of every sequence, and how its queries
                           for part, end in zip(chunks, self.ends)], dim=-2)
 
 
-def chunk_positions(cp_rank, cp, block_size):  # CP 4: an early chunk and a late one
+def chunk_positions(cp_rank, cp, block_size):  # CP 3: an early chunk and a late one
     """The positions context rank cp_rank holds in a sequence of block_size tokens: chunks cp_rank
     and 2 cp - 1 - cp_rank of 2 cp equal chunks."""
     size = block_size // (2 * cp)
@@ -319,10 +215,9 @@ def chunk_positions(cp_rank, cp, block_size):  # CP 4: an early chunk and a late
     return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
 
 
-class GatherContext(torch.autograd.Function):  # CP 5: an all-gather that carries gradients
-    """All-gather over the context ranks along the sequence (dim -2), in rank order. Its backward
-    is a reduce-scatter: each rank's keys and values were read by every rank's queries, so their
-    gradient is the sum of every rank's gradient for them."""
+class GatherContext(torch.autograd.Function):  # CP 4: an all-gather that carries gradients
+    """All-gather over the context ranks along the sequence (dim -2), in rank order. Backward: a
+    reduce-scatter, as every rank's queries read each rank's keys: their gradients add up."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -352,9 +247,9 @@ class Data:
 def build_data(run):
     """This rank's training windows and the validation tokens (--debug: a collective)."""
     args = run.args
-    train, val, vocab_size, itos = load_data(args, run.dp_size)  # CP 3: a batch per row
+    train, val, vocab_size, itos = load_data(args, run.dp_size)  # CP 2: a batch per row
     windows = Windows(train, args.block_size, args.batch_size, run.dp_rank, run.dp_size,
-                      args.seed)  # CP 3: each row its own windows, the same in a row
+                      args.seed)  # CP 2: each row its own windows, the same in a row
     baseline = unigram_loss(train, val, vocab_size)
     unit = "byte" if vocab_size == 256 else "token"
     print0(run.is_main, f"data {args.data or 'Python standard library'} | {len(train):,} train "
@@ -368,20 +263,22 @@ def build_data(run):
 class Windows:
     """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
     block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
-    ranks round-robin, like DistributedSampler: ranks read different windows, and an epoch reads
-    each token once. Micro-batch k is a function of k and of the ranks sharing the data, so a run
-    resumed with as many ranks reads what the uninterrupted one would have."""
+    ranks round-robin: each token once an epoch, on one rank (a DataLoader's equivalent:
+    DistributedSampler(drop_last=True) and set_epoch(epoch)). Micro-batch k depends on k and the
+    ranks alone, so a run resumed with as many ranks reads what the uninterrupted one would have."""
 
     def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
         self.tokens, self.block, self.batch = tokens, block_size, batch_size
         self.rank, self.world, self.seed = rank, world_size, seed
         per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size  # at any offset
+        # as many micro-batches on every rank: a rank with one more would wait in its collectives
         self.per_epoch = per_rank // batch_size  # micro-batches per rank per epoch
         self.span = np.arange(block_size + 1)
         self.epoch, self.starts = None, None
 
     def starts_of_epoch(self, epoch):  # DDP 4: every rank its own share of the windows
         """The first token of every window this rank reads in `epoch`, in order."""
+        # seeded by epoch, not by rank: every rank draws the same order, then keeps its own slice
         g = torch.Generator().manual_seed(self.seed + epoch)  # DDP 5: a new order each epoch
         offset = int(torch.randint(0, self.block + 1, (1,), generator=g))
         count = self.per_epoch * self.batch * self.world
@@ -397,16 +294,6 @@ class Windows:
         return torch.from_numpy(rows.astype(np.int64))
 
 
-def log_windows(run, windows):  # DDP 6: --debug, which windows each rank reads
-    """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
-    that lines from several processes never splice into each other."""
-    line = (f"[rank {run.rank}] {windows.per_epoch} micro-batches per epoch, "
-            f"first windows at tokens {windows.starts_of_epoch(0)[:4].tolist()}")
-    lines = [None] * run.world_size
-    dist.all_gather_object(lines, line)  # to rank 0, which prints them in rank order
-    print0(run.is_main, "\n".join(lines))
-
-
 def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, then filled
     """The sharded model (1/N of every parameter here; no rank ever holds it whole), and AdamW."""
     args = run.args
@@ -414,10 +301,10 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
         raw_model = GPT(**model_config(args, vocab_size))
     shard(run, raw_model)  # FSDP 2: before the optimizer, which must see the shards
     raw_model.to_empty(device=run.device)  # FSDP 2: this rank's shards, not yet filled
-    init_shards(raw_model, args.seed)  # FSDP 2: chapter 3's initial weights
+    init_shards(raw_model, args.seed)  # FSDP 2: one process's initial weights
     raw_model.grad_checkpointing = args.grad_checkpointing
     optimizer = make_optimizer(raw_model, args, run.device)
-    torch.manual_seed(args.seed + run.rank)  # DDP 7: each rank its own dropout masks
+    torch.manual_seed(args.seed + run.rank)  # DDP 6: each rank its own dropout masks
     print0(run.is_main, f"model {sum(p.numel() for p in raw_model.parameters()):,} parameters | "
                         f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
                         f"context {args.block_size}")
@@ -438,7 +325,7 @@ def shard(run, model):  # FSDP 2: every block a group of its own, then the root
 
 @torch.no_grad()
 def init_shards(model, seed):  # FSDP 2: one whole parameter at a time, each rank keeps its slice
-    """Fill this rank's shards with chapter 3's initial weights: each parameter made whole from the
+    """Fill this rank's shards with one process's initial weights: each parameter whole from the
     seed, one at a time; each rank keeps its slice, sending nothing (src_data_rank=None)."""
     for name, p in model.named_parameters():
         full = initial_value(name, p.shape, seed, len(model.blocks)).to(p.device)
@@ -470,7 +357,7 @@ def resume_path(run):
     if not save:
         raise InputError("--resume auto needs a --save path to look for")
     found = [newest_complete_step(save, run.is_main) if run.is_main else None]  # FSDP 3
-    dist.broadcast_object_list(found, src=0)  # DDP 8: rank 0 decides for every rank
+    dist.broadcast_object_list(found, src=0)  # DDP 7: rank 0 decides for every rank
     return found[0]  # FSDP 3
 
 
@@ -478,7 +365,7 @@ def agree_on_start(start, error, path):
     """Every rank resumed from the same step, or all stop with the same line (a rank on a node that
     cannot see the checkpoint, or sees another file: checkpoints need a shared filesystem)."""
     outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, (start, error))  # DDP 8: a collective, so no rank hangs
+    dist.all_gather_object(outcomes, (start, error))  # DDP 7: a collective, so no rank hangs
     failed = [(rank, problem) for rank, (_, problem) in enumerate(outcomes) if problem]
     if failed and len(failed) == len(outcomes) and len({p for _, p in failed}) == 1:
         raise InputError(failed[0][1])  # the same problem everywhere: the checkpoint itself
@@ -524,20 +411,45 @@ def wrap_model(run, raw_model):  # FSDP 4: no wrapper: the sharded model trains 
     return raw_model
 
 
-def benchmark(run, model, optimizer, windows):
-    """--benchmark: 5 warm-up steps, then --max-steps timed ones; median ms/step and tokens/s."""
-    times = []
-    for step in range(5 + run.args.max_steps):
-        start = time.perf_counter()
-        loss, _ = train_step(run, model, optimizer, windows, step)  # talks
-        loss.item()  # wait for the device: the step is over
-        times.append(time.perf_counter() - start)
-    result = {**pace_keys(statistics.median(times[5:]), tokens_per_step(run)),
-              "timed_steps": run.args.max_steps}
-    log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
-    print0(run.is_main, f"benchmark | {result['step_ms']} ms/step | "
-                        f"{result['throughput']:,.0f} tok/s")
-    print0(run.is_main, summary_line(result))
+def evaluate(run, model, val):  # FSDP 5: every rank runs as many forwards
+    """The mean validation loss per token, exact at any world size; a collective. Each forward
+    all-gathers with every rank, so fewer batches are padded with targets of -100: counted 0."""
+    batches = list(validation_batches(run, val))  # CP 2: disjoint slices by row
+    most = torch.tensor(len(batches), device=run.device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most batches any rank holds
+    x = torch.zeros(1, run.args.block_size, dtype=torch.long, device=run.device)
+    batches += [(x, torch.full_like(x, -100))] * (int(most) - len(batches))
+    batches = [run.context.share(x, y) for x, y in batches]  # CP 3: this rank's tokens
+    return mean_loss_over_ranks(model, batches, run.context)  # talks: every rank's sums
+
+
+def validation_batches(run, val):
+    """This rank's validation batches, (inputs, targets) on its device: the first --eval-windows
+    non-overlapping windows of the validation tokens, dealt to the ranks round-robin: disjoint
+    slices, never padded with repeats as a DistributedSampler pads them, so each counts once."""
+    args = run.args
+    starts = np.arange(0, len(val) - args.block_size, args.block_size + 1)[:args.eval_windows]
+    mine = starts[run.dp_rank::run.dp_size]  # CP 2: by row
+    for i in range(0, len(mine), args.batch_size):
+        rows = val[mine[i:i + args.batch_size, None] + np.arange(args.block_size + 1)]
+        yield on_device(torch.from_numpy(rows.astype(np.int64)), run.device)
+
+
+@torch.no_grad()
+def mean_loss_over_ranks(model, batches, context):  # CP 3: FSDP 1's, on this rank's tokens
+    """The mean cross-entropy per target over all ranks' batches (inputs, targets): each rank
+    sums its own, one all-reduce adds the sums and the counts up. A collective: every rank calls
+    it (evaluate() says how many batches each rank may bring)."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
+    for x, y in batches:
+        logits, _ = model(x, context=context)  # CP 3: this rank's tokens
+        totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
+        totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # CP 3: each token on one rank: once
+    free_gathered_weights(model)  # FSDP 5: forwards without a backward leave them
+    model.train()
+    return (totals[0] / totals[1]).item()
 
 
 def train_step(run, model, optimizer, windows, step):
@@ -546,73 +458,44 @@ def train_step(run, model, optimizer, windows, step):
     args = run.args
     batches = [on_device(windows.rows(step * args.grad_accum + i), run.device)
                for i in range(args.grad_accum)]
-    batches = [run.context.share(x, y) for x, y in batches]  # CP 4: this rank's tokens of each
+    batches = [run.context.share(x, y) for x, y in batches]  # CP 3: this rank's tokens of each
     loss = accumulate_gradients(model, batches, run.context)  # FSDP 1: the policy casts
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, args)
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
-    grad_norm = grad_norm.full_tensor()  # FSDP 5: the norm over all shards, the same everywhere
-    loss = mean_over_ranks(loss)  # DDP 10: every rank gets the same mean, so the same verdict
+    grad_norm = grad_norm.full_tensor()  # FSDP 6: the norm over all shards, the same everywhere
+    loss = mean_over_ranks(loss)  # DDP 9: every rank gets the same mean, so the same verdict
     stop_if_diverged(run, step, loss, grad_norm)
     optimizer.step()  # FSDP 1
     optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm
 
 
-def accumulate_gradients(model, batches, context):  # CP 4: FSDP 6's, on this rank's tokens
+def accumulate_gradients(model, batches, context):  # CP 3: FSDP 7's, on this rank's tokens
     """Forward and backward over each micro-batch (inputs, targets): gradients add up in each
     rank's shards, and FSDP reduce-scatters them once, in the last backward; the mean loss."""
     total = 0.0
     for i, (x, y) in enumerate(batches):
-        model.set_requires_gradient_sync(i == len(batches) - 1)  # FSDP 6: FSDP's no_sync
-        _, loss = model(x, y, context)  # CP 4: the mean over this rank's tokens
+        model.set_requires_gradient_sync(i == len(batches) - 1)  # FSDP 7: FSDP's no_sync
+        _, loss = model(x, y, context)  # CP 3: the mean over this rank's tokens
         loss = loss / len(batches)  # micro-batches of equal size: the mean of their means
-        loss.backward()  # CP 5: talks: each block reduce-scatters its keys' and values' gradients
+        loss.backward()  # CP 4: talks: each block reduce-scatters its keys' and values' gradients
         total += loss.detach()
     return total
 
 
-def mean_over_ranks(value):  # DDP 10
+def mean_over_ranks(value):  # DDP 9
     """A collective: the average of a scalar tensor over all ranks (SUM, then divide)."""
     value = value.detach().clone().float()
     dist.all_reduce(value, op=dist.ReduceOp.SUM)  # every rank gets the sum of all ranks'
     return value / dist.get_world_size()
 
 
-def evaluate(run, model, val):  # FSDP 7: every rank runs as many forwards
-    """The mean validation loss per token, exact at any world size; a collective. Each forward
-    all-gathers with every rank, so fewer batches are padded with targets of -100: counted 0."""
-    batches = list(validation_batches(run, val))  # CP 3: disjoint slices by row
-    most = torch.tensor(len(batches), device=run.device)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most batches any rank holds
-    x = torch.zeros(1, run.args.block_size, dtype=torch.long, device=run.device)
-    batches += [(x, torch.full_like(x, -100))] * (int(most) - len(batches))
-    batches = [run.context.share(x, y) for x, y in batches]  # CP 4: this rank's tokens
-    return mean_loss_over_ranks(model, batches, run.context)  # talks: every rank's sums
-
-
-@torch.no_grad()
-def mean_loss_over_ranks(model, batches, context):  # CP 4: FSDP 1's, on this rank's tokens
-    """The mean cross-entropy per target over all ranks' batches (inputs, targets): each rank
-    sums its own, one all-reduce adds the sums and the counts up. A collective: every rank calls
-    it (evaluate() says how many batches each rank may bring)."""
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
-    for x, y in batches:
-        logits, _ = model(x, context=context)  # CP 4: this rank's tokens
-        totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
-        totals[1] += (y != -100).sum()  # FSDP 7: the padding counts no token
-    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # CP 4: each token on one rank: once
-    free_gathered_weights(model)  # FSDP 7: forwards without a backward leave them
-    model.train()
-    return (totals[0] / totals[1]).item()
-
-
 def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every rank its shards
     """A collective: rank 0 writes DIR/step-N/run.json (step, flags, vocabulary, every rank's RNG),
     every rank its shards of weights and AdamW state (DCP: no gather; .metadata last marks it
     complete). Failed: SaveFailed on every rank, the folder removed, the previous step intact."""
-    rng_states = [None] * run.world_size  # DDP 13: each rank has its own dropout stream
+    rng_states = [None] * run.world_size  # DDP 11: each rank has its own dropout stream
     dist.all_gather_object(rng_states, rng_state(run.device))  # so rank 0 can save them all
     folder = os.path.join(run.args.save, f"step-{step:06d}")  # FSDP 3: a folder per step
     if not shards_finite(raw_model):  # a collective: every rank gets the same answer
@@ -630,7 +513,7 @@ def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every ran
     print0(run.is_main, f"step {step}/{run.args.max_steps} | saved {folder}")
 
 
-def save_on_rank_0(write, is_main):  # DDP 14: one writer; every rank waits and learns the outcome
+def save_on_rank_0(write, is_main):  # DDP 12: one writer; every rank waits and learns the outcome
     """A collective: rank 0 calls write(); every rank waits for it and raises what it raised.
     Never call it inside `if is_main:`: the other ranks would not reach the broadcast."""
     error = None
@@ -645,6 +528,160 @@ def save_on_rank_0(write, is_main):  # DDP 14: one writer; every rank waits and 
         raise outcome[0]
 
 
+def leave_distributed():  # DDP 13: leave the process group on every path, error or not
+    """Free what a failed run left (a DDP model holds the group), then leave the group."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()  # waits for no one: each rank leaves on its own
+
+
+# --------------------------------------------------------------------------------- the model: a GPT
+def causal_attention(q, k, v):
+    """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
+    attention on GPUs); is_causal builds no mask. No dropout on the attention weights: on a CPU it
+    forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
+    bf16 CPU backward kernel is 3x slower than the fp32 one (measured: docs/performance.md)."""
+    # CP 5: q holds the last positions of k's sequence. The lower-right mask aligns the diagonal
+    # with the last key: queries 12-15 over 16 keys, query 12 reads keys 0-12 (is_causal=True
+    # would align it with the first: key 0 alone, and train wrong). A CPU builds the mask
+    causal = causal_lower_right(q.shape[-2], k.shape[-2])
+    if q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal)  # CP 5
+    with torch.autocast("cpu", enabled=False):
+        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),  # CP 5
+                                           attn_mask=causal)
+    return y.to(q.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x, context=None):  # CP 5: context: this rank's share of the sequence
+        B, T, C = x.shape
+        # qkv's outputs come head by head (head 0's q, k, v, then head 1's...): equal parts are
+        # whole heads, as a tensor-parallel split by heads needs; -1: the heads this module holds
+        qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
+        if context is None:  # CP 5: the whole sequence is here
+            y = causal_attention(q, k, v)
+        else:  # CP 5: this rank's queries over the keys and values of every rank of its row
+            y = context.attention(q, k, v)
+        return self.proj(y.transpose(1, 2).flatten(2))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attention(norm(x)), then x + MLP(norm(x))."""
+
+    def __init__(self, n_embd, n_head, dropout):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
+                                 nn.Linear(4 * n_embd, n_embd))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x, context=None):  # CP 5
+        x = x + self.drop(self.attn(self.ln1(x), context))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd, dropout):
+        super().__init__()
+        self.block_size = block_size
+        self.grad_checkpointing = False  # True: recompute each block's activations in backward
+        self.tok_emb = nn.Embedding(vocab_size, n_embd)
+        self.pos_emb = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # weight tying: one matrix embeds and un-embeds
+        if not self.head.weight.is_meta:  # on the meta device there is nothing to fill yet
+            self.init_weights(seed=0)
+
+    @torch.no_grad()
+    def init_weights(self, seed):
+        """Every parameter from initial_value(): the same weights for the same seed, whether
+        the model is made whole here or one parameter at a time (a sharded build, where each rank
+        fills only its own slice)."""
+        for name, p in self.named_parameters():
+            p.copy_(initial_value(name, p.shape, seed, len(self.blocks)))
+
+    def forward(self, idx, targets=None, context=None):  # CP 5: context: this rank's share
+        """Logits (B, T, vocab), and the mean cross-entropy per token if targets are given. With a
+        context, idx holds this rank's tokens of each sequence, at context.positions."""
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        if context is not None:  # CP 5: the tokens' places in the whole sequence
+            positions = context.positions
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+        for block in self.blocks:
+            if self.grad_checkpointing and self.training:  # keep block inputs; recompute the rest
+                x = checkpoint(block, x, context, use_reentrant=False)  # CP 5
+            else:
+                x = block(x, context)  # CP 5
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature, top_k):
+        """Append max_new_tokens tokens to idx (1, T), each drawn from the model's prediction."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.block_size:])[0][:, -1] / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            idx = torch.cat([idx, torch.multinomial(logits.softmax(-1), 1)], dim=1)
+        return idx
+
+
+def initial_value(name, shape, seed, n_layer):
+    """The initial value of parameter `name`, GPT-2's scheme: N(0, 0.02) for matrices (residual
+    projections shrink with depth), zero biases, unit norm weights. Each parameter draws from a
+    generator of its own, seeded by (seed, name), so any one can be made without the others."""
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if len(shape) == 1:  # a LayerNorm's weight
+        return torch.ones(shape)
+    residual = name.endswith(("attn.proj.weight", "mlp.2.weight"))
+    std = 0.02 / math.sqrt(2 * n_layer) if residual else 0.02
+    generator = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=generator) * std
+
+
+# ------------------------- beyond the core: debugging, the replica check, the benchmark, the report
+def log_windows(run, windows):  # DDP 14: --debug, which windows each rank reads
+    """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
+    that lines from several processes never splice into each other."""
+    line = (f"[rank {run.rank}] {windows.per_epoch} micro-batches per epoch, "
+            f"first windows at tokens {windows.starts_of_epoch(0)[:4].tolist()}")
+    lines = [None] * run.world_size
+    dist.all_gather_object(lines, line)  # to rank 0, which prints them in rank order
+    print0(run.is_main, "\n".join(lines))
+
+
+def benchmark(run, model, optimizer, windows):
+    """--benchmark: 5 warm-up steps, then --max-steps timed ones; median ms/step and tokens/s."""
+    times = []
+    for step in range(5 + run.args.max_steps):
+        start = time.perf_counter()
+        loss, _ = train_step(run, model, optimizer, windows, step)  # talks
+        loss.item()  # wait for the device: the step is over
+        times.append(time.perf_counter() - start)
+    result = {**pace_keys(statistics.median(times[5:]), tokens_per_step(run)),
+              "timed_steps": run.args.max_steps}
+    log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
+    print0(run.is_main, f"benchmark | {result['step_ms']} ms/step | "
+                        f"{result['throughput']:,.0f} tok/s")
+    print0(run.is_main, summary_line(result))
+
+
 def report(run, raw_model, data, val_loss, meter):
     """The done line, the summary line, and (rank 0, the plain model) a taste of what it learned;
     on GPUs first every rank's peak memory (a collective)."""
@@ -657,16 +694,16 @@ def report(run, raw_model, data, val_loss, meter):
     print0(run.is_main, summary_line(summary))
     if run.args.export:  # FSDP 8: one plain file, for one-process sampling
         export(run, raw_model, data)  # talks: every rank's shards to rank 0
-    if unit == "byte" or data.itos:  # FSDP 7: every rank generates: each forward gathers weights
+    if unit == "byte" or data.itos:  # FSDP 5: every rank generates: each forward gathers weights
         raw_model.eval()
         start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
         first, args = torch.tensor([[start]], device=run.device), run.args
         out = raw_model.generate(first, args.max_new_tokens, args.temperature, args.top_k)
-        print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 7
+        print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 5
 
 
-def export(run, raw_model, data):  # FSDP 8: one plain file, chapter 3's format
-    """A collective: every rank's shards to rank 0's CPU, which writes chapter 3's format."""
+def export(run, raw_model, data):  # FSDP 8: one plain file, as one process saves it
+    """A collective: every rank's shards to rank 0's CPU, which writes one plain state_dict."""
     if not shards_finite(raw_model):  # talks: every rank gets the same answer
         raise SaveFailed(f"not exporting {run.args.export}: the weights are not finite")
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0
@@ -674,7 +711,7 @@ def export(run, raw_model, data):  # FSDP 8: one plain file, chapter 3's format
     save_on_rank_0(lambda: write_export(run, weights, data), run.is_main)  # talks
 
 
-def log_peak_gpu_memory(run):  # DDP 15: every rank's peak, printed by rank 0
+def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
     """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in rank
     order (measured: weights, gradients, optimizer state, activations; docs/fsdp.md)."""
     if run.device.type != "cuda":
@@ -685,19 +722,21 @@ def log_peak_gpu_memory(run):  # DDP 15: every rank's peak, printed by rank 0
            ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
 
 
-def leave_distributed():  # DDP 16: leave the process group on every path, error or not
-    """Free what a failed run left (a DDP model holds the group), then leave the group."""
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()  # waits for no one: each rank leaves on its own
-
-
 # ============================================================================== the plumbing
-# Flags, data files, mixed precision, the optimizer and schedule, checkpoint files, logging and
-# timing, sampling, and the errors: what any trainer needs, distributed or not.
 
 
 # ---------------------------------------- guards: each stops one thing going wrong in production
+def avoid_known_failures(args):  # guard: every guard, in one place, before the group is joined
+    """Exit code 2 for a launch that could never join a group; a workaround for each known fault."""
+    refuse_a_bad_launch(args.device)  # guard: no torchrun, or more processes than GPUs
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    backend = "nccl" if cuda else "gloo"
+    level = safe_debug_level(backend, args.debug, dist.get_debug_level())  # guard: DETAIL on gloo
+    dist.set_debug_level(level)  # before init_process_group, which reads it
+    if not cuda:
+        avoid_page_faults_on_cpu()  # guard: page faults every step on Linux CPUs
+
+
 def refuse_a_bad_launch(device_name):  # guard: a process that could never join a group
     """Exit code 2 and one line if torchrun did not start this process, or its GPU is missing."""
     def refuse(problem):
@@ -726,11 +765,9 @@ def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=D
     return level
 
 
-def avoid_page_faults_on_cpu(device):  # guard: glibc returning freed memory at once
+def avoid_page_faults_on_cpu():  # guard: glibc returning freed memory at once
     """On Linux CPUs (glibc), keep freed memory in the process: glibc hands each step's tens of MB
     (the logits) back to the OS, and page faults cost 10-30% of a step (docs/performance.md)."""
-    if device.type != "cpu":
-        return
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -806,7 +843,7 @@ def parse_args(argv=None):
     a = p.add_argument_group("distributed: timeouts and debugging (chapters 5 and 6)").add_argument
     a("--dist-timeout", type=positive(float), default=300, metavar="S",
       help="seconds a collective waits for a peer before the job fails (default: 300)")
-    a("--cp", type=positive(int), default=2, metavar="N",  # CP 2
+    a("--cp", type=positive(int), default=2, metavar="N",  # CP 1
       help="context-parallel ranks per row: consecutive ranks, one node's GPUs; must divide the "
            "world size, and 2 x N must divide --block-size; 1: FSDP alone (default: 2)")
     a("--reshard-after-forward", choices=["yes", "no"], default="yes",  # FSDP 2
@@ -849,11 +886,11 @@ def parse_args(argv=None):
         p.error(f"--n-head {args.n_head} must divide --n-embd {args.n_embd}")
     if not 0 <= args.dropout < 1 or not 0 < args.val_fraction < 1:
         p.error("--dropout must be in [0, 1) and --val-fraction in (0, 1)")
-    if args.block_size < 2 * args.cp:  # CP 4: every rank holds two chunks of a token or more
+    if args.block_size < 2 * args.cp:  # CP 3: every rank holds two chunks of a token or more
         p.error(f"--cp {args.cp} cuts a sequence into {2 * args.cp} chunks, more than the "
                 f"{args.block_size} tokens of --block-size: give a --block-size of at least "
                 f"{2 * args.cp}")
-    if args.block_size % (2 * args.cp):  # CP 4: 2 x cp equal chunks
+    if args.block_size % (2 * args.cp):  # CP 3: 2 x cp equal chunks
         p.error(f"--block-size {args.block_size} must be a multiple of 2 x --cp = {2 * args.cp}: "
                 f"each sequence is cut into {2 * args.cp} equal chunks")
     if args.sample and not args.ckpt:
@@ -882,9 +919,8 @@ def load_tokens(args, default_bytes=2_000_000):
 
 
 def read_meta(path):
-    """nanoGPT's meta.pkl ({"vocab_size", "itos", "stoi"}), read without running it. A pickle can
-    call any function while it loads; this unpickler refuses every class and function, so only
-    plain data can load, and only dicts, lists, strings and ints are accepted."""
+    """nanoGPT's meta.pkl ({"vocab_size", "itos", "stoi"}), read without running it: a pickle may
+    call any function; this unpickler refuses them all, and takes dicts, lists, strings and ints."""
     class PlainData(pickle.Unpickler):
         def find_class(self, module, name):
             raise pickle.UnpicklingError(f"it asks for {module}.{name}, not plain data")
@@ -958,17 +994,6 @@ def unigram_loss(train, val, vocab_size):
     in the training tokens: the loss to beat, for a model that ignores context."""
     counts = np.bincount(train, minlength=vocab_size) + 1.0  # +1: no token has probability 0
     return float(-np.log(counts / counts.sum())[val].mean())
-
-
-def validation_batches(run, val):
-    """This rank's validation batches, (inputs, targets) on its device: the first --eval-windows
-    non-overlapping windows of the validation tokens, dealt to the ranks round-robin."""
-    args = run.args
-    starts = np.arange(0, len(val) - args.block_size, args.block_size + 1)[:args.eval_windows]
-    mine = starts[run.dp_rank::run.dp_size]  # CP 3: by row
-    for i in range(0, len(mine), args.batch_size):
-        rows = val[mine[i:i + args.batch_size, None] + np.arange(args.block_size + 1)]
-        yield on_device(torch.from_numpy(rows.astype(np.int64)), run.device)
 
 
 def on_device(rows, device):
@@ -1066,9 +1091,8 @@ def state_bytes(state):
 
 
 def why_not_written(err, tmp, needed):
-    """Why writing `tmp` failed, in one line and the user's words: a full disk (or quota) says so,
-    with the room there is once the partial file is gone and the room a checkpoint needs; the
-    system's or torch's own words follow as the detail."""
+    """Why writing `tmp` failed, in one line: a full disk (or quota) says so, with the room left
+    (the partial file gone) and the room a checkpoint needs; then the system's or torch's words."""
     detail = getattr(err, "strerror", None) or (str(err).strip().splitlines() or [repr(err)])[0]
     folder = os.path.dirname(os.path.abspath(tmp))
     while not os.path.isdir(folder):  # a folder that could not be made
@@ -1112,7 +1136,7 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
             os.remove(tmp)
 
 
-def free_gathered_weights(model):  # FSDP 7: --reshard-after-forward no keeps them gathered
+def free_gathered_weights(model):  # FSDP 5: --reshard-after-forward no keeps them gathered
     """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
     sampling) gathered are freed, and the parameters are this rank's shards again."""
     for module in model.modules():
@@ -1209,7 +1233,7 @@ def read_run_state(path, run, data):  # FSDP 3
     return state
 
 
-def split_line(run):  # CP 4: the split, each rank's work, and what a block gathers
+def split_line(run):  # CP 3: the split, each rank's work, and what a block gathers
     """Each context rank's share of causal attention's (query, key) pairs, with the chunks it holds
     and with contiguous shares instead, and the keys and values each rank gathers per block and
     micro-batch in the compute dtype (docs/cp.md)."""
@@ -1248,14 +1272,13 @@ def print0(is_main, message):
 
 
 def tokens_per_step(run):
-    return run.args.batch_size * run.args.block_size * run.args.grad_accum * run.dp_size  # CP 3
+    return run.args.batch_size * run.args.block_size * run.args.grad_accum * run.dp_size  # CP 2
 
 
 def peak_tflops(gpu_name, amp):
-    """The dense peak TFLOPS of a GPU in the table (vendor datasheets, no sparsity; 16-bit with fp32
-    accumulation, as autocast runs) for the autocast dtype ("off": fp32 without TF32). Names match
-    word by word: an "H100 NVL" is no H100 SXM, an "L40" no "L4", an "A10G" no "A10". None for a GPU
-    not in the table."""
+    """The dense peak TFLOPS of a GPU in the table (datasheets, no sparsity; 16-bit with fp32
+    accumulation, as autocast runs) for the autocast dtype ("off": fp32 without TF32), or None.
+    Names match word by word: an "H100 NVL" is no H100 SXM, an "L40" no "L4", an "A10G" no "A10"."""
     words = gpu_name.replace("-", " ").split()
     table = {  # the words of a model's name: (16-bit tensor cores, fp32); variants first
         ("H100", "PCIe"): (756, 51), ("H100", "NVL"): (835, 60), ("H100",): (989, 67),
@@ -1434,5 +1457,5 @@ if __name__ == "__main__":
         sys.stderr.write(f"error: {err}\n")  # one write: lines from several ranks never splice
         code = err.code
     finally:
-        leave_distributed()  # DDP 16
+        leave_distributed()  # DDP 13
     sys.exit(code)

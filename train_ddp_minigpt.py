@@ -13,19 +13,27 @@ one plain process. Default data: the first 2,000,000 bytes of this Python's own 
 one token per byte (vocab 256), so nothing is downloaded; `--data` also takes a text file, a .bin
 of uint16 token ids, or a nanoGPT folder.
 
-Tags: `# DDP k`, k = 1 to 16 in reading order, each a row of the README's chapter 3 table, which
-says which of chapter 2's changes it is. Every call that talks to another process is above the
-marked line. What DDP does, and when:
-- torchrun starts one process per device; init_process_group joins them into one group.
-- DDP(model) broadcasts rank 0's parameters and buffers: every replica starts the same.
-- During backward(), a hook on each parameter marks its gradient ready; each full bucket (about
-  25 MB) is all-reduced at once, while backward goes on. Every rank ends with the mean gradient.
-- model.no_sync() skips that all-reduce. DDP decides in forward whether the next backward will
-  sync, so a micro-batch's forward and backward both go inside it.
-- Evaluation runs model.module, the plain model: no hooks, no buffer broadcast, so ranks may run
-  unequal numbers of batches. Loss sums and token counts meet in one all-reduce afterwards.
-- Every rank calls every collective. Rank 0 alone logs and writes files, but a collective inside
-  `if is_main:` waits forever for the ranks that skipped it.
+Read it top-down: main(), then its core steps in the order it calls them, the model, and what goes
+beyond the core (debugging, checks, the benchmark, the report). All that talks to other processes
+is above the line `# === the plumbing`; below it, guards, flags, files, logging and errors.
+
+Tags: `# DDP k` marks each line DDP adds to a one-process trainer, numbered in reading order:
+  DDP 1   init_process_group: join the processes torchrun started; every collective needs it
+  DDP 2   one GPU per process, picked by LOCAL_RANK before any CUDA work: none piles onto GPU 0
+  DDP 3   is_main = rank == 0: one process logs and writes files, not every one of them
+  DDP 4   each rank its own windows of an epoch: the ranks train on different data
+  DDP 5   one shuffled order, the same on every rank and new each epoch: the shares stay disjoint
+  DDP 6   dropout seeded by rank: the replicas draw different masks, as one big batch would
+  DDP 7   resume: rank 0 looks for the checkpoint and every rank agrees, or all stop
+  DDP 8   DDP(model): rank 0's weights to every rank; backward() averages the gradients
+  DDP 9   SUM over ranks, then divide (gloo has no AVG); evaluate model.module, the plain model
+  DDP 10  no_sync() for all micro-batches but the last: one all-reduce per step, not one each
+  DDP 11  every rank's RNG state in the checkpoint: a resumed run draws what it would have
+  DDP 12  rank 0 writes, every rank waits and learns how it went: a failed save stops them all
+  DDP 13  leave the group on every path, error or not: no process is left waiting
+  DDP 14  --debug: which windows each rank reads, printed by rank 0 in rank order
+  DDP 15  --check-sync: every rank's weight hash; replicas that differ stop the run
+  DDP 16  every rank's peak GPU memory, printed by rank 0
 """
 import argparse
 import contextlib
@@ -33,7 +41,7 @@ import ctypes
 import dataclasses
 import datetime
 import errno
-import gc  # DDP 16
+import gc
 import glob
 import hashlib
 import json
@@ -49,14 +57,340 @@ import zlib
 
 import numpy as np
 import torch
-import torch.distributed as dist  # DDP 1
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP  # DDP 9
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 
-# ------------------------------------------------------- the model: a GPT, nothing distributed
+# ------------------- the distributed lesson: main(), then its core steps in the order it calls them
+def main(argv=None):
+    args = parse_args(argv)
+    if args.sample:  # inference: one plain process, no process group
+        return sample(args)
+    avoid_known_failures(args)  # guard: refuses a bad launch, avoids known failures
+    # setup: one process per device, joined in one group; rank 0 logs and saves. A step that
+    # "talks" waits for the others: every rank calls it, in the same order
+    device, rank, world_size = init_distributed(args.device, args.dist_timeout)  # talks
+    run = make_run(args, device, rank, world_size)
+    # data: every rank reads its own windows of the training tokens
+    data = build_data(run)  # talks with --debug: rank 0 prints each rank's windows
+    # model: the same initial weights on every rank, resumed if asked, then wrapped
+    raw_model, optimizer = build_model(run, data.vocab_size)  # talks where the model is sharded
+    start = resumed_step(run, raw_model, optimizer, data)  # talks: rank 0 finds it, all agree
+    model = wrap_model(run, raw_model)  # talks under DDP: rank 0's weights go to every rank
+    if args.benchmark:
+        return benchmark(run, model, optimizer, data.windows)  # talks: training steps, timed
+    # train: log, evaluate and save on schedule
+    val_loss = evaluate(run, model, data.val)  # talks: the loss sums of every rank add up
+    print0(run.is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
+    meter = Meter(run, raw_model, start)  # the training clock starts now
+    for step in range(start, args.max_steps):  # every step talks
+        loss, grad_norm = train_step(run, model, optimizer, data.windows, step)  # talks
+        done = step + 1
+        if done % args.log_every == 0 or done == args.max_steps:
+            print0(run.is_main, meter.log_line(done, loss.item(), grad_norm.item()))
+        meter.stop_clock()  # evaluation and checkpoints are not training time
+        if done % args.eval_every == 0 or done == args.max_steps:
+            val_loss = evaluate(run, model, data.val)  # talks
+            print0(run.is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | "
+                                f"baseline {data.baseline:.4f}")
+            if args.check_sync or args.debug:  # before any save: never save a diverged replica
+                check_replicas_in_sync(model, f"step {done}")  # talks: every rank's weight hash
+        # save: rank 0 writes, every rank waits for it
+        due = done == args.max_steps or (args.save_every and done % args.save_every == 0)
+        if args.save and due:
+            save_checkpoint(run, raw_model, optimizer, data, done)  # talks
+        meter.start_clock()
+    # cleanup: the summary and a sample; the group is left by __main__'s `finally`
+    report(run, raw_model, data, val_loss, meter)  # talks: GPU peaks; a sharded model's export
+
+
+def init_distributed(device_name, timeout_s):  # DDP 1: join the group torchrun describes
+    """A collective: join the group torchrun started; returns (device, rank, world size)."""
+    if device_name == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device("cpu")
+    if device_name == "cuda":  # DDP 2: one GPU per process, picked by LOCAL_RANK, before CUDA work
+        # LOCAL_RANK numbers the processes of this node (its GPUs: 0, 1...); RANK, of all nodes
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    # no address given: it reads torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device if backend == "nccl" else None)  # NCCL: bind it
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+@dataclasses.dataclass
+class Run:
+    """What every step of one process's run shares, set once at the start."""
+    args: argparse.Namespace  # the flags
+    device: torch.device
+    rank: int
+    world_size: int
+    is_main: bool  # rank 0: the one process that logs and writes files
+    amp: str  # the autocast dtype's name ("bfloat16", "float16"), or "off"
+    autocast: torch.autocast  # a context: the forward's matrix products in that dtype
+    scaler: torch.amp.GradScaler  # loss scaling for fp16; a no-op for bf16 and fp32
+
+
+def make_run(args, device, rank, world_size):
+    """This process's Run; logs the run's shape (world size, device, precision, batch)."""
+    is_main = rank == 0  # DDP 3: rank 0 alone logs and saves
+    amp, autocast, scaler = mixed_precision(args.amp, device)
+    run = Run(args, device, rank, world_size, is_main, amp, autocast, scaler)
+    print0(is_main, f"world size {world_size} | device {device} | amp {amp} | "
+                    f"{tokens_per_step(run):,} tokens per step ({args.batch_size} x "
+                    f"{args.block_size} x {args.grad_accum} accumulation x {world_size} processes)")
+    return run
+
+
+@dataclasses.dataclass
+class Data:
+    windows: "Windows"  # this rank's training batches
+    val: np.ndarray  # the validation tokens
+    vocab_size: int
+    itos: dict  # id -> text, from a nanoGPT folder's meta.pkl; None for bytes or plain ids
+    baseline: float  # the loss of predicting each token by its frequency: the loss to beat
+
+
+def build_data(run):
+    """This rank's training windows and the validation tokens (--debug: a collective)."""
+    args = run.args
+    train, val, vocab_size, itos = load_data(args, run.world_size)
+    windows = Windows(train, args.block_size, args.batch_size, run.rank, run.world_size,
+                      args.seed)  # DDP 4: each rank its own windows
+    baseline = unigram_loss(train, val, vocab_size)
+    unit = "byte" if vocab_size == 256 else "token"
+    print0(run.is_main, f"data {args.data or 'Python standard library'} | {len(train):,} train "
+                        f"/ {len(val):,} val tokens | vocab {vocab_size} | "
+                        f"{unit}-frequency baseline loss {baseline:.4f}")
+    if args.debug:
+        log_windows(run, windows)  # talks: rank 0 prints every rank's
+    return Data(windows, val, vocab_size, itos, baseline)
+
+
+class Windows:
+    """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
+    block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
+    ranks round-robin: each token once an epoch, on one rank (a DataLoader's equivalent:
+    DistributedSampler(drop_last=True) and set_epoch(epoch)). Micro-batch k depends on k and the
+    ranks alone, so a run resumed with as many ranks reads what the uninterrupted one would have."""
+
+    def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
+        self.tokens, self.block, self.batch = tokens, block_size, batch_size
+        self.rank, self.world, self.seed = rank, world_size, seed
+        per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size  # at any offset
+        # as many micro-batches on every rank: a rank with one more would wait in its collectives
+        self.per_epoch = per_rank // batch_size  # micro-batches per rank per epoch
+        self.span = np.arange(block_size + 1)
+        self.epoch, self.starts = None, None
+
+    def starts_of_epoch(self, epoch):  # DDP 4: every rank its own share of the windows
+        """The first token of every window this rank reads in `epoch`, in order."""
+        # seeded by epoch, not by rank: every rank draws the same order, then keeps its own slice
+        g = torch.Generator().manual_seed(self.seed + epoch)  # DDP 5: a new order each epoch
+        offset = int(torch.randint(0, self.block + 1, (1,), generator=g))
+        count = self.per_epoch * self.batch * self.world
+        order = torch.randperm((len(self.tokens) - offset) // (self.block + 1), generator=g)[:count]
+        return (offset + order * (self.block + 1))[self.rank::self.world].numpy()
+
+    def rows(self, k):
+        """Micro-batch k of this rank: (B, block_size + 1) token ids, inputs and the next token."""
+        epoch, i = divmod(k, self.per_epoch)
+        if epoch != self.epoch:
+            self.epoch, self.starts = epoch, self.starts_of_epoch(epoch)
+        rows = self.tokens[self.starts[i * self.batch:(i + 1) * self.batch, None] + self.span]
+        return torch.from_numpy(rows.astype(np.int64))
+
+
+def build_model(run, vocab_size):
+    """The plain model, on this rank's device, and its optimizer."""
+    args = run.args
+    config = model_config(args, vocab_size)
+    raw_model = GPT(**config).to(run.device)
+    raw_model.init_weights(args.seed)  # the same weights on every rank (DDP broadcasts rank 0's)
+    raw_model.grad_checkpointing = args.grad_checkpointing
+    optimizer = make_optimizer(raw_model, args, run.device)
+    torch.manual_seed(args.seed + run.rank)  # DDP 6: each rank its own dropout masks
+    print0(run.is_main, f"model {sum(p.numel() for p in raw_model.parameters()):,} parameters | "
+                        f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
+                        f"context {args.block_size}")
+    return raw_model, optimizer
+
+
+def resumed_step(run, raw_model, optimizer, data):
+    """A collective: the step to go on from, 0 or --resume's after loading it. Rank 0 decides
+    whether `--resume auto` finds a checkpoint; all ranks load it, or all stop with one line."""
+    path, step, problem = resume_path(run), None, None  # talks: rank 0 looks for it
+    try:
+        step = load_checkpoint(path, run, raw_model, optimizer, data) if path else 0
+    except InputError as err:  # told to every rank below, so that none waits for this one
+        problem = str(err)
+    step = agree_on_start(step, problem, path)  # talks: every rank, the same step or a stop
+    if path:
+        print0(run.is_main, f"resumed from {path} at step {step}")
+    return step
+
+
+def resume_path(run):
+    """A collective: the checkpoint to resume from, or None. --resume auto: the --save checkpoint
+    if it exists (so that a restart after a crash runs the same command and goes on from the last
+    checkpoint). Rank 0 looks and tells the rest: ranks that looked on their own could disagree."""
+    resume, save = run.args.resume, run.args.save
+    if resume != "auto":
+        return resume
+    if not save:
+        raise InputError("--resume auto needs a --save path to look for")
+    found = [os.path.isfile(save)]
+    dist.broadcast_object_list(found, src=0)  # DDP 7: rank 0 decides for every rank
+    return save if found[0] else None
+
+
+def agree_on_start(start, error, path):
+    """Every rank resumed from the same step, or all stop with the same line (a rank on a node that
+    cannot see the checkpoint, or sees another file: checkpoints need a shared filesystem)."""
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, (start, error))  # DDP 7: a collective, so no rank hangs
+    failed = [(rank, problem) for rank, (_, problem) in enumerate(outcomes) if problem]
+    if failed and len(failed) == len(outcomes) and len({p for _, p in failed}) == 1:
+        raise InputError(failed[0][1])  # the same problem everywhere: the checkpoint itself
+    if failed:
+        raise InputError(f"rank {failed[0][0]}: {failed[0][1]} (every rank reads --resume: on "
+                         "several nodes it must be on a filesystem they share, docs/multinode.md)")
+    steps = [step for step, _ in outcomes]
+    if len(set(steps)) > 1:
+        raise InputError(f"the ranks read {path} at different steps {steps}: on several nodes it "
+                         "must be one file on a filesystem they share (docs/multinode.md)")
+    return start
+
+
+def wrap_model(run, raw_model):  # DDP 8: wrap the model
+    """DDP(raw_model): rank 0's weights go to every rank (compiled first with --compile). One set
+    of weights, three handles: `raw_model` saves, `model.module` evaluates, `model` trains."""
+    compiled = raw_model
+    if run.args.compile:  # compile first: DDP's communication hooks stay outside the graph
+        compiled = torch.compile(raw_model, backend=run.args.compile_backend)
+    return DDP(compiled, device_ids=[run.device] if run.device.type == "cuda" else None)  # talks
+
+
+def evaluate(run, model, val):
+    """The mean validation loss per token, exact at any world size; a collective. Through the
+    plain module, which runs no collective itself, ranks may run unequal numbers of batches."""
+    batches = validation_batches(run, val)  # DDP 4: disjoint slices, no padding
+    return mean_loss_over_ranks(model.module, batches, run.autocast)  # DDP 9: the plain module
+
+
+def validation_batches(run, val):
+    """This rank's validation batches, (inputs, targets) on its device: the first --eval-windows
+    non-overlapping windows of the validation tokens, dealt to the ranks round-robin: disjoint
+    slices, never padded with repeats as a DistributedSampler pads them, so each counts once."""
+    args = run.args
+    starts = np.arange(0, len(val) - args.block_size, args.block_size + 1)[:args.eval_windows]
+    mine = starts[run.rank::run.world_size]
+    for i in range(0, len(mine), args.batch_size):
+        rows = val[mine[i:i + args.batch_size, None] + np.arange(args.block_size + 1)]
+        yield on_device(torch.from_numpy(rows.astype(np.int64)), run.device)
+
+
+@torch.no_grad()
+def mean_loss_over_ranks(model, batches, autocast):  # DDP 9: sum on every rank, then divide once
+    """The mean cross-entropy per target over all ranks' batches (inputs, targets): each rank
+    sums its own, one all-reduce adds the sums and the counts up. A collective: every rank calls
+    it (evaluate() says how many batches each rank may bring)."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
+    for x, y in batches:
+        with autocast:
+            logits, _ = model(x)
+        totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
+        totals[1] += y.numel()
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # gloo has no AVG: sum, then divide
+    model.train()
+    return (totals[0] / totals[1]).item()
+
+
+def train_step(run, model, optimizer, windows, step):
+    """One optimizer step over --grad-accum micro-batches; a collective. Returns the loss (mean
+    over all ranks) and the gradient norm before clipping, both device tensors."""
+    args = run.args
+    batches = [on_device(windows.rows(step * args.grad_accum + i), run.device)
+               for i in range(args.grad_accum)]
+    loss = accumulate_gradients(model, batches, run.autocast, run.scaler)
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, args)
+    run.scaler.unscale_(optimizer)  # fp16: true gradients before clipping (no-op otherwise)
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
+    loss = mean_over_ranks(loss)  # DDP 9: every rank gets the same mean, so the same verdict
+    stop_if_diverged(run, step, loss, grad_norm)
+    run.scaler.step(optimizer)
+    run.scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm
+
+
+def accumulate_gradients(model, batches, autocast, scaler):  # DDP 10: no_sync, one all-reduce
+    """Forward and backward over each micro-batch (inputs, targets): gradients add up locally and
+    DDP all-reduces them once, in the last backward. Returns the mean loss (detached). The forward
+    goes inside no_sync() too: DDP decides in forward whether the next backward all-reduces."""
+    total = 0.0
+    for i, (x, y) in enumerate(batches):
+        last = i == len(batches) - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            with autocast:
+                _, loss = model(x, y)
+            loss = loss / len(batches)  # micro-batches of equal size: the mean of their means
+            # the last backward all-reduces and divides: every rank holds the mean gradient
+            scaler.scale(loss).backward()
+        total += loss.detach()
+    return total
+
+
+def mean_over_ranks(value):  # DDP 9
+    """A collective: the average of a scalar tensor over all ranks (SUM, then divide)."""
+    value = value.detach().clone().float()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # every rank gets the sum of all ranks'
+    return value / dist.get_world_size()
+
+
+def save_checkpoint(run, raw_model, optimizer, data, step):  # DDP 11: RNG to rank 0, which writes
+    """A collective: every rank hands rank 0 its RNG state, rank 0 writes --save atomically, and
+    every rank learns how it went (SaveFailed on all of them if it failed)."""
+    rng_states = [None] * run.world_size  # DDP 11: each rank has its own dropout stream
+    dist.all_gather_object(rng_states, rng_state(run.device))  # so rank 0 can save them all
+
+    def write():
+        state = checkpoint_state(run, raw_model, optimizer, data, step, rng_states)
+        write_file(run.args.save, state)
+        print(f"step {step}/{run.args.max_steps} | saved {run.args.save}", flush=True)
+    save_on_rank_0(write, run.is_main)  # talks: rank 0 writes, every rank learns how it went
+
+
+def save_on_rank_0(write, is_main):  # DDP 12: one writer; every rank waits and learns the outcome
+    """A collective: rank 0 calls write(); every rank waits for it and raises what it raised.
+    Never call it inside `if is_main:`: the other ranks would not reach the broadcast."""
+    error = None
+    if is_main:
+        try:
+            write()
+        except Exception as err:  # sent to every rank below, so that none goes on alone
+            error = err
+    outcome = [error]
+    dist.broadcast_object_list(outcome, src=0)  # every rank waits here for rank 0's write
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
+def leave_distributed():  # DDP 13: leave the process group on every path, error or not
+    """Free what a failed run left (a DDP model holds the group), then leave the group."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()  # waits for no one: each rank leaves on its own
+
+
+# --------------------------------------------------------------------------------- the model: a GPT
 def causal_attention(q, k, v):
     """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
     attention on GPUs); is_causal builds no mask. No dropout on the attention weights: on a CPU it
@@ -79,7 +413,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x):
         B, T, C = x.shape
         # qkv's outputs come head by head (head 0's q, k, v, then head 1's...): equal parts are
-        # whole heads, as chapter 8's tensor-parallel split needs; -1: the heads this module holds
+        # whole heads, as a tensor-parallel split by heads needs; -1: the heads this module holds
         qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
         q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
         y = causal_attention(q, k, v)
@@ -120,7 +454,8 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed):
         """Every parameter from initial_value(): the same weights for the same seed, whether
-        the model is made whole here or one parameter at a time (chapter 7's sharded build)."""
+        the model is made whole here or one parameter at a time (a sharded build, where each rank
+        fills only its own slice)."""
         for name, p in self.named_parameters():
             p.copy_(initial_value(name, p.shape, seed, len(self.blocks)))
 
@@ -164,148 +499,8 @@ def initial_value(name, shape, seed, n_layer):
     return torch.randn(shape, generator=generator) * std
 
 
-# ------------------------------------- the distributed lesson: main() and its steps, in order
-def main(argv=None):
-    args = parse_args(argv)
-    if args.sample:  # inference: one plain process, no process group
-        return sample(args)
-    # setup: one process per device, joined in one group (chapters 8-9: a mesh of groups too);
-    # rank 0 logs and saves. A step that "talks" waits for the others: all call it, in one order
-    device, rank, world_size = init_distributed(args.device, args.dist_timeout, args.debug)  # talks
-    run = make_run(args, device, rank, world_size)
-    # data: every rank reads its own windows of the training tokens
-    data = build_data(run)  # talks with --debug: rank 0 prints each rank's windows
-    # model: the same initial weights on every rank, resumed if asked, then wrapped
-    raw_model, optimizer = build_model(run, data.vocab_size)  # talks from chapter 7 on: a mesh
-    start = resumed_step(run, raw_model, optimizer, data)  # talks: rank 0 finds it, all agree
-    model = wrap_model(run, raw_model)  # talks in chapter 3: DDP sends rank 0's weights
-    if args.benchmark:
-        return benchmark(run, model, optimizer, data.windows)  # talks: training steps, timed
-    # train: log, evaluate and save on schedule
-    val_loss = evaluate(run, model, data.val)  # talks: the loss sums of every rank add up
-    print0(run.is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
-    meter = Meter(run, raw_model, start)  # the training clock starts now
-    for step in range(start, args.max_steps):  # every step talks
-        loss, grad_norm = train_step(run, model, optimizer, data.windows, step)  # talks
-        done = step + 1
-        if done % args.log_every == 0 or done == args.max_steps:
-            print0(run.is_main, meter.log_line(done, loss.item(), grad_norm.item()))
-        meter.stop_clock()  # evaluation and checkpoints are not training time
-        if done % args.eval_every == 0 or done == args.max_steps:
-            val_loss = evaluate(run, model, data.val)  # talks
-            print0(run.is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | "
-                                f"baseline {data.baseline:.4f}")
-            if args.check_sync or args.debug:  # before any save: never save a diverged replica
-                check_replicas_in_sync(model, f"step {done}")  # talks: every rank's weight hash
-        # save: rank 0 writes, every rank waits for it
-        due = done == args.max_steps or (args.save_every and done % args.save_every == 0)
-        if args.save and due:
-            save_checkpoint(run, raw_model, optimizer, data, done)  # talks
-        meter.start_clock()
-    # cleanup: the summary and a sample; the group is left by __main__'s `finally`
-    report(run, raw_model, data, val_loss, meter)  # talks: GPU peaks; from chapter 7 on, export
-
-
-def init_distributed(device_name, timeout_s, debug):  # DDP 1: join the group torchrun describes
-    """Join the process group of the processes torchrun started, one device each: a collective,
-    every process calls it. Returns (device, rank, world size)."""
-    refuse_a_bad_launch(device_name)  # guard: no torchrun, or more processes than GPUs
-    if device_name == "auto":
-        device_name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device("cpu")
-    if device_name == "cuda":  # DDP 2: one GPU per process, picked by LOCAL_RANK, before CUDA work
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.set_debug_level(safe_debug_level(backend, debug, dist.get_debug_level()))  # guard
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=device if backend == "nccl" else None)  # NCCL: bind it
-    return device, dist.get_rank(), dist.get_world_size()
-
-
-@dataclasses.dataclass
-class Run:
-    """What every step of one process's run shares, set once at the start."""
-    args: argparse.Namespace  # the flags
-    device: torch.device
-    rank: int
-    world_size: int
-    is_main: bool  # rank 0: the one process that logs and writes files
-    amp: str  # the autocast dtype's name ("bfloat16", "float16"), or "off"
-    autocast: torch.autocast  # a context: the forward's matrix products in that dtype
-    scaler: torch.amp.GradScaler  # loss scaling for fp16; a no-op for bf16 and fp32
-
-
-def make_run(args, device, rank, world_size):
-    """This process's Run; logs the run's shape (world size, device, precision, batch)."""
-    is_main = rank == 0  # DDP 3: rank 0 alone logs and saves
-    avoid_page_faults_on_cpu(device)  # guard: page faults every step on Linux CPUs
-    amp, autocast, scaler = mixed_precision(args.amp, device)
-    run = Run(args, device, rank, world_size, is_main, amp, autocast, scaler)
-    print0(is_main, f"world size {world_size} | device {device} | amp {amp} | "
-                    f"{tokens_per_step(run):,} tokens per step ({args.batch_size} x "
-                    f"{args.block_size} x {args.grad_accum} accumulation x {world_size} processes)")
-    return run
-
-
-@dataclasses.dataclass
-class Data:
-    windows: "Windows"  # this rank's training batches
-    val: np.ndarray  # the validation tokens
-    vocab_size: int
-    itos: dict  # id -> text, from a nanoGPT folder's meta.pkl; None for bytes or plain ids
-    baseline: float  # the loss of predicting each token by its frequency: the loss to beat
-
-
-def build_data(run):
-    """This rank's training windows and the validation tokens (--debug: a collective)."""
-    args = run.args
-    train, val, vocab_size, itos = load_data(args, run.world_size)
-    windows = Windows(train, args.block_size, args.batch_size, run.rank, run.world_size,
-                      args.seed)  # DDP 4: each rank its own windows
-    baseline = unigram_loss(train, val, vocab_size)
-    unit = "byte" if vocab_size == 256 else "token"
-    print0(run.is_main, f"data {args.data or 'Python standard library'} | {len(train):,} train "
-                        f"/ {len(val):,} val tokens | vocab {vocab_size} | "
-                        f"{unit}-frequency baseline loss {baseline:.4f}")
-    if args.debug:
-        log_windows(run, windows)  # talks: rank 0 prints every rank's
-    return Data(windows, val, vocab_size, itos, baseline)
-
-
-class Windows:
-    """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
-    block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
-    ranks round-robin, like DistributedSampler: ranks read different windows, and an epoch reads
-    each token once. Micro-batch k is a function of k and of the ranks sharing the data, so a run
-    resumed with as many ranks reads what the uninterrupted one would have."""
-
-    def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
-        self.tokens, self.block, self.batch = tokens, block_size, batch_size
-        self.rank, self.world, self.seed = rank, world_size, seed
-        per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size  # at any offset
-        self.per_epoch = per_rank // batch_size  # micro-batches per rank per epoch
-        self.span = np.arange(block_size + 1)
-        self.epoch, self.starts = None, None
-
-    def starts_of_epoch(self, epoch):  # DDP 4: every rank its own share of the windows
-        """The first token of every window this rank reads in `epoch`, in order."""
-        g = torch.Generator().manual_seed(self.seed + epoch)  # DDP 5: a new order each epoch
-        offset = int(torch.randint(0, self.block + 1, (1,), generator=g))
-        count = self.per_epoch * self.batch * self.world
-        order = torch.randperm((len(self.tokens) - offset) // (self.block + 1), generator=g)[:count]
-        return (offset + order * (self.block + 1))[self.rank::self.world].numpy()
-
-    def rows(self, k):
-        """Micro-batch k of this rank: (B, block_size + 1) token ids, inputs and the next token."""
-        epoch, i = divmod(k, self.per_epoch)
-        if epoch != self.epoch:
-            self.epoch, self.starts = epoch, self.starts_of_epoch(epoch)
-        rows = self.tokens[self.starts[i * self.batch:(i + 1) * self.batch, None] + self.span]
-        return torch.from_numpy(rows.astype(np.int64))
-
-
-def log_windows(run, windows):  # DDP 6: --debug, which windows each rank reads
+# ------------------------- beyond the core: debugging, the replica check, the benchmark, the report
+def log_windows(run, windows):  # DDP 14: --debug, which windows each rank reads
     """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
     that lines from several processes never splice into each other."""
     line = (f"[rank {run.rank}] {windows.per_epoch} micro-batches per epoch, "
@@ -313,77 +508,6 @@ def log_windows(run, windows):  # DDP 6: --debug, which windows each rank reads
     lines = [None] * run.world_size
     dist.all_gather_object(lines, line)  # to rank 0, which prints them in rank order
     print0(run.is_main, "\n".join(lines))
-
-
-def build_model(run, vocab_size):
-    """The plain model, on this rank's device, and its optimizer."""
-    args = run.args
-    config = model_config(args, vocab_size)
-    raw_model = GPT(**config).to(run.device)
-    raw_model.init_weights(args.seed)  # the same weights on every rank (DDP broadcasts rank 0's)
-    raw_model.grad_checkpointing = args.grad_checkpointing
-    optimizer = make_optimizer(raw_model, args, run.device)
-    torch.manual_seed(args.seed + run.rank)  # DDP 7: each rank its own dropout masks
-    print0(run.is_main, f"model {sum(p.numel() for p in raw_model.parameters()):,} parameters | "
-                        f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
-                        f"context {args.block_size}")
-    return raw_model, optimizer
-
-
-def resumed_step(run, raw_model, optimizer, data):
-    """A collective: the step to go on from, 0 or --resume's after loading it. Rank 0 decides
-    whether `--resume auto` finds a checkpoint; all ranks load it, or all stop with one line."""
-    path, step, problem = resume_path(run), None, None  # talks: rank 0 looks for it
-    try:
-        step = load_checkpoint(path, run, raw_model, optimizer, data) if path else 0
-    except InputError as err:  # told to every rank below, so that none waits for this one
-        problem = str(err)
-    step = agree_on_start(step, problem, path)  # talks: every rank, the same step or a stop
-    if path:
-        print0(run.is_main, f"resumed from {path} at step {step}")
-    return step
-
-
-def resume_path(run):
-    """A collective: the checkpoint to resume from, or None. --resume auto: the --save checkpoint
-    if it exists (so that a restart after a crash runs the same command and goes on from the last
-    checkpoint). Rank 0 looks and tells the rest: ranks that looked on their own could disagree."""
-    resume, save = run.args.resume, run.args.save
-    if resume != "auto":
-        return resume
-    if not save:
-        raise InputError("--resume auto needs a --save path to look for")
-    found = [os.path.isfile(save)]
-    dist.broadcast_object_list(found, src=0)  # DDP 8: rank 0 decides for every rank
-    return save if found[0] else None
-
-
-def agree_on_start(start, error, path):
-    """Every rank resumed from the same step, or all stop with the same line (a rank on a node that
-    cannot see the checkpoint, or sees another file: checkpoints need a shared filesystem)."""
-    outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, (start, error))  # DDP 8: a collective, so no rank hangs
-    failed = [(rank, problem) for rank, (_, problem) in enumerate(outcomes) if problem]
-    if failed and len(failed) == len(outcomes) and len({p for _, p in failed}) == 1:
-        raise InputError(failed[0][1])  # the same problem everywhere: the checkpoint itself
-    if failed:
-        raise InputError(f"rank {failed[0][0]}: {failed[0][1]} (every rank reads --resume: on "
-                         "several nodes it must be on a filesystem they share, docs/multinode.md)")
-    steps = [step for step, _ in outcomes]
-    if len(set(steps)) > 1:
-        raise InputError(f"the ranks read {path} at different steps {steps}: on several nodes it "
-                         "must be one file on a filesystem they share (docs/multinode.md)")
-    return start
-
-
-def wrap_model(run, raw_model):  # DDP 9: wrap the model
-    """DDP(raw_model): rank 0's weights go to every rank (compiled first with --compile). One set
-    of weights, three handles: `raw_model` saves, `model.module` evaluates, `model` trains."""
-    compiled = raw_model
-    if run.args.compile:  # compile first: DDP's communication hooks stay outside the graph
-        avoid_ddp_graph_split_failure(run.args)  # guard: with --grad-checkpointing
-        compiled = torch.compile(raw_model, backend=run.args.compile_backend)
-    return DDP(compiled, device_ids=[run.device] if run.device.type == "cuda" else None)  # talks
 
 
 def benchmark(run, model, optimizer, windows):
@@ -402,107 +526,13 @@ def benchmark(run, model, optimizer, windows):
     print0(run.is_main, summary_line(result))
 
 
-def train_step(run, model, optimizer, windows, step):
-    """One optimizer step over --grad-accum micro-batches; a collective. Returns the loss (mean
-    over all ranks) and the gradient norm before clipping, both device tensors."""
-    args = run.args
-    batches = [on_device(windows.rows(step * args.grad_accum + i), run.device)
-               for i in range(args.grad_accum)]
-    loss = accumulate_gradients(model, batches, run.autocast, run.scaler)
-    for group in optimizer.param_groups:
-        group["lr"] = lr_at(step, args)
-    run.scaler.unscale_(optimizer)  # fp16: true gradients before clipping (no-op otherwise)
-    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
-    loss = mean_over_ranks(loss)  # DDP 10: every rank gets the same mean, so the same verdict
-    stop_if_diverged(run, step, loss, grad_norm)
-    run.scaler.step(optimizer)
-    run.scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return loss, grad_norm
-
-
-def accumulate_gradients(model, batches, autocast, scaler):  # DDP 11: no_sync, one all-reduce
-    """Forward and backward over each micro-batch (inputs, targets): gradients add up locally and
-    DDP all-reduces them once, in the last backward. Returns the mean loss (detached). The forward
-    goes inside no_sync() too: DDP decides in forward whether the next backward all-reduces."""
-    total = 0.0
-    for i, (x, y) in enumerate(batches):
-        last = i == len(batches) - 1
-        with contextlib.nullcontext() if last else model.no_sync():
-            with autocast:
-                _, loss = model(x, y)
-            loss = loss / len(batches)  # micro-batches of equal size: the mean of their means
-            scaler.scale(loss).backward()
-        total += loss.detach()
-    return total
-
-
-def mean_over_ranks(value):  # DDP 10
-    """A collective: the average of a scalar tensor over all ranks (SUM, then divide)."""
-    value = value.detach().clone().float()
-    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # every rank gets the sum of all ranks'
-    return value / dist.get_world_size()
-
-
-def evaluate(run, model, val):
-    """The mean validation loss per token, exact at any world size; a collective. Through the
-    plain module, which runs no collective itself, ranks may run unequal numbers of batches."""
-    batches = validation_batches(run, val)  # DDP 4: disjoint slices, no padding
-    return mean_loss_over_ranks(model.module, batches, run.autocast)  # DDP 10: the plain module
-
-
-@torch.no_grad()
-def mean_loss_over_ranks(model, batches, autocast):  # DDP 10: sum on every rank, then divide once
-    """The mean cross-entropy per target over all ranks' batches (inputs, targets): each rank
-    sums its own, one all-reduce adds the sums and the counts up. A collective: every rank calls
-    it (evaluate() says how many batches each rank may bring)."""
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
-    for x, y in batches:
-        with autocast:
-            logits, _ = model(x)
-        totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
-        totals[1] += y.numel()
-    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # gloo has no AVG: sum, then divide
-    model.train()
-    return (totals[0] / totals[1]).item()
-
-
-def check_replicas_in_sync(model, when):  # DDP 12: --check-sync, every rank's weights
+def check_replicas_in_sync(model, when):  # DDP 15: --check-sync, every rank's weights
     """A collective: raise OutOfSync (exit code 3) if the replicas' weights differ (by a hash)."""
     weights = b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, hashlib.sha256(weights).hexdigest()[:12])  # every rank's
     if len(set(digests)) > 1:  # every rank sees the same digests: all of them stop
         raise OutOfSync(f"--check-sync: replicas differ after {when}: {digests}")
-
-
-def save_checkpoint(run, raw_model, optimizer, data, step):  # DDP 13: RNG to rank 0, which writes
-    """A collective: every rank hands rank 0 its RNG state, rank 0 writes --save atomically, and
-    every rank learns how it went (SaveFailed on all of them if it failed)."""
-    rng_states = [None] * run.world_size  # DDP 13: each rank has its own dropout stream
-    dist.all_gather_object(rng_states, rng_state(run.device))  # so rank 0 can save them all
-
-    def write():
-        state = checkpoint_state(run, raw_model, optimizer, data, step, rng_states)
-        write_file(run.args.save, state)
-        print(f"step {step}/{run.args.max_steps} | saved {run.args.save}", flush=True)
-    save_on_rank_0(write, run.is_main)  # talks: rank 0 writes, every rank learns how it went
-
-
-def save_on_rank_0(write, is_main):  # DDP 14: one writer; every rank waits and learns the outcome
-    """A collective: rank 0 calls write(); every rank waits for it and raises what it raised.
-    Never call it inside `if is_main:`: the other ranks would not reach the broadcast."""
-    error = None
-    if is_main:
-        try:
-            write()
-        except Exception as err:  # sent to every rank below, so that none goes on alone
-            error = err
-    outcome = [error]
-    dist.broadcast_object_list(outcome, src=0)  # every rank waits here for rank 0's write
-    if outcome[0] is not None:
-        raise outcome[0]
 
 
 def report(run, raw_model, data, val_loss, meter):
@@ -523,7 +553,7 @@ def report(run, raw_model, data, val_loss, meter):
         print("sample:\n" + decode(out[0].tolist(), data.itos), flush=True)
 
 
-def log_peak_gpu_memory(run):  # DDP 15: every rank's peak, printed by rank 0
+def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
     """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in rank
     order (measured: weights, gradients, optimizer state, activations; docs/fsdp.md)."""
     if run.device.type != "cuda":
@@ -534,19 +564,23 @@ def log_peak_gpu_memory(run):  # DDP 15: every rank's peak, printed by rank 0
            ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
 
 
-def leave_distributed():  # DDP 16: leave the process group on every path, error or not
-    """Free what a failed run left (a DDP model holds the group), then leave the group."""
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()  # waits for no one: each rank leaves on its own
-
-
 # ============================================================================== the plumbing
-# Flags, data files, mixed precision, the optimizer and schedule, checkpoint files, logging and
-# timing, sampling, and the errors: what any trainer needs, distributed or not.
 
 
 # ---------------------------------------- guards: each stops one thing going wrong in production
+def avoid_known_failures(args):  # guard: every guard, in one place, before the group is joined
+    """Exit code 2 for a launch that could never join a group; a workaround for each known fault."""
+    refuse_a_bad_launch(args.device)  # guard: no torchrun, or more processes than GPUs
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    backend = "nccl" if cuda else "gloo"
+    level = safe_debug_level(backend, args.debug, dist.get_debug_level())  # guard: DETAIL on gloo
+    dist.set_debug_level(level)  # before init_process_group, which reads it
+    if not cuda:
+        avoid_page_faults_on_cpu()  # guard: page faults every step on Linux CPUs
+    if args.compile:
+        avoid_ddp_graph_split_failure(args)  # guard: compile with --grad-checkpointing
+
+
 def refuse_a_bad_launch(device_name):  # guard: a process that could never join a group
     """Exit code 2 and one line if torchrun did not start this process, or its GPU is missing."""
     def refuse(problem):
@@ -582,11 +616,9 @@ def avoid_ddp_graph_split_failure(args):  # guard: --compile with --grad-checkpo
         torch._dynamo.config.optimize_ddp = False
 
 
-def avoid_page_faults_on_cpu(device):  # guard: glibc returning freed memory at once
+def avoid_page_faults_on_cpu():  # guard: glibc returning freed memory at once
     """On Linux CPUs (glibc), keep freed memory in the process: glibc hands each step's tens of MB
     (the logits) back to the OS, and page faults cost 10-30% of a step (docs/performance.md)."""
-    if device.type != "cpu":
-        return
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -726,9 +758,8 @@ def load_tokens(args, default_bytes=2_000_000):
 
 
 def read_meta(path):
-    """nanoGPT's meta.pkl ({"vocab_size", "itos", "stoi"}), read without running it. A pickle can
-    call any function while it loads; this unpickler refuses every class and function, so only
-    plain data can load, and only dicts, lists, strings and ints are accepted."""
+    """nanoGPT's meta.pkl ({"vocab_size", "itos", "stoi"}), read without running it: a pickle may
+    call any function; this unpickler refuses them all, and takes dicts, lists, strings and ints."""
     class PlainData(pickle.Unpickler):
         def find_class(self, module, name):
             raise pickle.UnpicklingError(f"it asks for {module}.{name}, not plain data")
@@ -802,17 +833,6 @@ def unigram_loss(train, val, vocab_size):
     in the training tokens: the loss to beat, for a model that ignores context."""
     counts = np.bincount(train, minlength=vocab_size) + 1.0  # +1: no token has probability 0
     return float(-np.log(counts / counts.sum())[val].mean())
-
-
-def validation_batches(run, val):
-    """This rank's validation batches, (inputs, targets) on its device: the first --eval-windows
-    non-overlapping windows of the validation tokens, dealt to the ranks round-robin."""
-    args = run.args
-    starts = np.arange(0, len(val) - args.block_size, args.block_size + 1)[:args.eval_windows]
-    mine = starts[run.rank::run.world_size]
-    for i in range(0, len(mine), args.batch_size):
-        rows = val[mine[i:i + args.batch_size, None] + np.arange(args.block_size + 1)]
-        yield on_device(torch.from_numpy(rows.astype(np.int64)), run.device)
 
 
 def on_device(rows, device):
@@ -905,9 +925,8 @@ def state_bytes(state):
 
 
 def why_not_written(err, tmp, needed):
-    """Why writing `tmp` failed, in one line and the user's words: a full disk (or quota) says so,
-    with the room there is once the partial file is gone and the room a checkpoint needs; the
-    system's or torch's own words follow as the detail."""
+    """Why writing `tmp` failed, in one line: a full disk (or quota) says so, with the room left
+    (the partial file gone) and the room a checkpoint needs; then the system's or torch's words."""
     detail = getattr(err, "strerror", None) or (str(err).strip().splitlines() or [repr(err)])[0]
     folder = os.path.dirname(os.path.abspath(tmp))
     while not os.path.isdir(folder):  # a folder that could not be made
@@ -1011,10 +1030,9 @@ def tokens_per_step(run):
 
 
 def peak_tflops(gpu_name, amp):
-    """The dense peak TFLOPS of a GPU in the table (vendor datasheets, no sparsity; 16-bit with fp32
-    accumulation, as autocast runs) for the autocast dtype ("off": fp32 without TF32). Names match
-    word by word: an "H100 NVL" is no H100 SXM, an "L40" no "L4", an "A10G" no "A10". None for a GPU
-    not in the table."""
+    """The dense peak TFLOPS of a GPU in the table (datasheets, no sparsity; 16-bit with fp32
+    accumulation, as autocast runs) for the autocast dtype ("off": fp32 without TF32), or None.
+    Names match word by word: an "H100 NVL" is no H100 SXM, an "L40" no "L4", an "A10G" no "A10"."""
     words = gpu_name.replace("-", " ").split()
     table = {  # the words of a model's name: (16-bit tensor cores, fp32); variants first
         ("H100", "PCIe"): (756, 51), ("H100", "NVL"): (835, 60), ("H100",): (989, 67),
@@ -1198,5 +1216,5 @@ if __name__ == "__main__":
         sys.stderr.write(f"error: {err}\n")  # one write: lines from several ranks never splice
         code = err.code
     finally:
-        leave_distributed()  # DDP 16
+        leave_distributed()  # DDP 13
     sys.exit(code)

@@ -14,22 +14,33 @@ nodes, each node is one stage. Sampling runs in one plain process. Default data:
 2,000,000 bytes of this Python's own standard library, one token per byte (vocab 256), so nothing
 is downloaded; `--data` also takes a text file, a .bin of uint16 token ids, or a nanoGPT folder.
 
-What PP adds to FSDP (`diff train_fsdp_minigpt.py train_pp_minigpt.py`: the `# PP k` lines, k =
-1 to 8 in reading order, the README's chapter 9 table; `# FSDP k`, `# DDP k`: chapters 7 and 3):
-- The ranks form a grid of --pp stages by (world size / pp) data-parallel ranks. A stage is
-  consecutive ranks (a node, or several), so that FSDP's all-gathers stay inside a node.
-- Stage 0 holds the embeddings and the first blocks, the last stage the last blocks, the final norm
-  and the head; every parameter keeps the whole model's name. FSDP shards each stage over its dp
-  ranks as in chapter 7.
-- A step's --grad-accum micro-batches flow through the stages (GPipe: all forwards, then all
-  backwards; 1F1B: a warm-up of forwards, then one forward and one backward in turn, then a
-  cool-down of backwards, so stage s holds at most pp - s micro-batches' activations). Between
-  stages, per micro-batch, activations go forward and their gradients back; once a step, the tied
-  gradient, the norm and the loss. Only the last stage has a loss.
-- The tied embedding and head are two copies on two stages: they start equal and each step both
-  get the sum of both gradients (one all-reduce between the first and the last stage).
-- The gradient norm adds up over every stage and shard; evaluation and sampling are forward-only
-  pipelines; data follows the dp column, the same batch on every stage of a column.
+Read it top-down: main(), then its core steps in the order it calls them, the model, and what goes
+beyond the core (debugging, checks, the benchmark, the report). All that talks to other processes
+is above the line `# === the plumbing`; below it, guards, flags, files, logging and errors.
+
+Tags: `# PP k` marks each line PP changes in the FSDP trainer, numbered in reading order:
+  PP 1  a PipelineStage in a schedule (1f1b, gpipe) of --grad-accum micro-batches per step
+  PP 2  --pp N: a (N, world / N) mesh ("pp", "dp"); a stage is consecutive ranks, a node
+  PP 3  data and global batch by the dp column: every stage of a column reads one batch
+  PP 4  the tied embedding and head: two copies, their gradients summed each step
+  PP 5  Stage: a run of the GPT's blocks under their own names, FSDP over the stage's ranks
+  PP 6  checkpoints under the whole model's names: any layout resumes any other
+  PP 7  evaluation and sampling: a forward-only pipeline of send and recv; the last stage scores
+  PP 8  the gradient norm summed over every stage and shard: one process's clipping
+Per micro-batch, activations go forward between stages and their gradients back. GPipe runs all
+forwards, then all backwards; 1F1B alternates, so stage s holds at most pp - s micro-batches.
+Kept from the DDP trainer (chapter 3), where they mark the same lines:
+  DDP 1  join the group torchrun started             DDP 9   SUM over ranks, then divide
+  DDP 2  one GPU per process, by LOCAL_RANK          DDP 11  every rank's RNG state, saved
+  DDP 3  is_main: rank 0 alone logs and saves        DDP 12  rank 0 writes, every rank waits
+  DDP 4  each rank its own windows of an epoch       DDP 13  leave the group on every path
+  DDP 5  one shuffled order, the same on all ranks   DDP 14  --debug: each rank's windows
+  DDP 6  dropout seeded by rank                      DDP 16  every rank's peak GPU memory
+  DDP 7  resume: rank 0 looks, every rank agrees
+Kept from the FSDP trainer (chapter 7), where they mark the same lines:
+  FSDP 1  bf16 by FSDP's MixedPrecisionPolicy        FSDP 4  no wrapper: fully_shard hooks the model
+  FSDP 2  built on the meta device, then sharded     FSDP 5  every rank runs every forward
+  FSDP 3  DCP checkpoints: every rank its shards     FSDP 8  --export: one plain file
 """
 import argparse
 import contextlib
@@ -37,7 +48,7 @@ import ctypes
 import dataclasses
 import datetime
 import errno
-import gc  # DDP 16
+import gc
 import glob
 import io  # FSDP 8
 import json
@@ -53,7 +64,7 @@ import zlib
 
 import numpy as np
 import torch
-import torch.distributed as dist  # DDP 1
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.distributed.checkpoint as dcp  # FSDP 3
@@ -63,12 +74,467 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # FSDP 3
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh  # FSDP 2
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # FSDP 1
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # PP 2
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # PP 1
 from torch.distributed.tensor import distribute_tensor  # FSDP 2
 from torch.utils.checkpoint import checkpoint
 
 
-# ------------------------------------------------------- the model: a GPT, nothing distributed
+# ------------------- the distributed lesson: main(), then its core steps in the order it calls them
+def main(argv=None):
+    args = parse_args(argv)
+    if args.sample:  # inference: one plain process, no process group
+        return sample(args)
+    avoid_known_failures(args)  # guard: refuses a bad launch, avoids known failures
+    # setup: one process per device, joined in one group; rank 0 logs and saves. A step that
+    # "talks" waits for the others: every rank calls it, in the same order
+    device, rank, world_size = init_distributed(args.device, args.dist_timeout)  # talks
+    run = make_run(args, device, rank, world_size)
+    # data: every rank reads its own windows of the training tokens
+    data = build_data(run)  # talks with --debug: rank 0 prints each rank's windows
+    # model: the same initial weights on every rank, resumed if asked, then wrapped
+    raw_model, optimizer = build_model(run, data.vocab_size)  # talks where the model is sharded
+    start = resumed_step(run, raw_model, optimizer, data)  # talks: rank 0 finds it, all agree
+    model = wrap_model(run, raw_model)  # talks under DDP: rank 0's weights go to every rank
+    schedule = pipeline_schedule(run, model)  # PP 1: this rank's stage in a pipeline schedule
+    if args.benchmark:
+        return benchmark(run, schedule, model, optimizer, data.windows)  # PP 1; talks
+    # train: log, evaluate and save on schedule
+    val_loss = evaluate(run, model, data.val)  # talks: the loss sums of every rank add up
+    print0(run.is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
+    meter = Meter(run, raw_model, start)  # the training clock starts now
+    for step in range(start, args.max_steps):  # every step talks
+        loss, grad_norm = train_step(run, schedule, model, optimizer, data.windows, step)  # PP 1
+        done = step + 1
+        if done % args.log_every == 0 or done == args.max_steps:
+            print0(run.is_main, meter.log_line(done, loss.item(), grad_norm.item()))
+        meter.stop_clock()  # evaluation and checkpoints are not training time
+        if done % args.eval_every == 0 or done == args.max_steps:
+            val_loss = evaluate(run, model, data.val)  # talks
+            print0(run.is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | "
+                                f"baseline {data.baseline:.4f}")
+        # save: rank 0 writes, every rank waits for it
+        due = done == args.max_steps or (args.save_every and done % args.save_every == 0)
+        if args.save and due:
+            save_checkpoint(run, raw_model, optimizer, data, done)  # talks
+        meter.start_clock()
+    # cleanup: the summary and a sample; the group is left by __main__'s `finally`
+    report(run, raw_model, data, val_loss, meter)  # talks: GPU peaks; a sharded model's export
+
+
+def init_distributed(device_name, timeout_s):  # DDP 1: join the group torchrun describes
+    """A collective: join the group torchrun started; returns (device, rank, world size)."""
+    if device_name == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device("cpu")
+    if device_name == "cuda":  # DDP 2: one GPU per process, picked by LOCAL_RANK, before CUDA work
+        # LOCAL_RANK numbers the processes of this node (its GPUs: 0, 1...); RANK, of all nodes
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    # no address given: it reads torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device if backend == "nccl" else None)  # NCCL: bind it
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+@dataclasses.dataclass
+class Run:
+    """What every step of one process's run shares, set once at the start."""
+    args: argparse.Namespace  # the flags
+    device: torch.device
+    rank: int
+    world_size: int
+    is_main: bool  # rank 0: the one process that logs and writes files
+    amp: str  # FSDP 1: the compute dtype's name ("bfloat16"), or "off"
+    policy: MixedPrecisionPolicy  # FSDP 1: casts the gathered weights; no autocast, no scaler
+    mesh: object  # PP 2: the (pp, dp) grid of ranks, a DeviceMesh
+    stage: int  # PP 2: this rank's stage, 0 to pp - 1: the blocks it holds
+    dp_rank: int  # PP 3: this rank's column: the data it reads
+    dp_size: int  # PP 3: the ranks of a stage, data-parallel replicas: world size / pp
+    tied: object  # PP 4: this column's first and last stage, a process group; None elsewhere
+
+
+def make_run(args, device, rank, world_size):
+    """This process's Run; logs the run's shape (world size, device, precision, batch)."""
+    is_main = rank == 0  # DDP 3: rank 0 alone logs and saves
+    amp, policy = mixed_precision(args.amp, device)  # FSDP 1
+    mesh = grid(args.pp, device, world_size)  # PP 2: pp stages x (world size / pp) ranks
+    stage, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    run = Run(args, device, rank, world_size, is_main, amp, policy, mesh, stage, dp_rank,
+              mesh.size(1), ends_group(mesh, stage, dp_rank))  # talks: every rank makes every group
+    print0(is_main, f"world size {world_size} ({args.pp} pp x {run.dp_size} dp) | device "
+                    f"{device} | amp {amp} | {tokens_per_step(run):,} tokens per step "
+                    f"({args.batch_size} x {args.block_size} x {args.grad_accum} micro-batches x "
+                    f"{run.dp_size} replicas) | schedule {args.schedule}")  # PP 3: per column
+    return run
+
+
+def grid(pp, device, world_size):  # PP 2: a 2-D mesh, a stage of consecutive ranks
+    """The ranks as a pp x (world size / pp) DeviceMesh: a stage is consecutive ranks (a node, or
+    several), so that FSDP's all-gathers stay inside it; the stages exchange activations."""
+    if world_size % pp:
+        raise InputError(f"--pp {pp} does not divide the world size {world_size}: start a "
+                         f"multiple of {pp} processes, or give --pp 1")
+    shape, names = (pp, world_size // pp), ("pp", "dp")
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)  # a group per stage, column
+
+
+def ends_group(mesh, stage, dp_rank):  # PP 4: where the two copies of the tied matrix live
+    """A collective: a process group of each column's first and last stage (every rank makes every
+    group). Returns this rank's; None on a middle stage, and at --pp 1 (one matrix, no copies)."""
+    pp = mesh.size(0)
+    ends = mesh.mesh[[0, -1]].T.tolist() if pp > 1 else []  # each column's first and last rank
+    groups = [dist.new_group(ranks) for ranks in ends]  # every rank joins the making of each
+    return groups[dp_rank] if pp > 1 and stage in (0, pp - 1) else None
+
+
+@dataclasses.dataclass
+class Data:
+    windows: "Windows"  # this rank's training batches
+    val: np.ndarray  # the validation tokens
+    vocab_size: int
+    itos: dict  # id -> text, from a nanoGPT folder's meta.pkl; None for bytes or plain ids
+    baseline: float  # the loss of predicting each token by its frequency: the loss to beat
+
+
+def build_data(run):
+    """This rank's training windows and the validation tokens (--debug: a collective)."""
+    args = run.args
+    train, val, vocab_size, itos = load_data(args, run.dp_size)  # PP 3: a batch per column
+    windows = Windows(train, args.block_size, args.batch_size, run.dp_rank, run.dp_size,
+                      args.seed)  # PP 3: each column its own windows, the same on every stage
+    baseline = unigram_loss(train, val, vocab_size)
+    unit = "byte" if vocab_size == 256 else "token"
+    print0(run.is_main, f"data {args.data or 'Python standard library'} | {len(train):,} train "
+                        f"/ {len(val):,} val tokens | vocab {vocab_size} | "
+                        f"{unit}-frequency baseline loss {baseline:.4f}")
+    if args.debug:
+        log_windows(run, windows)  # talks: rank 0 prints every rank's
+    return Data(windows, val, vocab_size, itos, baseline)
+
+
+class Windows:
+    """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
+    block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
+    ranks round-robin: each token once an epoch, on one rank (a DataLoader's equivalent:
+    DistributedSampler(drop_last=True) and set_epoch(epoch)). Micro-batch k depends on k and the
+    ranks alone, so a run resumed with as many ranks reads what the uninterrupted one would have."""
+
+    def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
+        self.tokens, self.block, self.batch = tokens, block_size, batch_size
+        self.rank, self.world, self.seed = rank, world_size, seed
+        per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size  # at any offset
+        # as many micro-batches on every rank: a rank with one more would wait in its collectives
+        self.per_epoch = per_rank // batch_size  # micro-batches per rank per epoch
+        self.span = np.arange(block_size + 1)
+        self.epoch, self.starts = None, None
+
+    def starts_of_epoch(self, epoch):  # DDP 4: every rank its own share of the windows
+        """The first token of every window this rank reads in `epoch`, in order."""
+        # seeded by epoch, not by rank: every rank draws the same order, then keeps its own slice
+        g = torch.Generator().manual_seed(self.seed + epoch)  # DDP 5: a new order each epoch
+        offset = int(torch.randint(0, self.block + 1, (1,), generator=g))
+        count = self.per_epoch * self.batch * self.world
+        order = torch.randperm((len(self.tokens) - offset) // (self.block + 1), generator=g)[:count]
+        return (offset + order * (self.block + 1))[self.rank::self.world].numpy()
+
+    def rows(self, k):
+        """Micro-batch k of this rank: (B, block_size + 1) token ids, inputs and the next token."""
+        epoch, i = divmod(k, self.per_epoch)
+        if epoch != self.epoch:
+            self.epoch, self.starts = epoch, self.starts_of_epoch(epoch)
+        rows = self.tokens[self.starts[i * self.batch:(i + 1) * self.batch, None] + self.span]
+        return torch.from_numpy(rows.astype(np.int64))
+
+
+def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, then filled
+    """The sharded model (1/N of every parameter here; no rank ever holds it whole), and AdamW."""
+    args = run.args
+    with torch.device("meta"):  # FSDP 2: shapes and dtypes, no memory
+        raw_model = Stage(GPT(**model_config(args, vocab_size)), run.stage, args.pp)  # PP 5
+    shard(run, raw_model)  # FSDP 2: before the optimizer, which must see the shards
+    raw_model.to_empty(device=run.device)  # FSDP 2: this rank's shards, not yet filled
+    init_shards(raw_model, args.seed, args.n_layer)  # PP 5: one process's weights, the GPT's depth
+    raw_model.grad_checkpointing = args.grad_checkpointing
+    optimizer = make_optimizer(raw_model, args, run.device)
+    torch.manual_seed(args.seed + run.rank)  # DDP 6: each rank its own dropout masks
+    print0(run.is_main, f"model {raw_model.whole_params:,} parameters | "  # PP 5: the GPT's
+                        f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
+                        f"context {args.block_size}")
+    held = [None] * run.world_size  # PP 5: what every rank holds, gathered for rank 0's line
+    dist.all_gather_object(held, stage_holding(run, raw_model))  # rank 0 prints every stage's
+    print0(run.is_main, memory_line(raw_model, held))  # PP 5: what each stage holds
+    print0(run.is_main, traffic_line(run, vocab_size))  # PP 5: and what it sends
+    return raw_model, optimizer
+
+
+def shard(run, model):  # FSDP 2: every block a group of its own, then the root
+    """fully_shard turns each block's parameters into DTensors split across the ranks (dim 0): a
+    block's weights are all-gathered just before its forward and its gradients reduce-scattered
+    after its backward, so at most a block or two are whole at a time; the root holds the rest."""
+    mesh = run.mesh["dp"]  # PP 5: FSDP over the ranks of this stage, not over all
+    reshard = run.args.reshard_after_forward == "yes"
+    for block in model.blocks.values():  # PP 5: the stage's blocks
+        fully_shard(block, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)  # hooks
+    fully_shard(model, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)  # the root
+
+
+@torch.no_grad()
+def init_shards(model, seed, n_layer):  # PP 5: n_layer, the GPT's: a stage holds fewer blocks
+    """Fill this rank's shards with one process's initial weights: each parameter whole from the
+    seed, one at a time; each rank keeps its slice, sending nothing (src_data_rank=None)."""
+    for name, p in model.named_parameters():
+        name = "tok_emb.weight" if name == "head.weight" else name  # PP 4: both copies alike
+        full = initial_value(name, p.shape, seed, n_layer).to(p.device)
+        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))  # mine
+
+
+def resumed_step(run, raw_model, optimizer, data):
+    """A collective: the step to go on from, 0 or --resume's after loading it. Rank 0 decides
+    whether `--resume auto` finds a checkpoint; all ranks load it, or all stop with one line."""
+    path, state, problem = resume_path(run), None, None  # FSDP 3: read the small file, agree,
+    try:  # and only then load the shards, a collective
+        state = read_run_state(path, run, data) if path else None
+    except InputError as err:  # told to every rank below, so that none waits for this one
+        problem = str(err)
+    step = agree_on_start(state["step"] if state else 0, problem, path)  # FSDP 3; talks
+    if path:
+        load_shards(path, state, run, raw_model, optimizer)  # FSDP 3: every rank, at once
+        print0(run.is_main, f"resumed from {path} at step {step}")
+    return step
+
+
+def resume_path(run):
+    """A collective: the checkpoint to resume from, or None. --resume auto: the --save checkpoint
+    if it exists (so that a restart after a crash runs the same command and goes on from the last
+    checkpoint). Rank 0 looks and tells the rest: ranks that looked on their own could disagree."""
+    resume, save = run.args.resume, run.args.save
+    if resume != "auto":
+        return resume and newest_complete_step(resume, run.is_main) or resume  # FSDP 3: a step
+    if not save:
+        raise InputError("--resume auto needs a --save path to look for")
+    found = [newest_complete_step(save, run.is_main) if run.is_main else None]  # FSDP 3
+    dist.broadcast_object_list(found, src=0)  # DDP 7: rank 0 decides for every rank
+    return found[0]  # FSDP 3
+
+
+def agree_on_start(start, error, path):
+    """Every rank resumed from the same step, or all stop with the same line (a rank on a node that
+    cannot see the checkpoint, or sees another file: checkpoints need a shared filesystem)."""
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, (start, error))  # DDP 7: a collective, so no rank hangs
+    failed = [(rank, problem) for rank, (_, problem) in enumerate(outcomes) if problem]
+    if failed and len(failed) == len(outcomes) and len({p for _, p in failed}) == 1:
+        raise InputError(failed[0][1])  # the same problem everywhere: the checkpoint itself
+    if failed:
+        raise InputError(f"rank {failed[0][0]}: {failed[0][1]} (every rank reads --resume: on "
+                         "several nodes it must be on a filesystem they share, docs/multinode.md)")
+    steps = [step for step, _ in outcomes]
+    if len(set(steps)) > 1:
+        raise InputError(f"the ranks read {path} at different steps {steps}: on several nodes it "
+                         "must be one file on a filesystem they share (docs/multinode.md)")
+    return start
+
+
+def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
+    """A collective: every rank reads the slices its shards hold, whatever world size wrote them
+    (DCP knows which slice each file holds); then its RNG, at the world size that saved."""
+    model_state, optim_state = get_state_dict(raw_model, optimizer)  # my shards' state
+    own_names = as_whole_model(run, raw_model, optim_state)  # PP 6: the whole model's names
+    try:
+        dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)  # every rank
+    except (Exception, CheckpointException) as err:  # raised on every rank: DCP gathers them
+        raise InputError(f"cannot load the shards of {path}: {first_reason(err)}") from None
+    optim_state = as_stage(optim_state, own_names)  # PP 6: back to this stage's names
+    set_state_dict(raw_model, optimizer, model_state_dict=model_state,  # into my shards
+                   optim_state_dict=optim_state)
+    if not shards_finite(raw_model):  # talks: every rank gets the same answer
+        raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
+    if (state["args"].get("pp"), len(state["rng"])) == (run.args.pp, run.world_size):  # PP 6
+        restore_rng(state["rng"][run.rank], run.device)  # FSDP 3: this rank's streams
+
+
+def shards_finite(model):  # FSDP 3
+    """A collective: True on every rank if every rank's shards are free of NaN and infinity."""
+    mine = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
+    flag = torch.tensor([float(mine)], device=next(model.parameters()).device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # 0 if any rank's shards are not finite
+    return bool(flag.item())
+
+
+def wrap_model(run, raw_model):  # FSDP 4: no wrapper: the sharded model trains itself
+    """The model that trains: the sharded raw_model, compiled with --compile. Two handles to one
+    set of shards: `raw_model` (saved, exported) and `model`, the same or its compiled form."""
+    for block in raw_model.blocks.values() if run.args.compile else []:  # PP 1: in place, so the
+        block.compile(backend=run.args.compile_backend)  # schedule still sees an FSDP module
+    return raw_model
+
+
+def pipeline_schedule(run, model):  # PP 1: the stage, in a schedule of the step's micro-batches
+    """This rank's stage in a schedule of --grad-accum micro-batches, which sends each one's
+    activations to the next stage and their gradients back; FSDP reduce-scatters once, after the
+    last backward. The schedule divides the gradients by K: one process's mean of micro-batches."""
+    inputs, outputs = stage_shapes(run, model)  # given, so no forward is run to infer them
+    stage = PipelineStage(model, run.stage, run.args.pp, run.device, inputs, outputs,
+                          group=run.mesh.get_group("pp"))
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[run.args.schedule]
+    return kind(stage, run.args.grad_accum, loss_fn=mean_token_loss)
+
+
+def evaluate(run, model, val):  # FSDP 5: every rank runs as many forwards
+    """The mean validation loss per token, exact at any world size; a collective. Each forward
+    all-gathers with every rank, so fewer batches are padded with targets of -100: counted 0."""
+    batches = list(validation_batches(run, val))  # DDP 4: disjoint slices
+    most = torch.tensor(len(batches), device=run.device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most batches any rank holds
+    x = torch.zeros(1, run.args.block_size, dtype=torch.long, device=run.device)
+    batches += [(x, torch.full_like(x, -100))] * (int(most) - len(batches))
+    return mean_loss_over_ranks(run, model, batches)  # PP 7
+
+
+def validation_batches(run, val):
+    """This rank's validation batches, (inputs, targets) on its device: the first --eval-windows
+    non-overlapping windows of the validation tokens, dealt to the ranks round-robin: disjoint
+    slices, never padded with repeats as a DistributedSampler pads them, so each counts once."""
+    args = run.args
+    starts = np.arange(0, len(val) - args.block_size, args.block_size + 1)[:args.eval_windows]
+    mine = starts[run.dp_rank::run.dp_size]  # PP 3: by column
+    for i in range(0, len(mine), args.batch_size):
+        rows = val[mine[i:i + args.batch_size, None] + np.arange(args.block_size + 1)]
+        yield on_device(torch.from_numpy(rows.astype(np.int64)), run.device)
+
+
+@torch.no_grad()
+def mean_loss_over_ranks(run, model, batches):  # PP 7; FSDP 1: no autocast; DDP 9: sum, divide
+    """The mean cross-entropy per target over all ranks' batches (inputs, targets): each rank
+    sums its own, one all-reduce adds the sums and the counts up. A collective: every rank calls
+    it (evaluate() says how many batches each rank may bring)."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
+    for x, y in batches:
+        logits = pipeline_forward(run, model, x)  # PP 7: None but on the last stage
+        if logits is None:  # PP 7: only the last stage scores; the others add 0
+            continue
+        totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
+        totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # gloo has no AVG: sum, then divide
+    free_gathered_weights(model)  # FSDP 5: forwards without a backward leave them
+    model.train()
+    return (totals[0] / totals[1]).item()
+
+
+@torch.no_grad()  # PP 7: a pipeline without a schedule: receive, run, send
+def pipeline_forward(run, model, x):
+    """A forward through every stage of this rank's pp column (a collective of it): stage 0 embeds
+    the token ids x (B, T); every later stage receives the activations (B, T, C) from the stage
+    before, runs its blocks and sends them on. Returns the logits on the last stage, else None."""
+    group, last = run.mesh.get_group("pp"), run.args.pp - 1
+    if run.stage > 0:  # every stage knows x: its shape is the shape of what arrives
+        h = torch.empty(*x.shape, run.args.n_embd, dtype=activation_dtype(run), device=run.device)
+        dist.recv(h, group=group, group_src=run.stage - 1)  # waits for the stage before
+        x = h
+    out = model(x)
+    if run.stage == last:
+        return out
+    dist.send(out.contiguous(), group=group, group_dst=run.stage + 1)  # the next stage's input
+    return None
+
+
+def train_step(run, schedule, model, optimizer, windows, step):  # PP 1: the schedule steps
+    """One optimizer step over --grad-accum micro-batches; a collective. Returns the loss (mean
+    over all ranks) and the gradient norm before clipping, both device tensors."""
+    args = run.args
+    # PP 1: K micro-batches in a row, (K x B, T), cut by the schedule; stage 0 reads x, the last y
+    rows = torch.cat([windows.rows(step * args.grad_accum + i) for i in range(args.grad_accum)])
+    x, y = on_device(rows, run.device)
+    first, last, losses = run.stage == 0, run.stage == args.pp - 1, []
+    inputs, target = ((x,) if first else ()), (y if last else None)
+    schedule.step(*inputs, target=target, losses=losses if last else None, return_outputs=False)
+    loss = torch.stack(losses).mean() if last else torch.zeros((), device=run.device)
+    sum_tied_gradients(run, model)  # PP 4
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, args)
+    grad_norm = clip_gradients(run, model, args.clip or float("inf"))  # PP 8
+    loss = mean_over_ranks(loss) * args.pp  # PP 1: the other stages add 0: the last stage's mean
+    stop_if_diverged(run, step, loss, grad_norm)
+    optimizer.step()  # FSDP 1
+    optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm
+
+
+def sum_tied_gradients(run, model):  # PP 4: one matrix, two copies: the sum of both gradients
+    """A collective of this column's first and last stage: the GPT's one embedding and head matrix
+    is two copies here; each gets the sum of both gradients, so both take the one matrix's steps."""
+    if run.tied is not None:  # None: a middle stage, or --pp 1 (one matrix, one gradient)
+        copy = model.tok_emb.weight if run.stage == 0 else model.head.weight
+        dist.all_reduce(copy.grad.to_local(), op=dist.ReduceOp.SUM, group=run.tied)  # both copies
+
+
+def clip_gradients(run, model, max_norm):  # PP 8: the norm over every stage and every shard
+    """clip_grad_norm_ over the whole model: each stage's squared norm over its shards, summed over
+    the stages, the tied matrix counted once. Returns the norm before clipping, on every rank."""
+    twin = model.head.weight if run.stage > 0 and model.head is not None else None  # PP 4
+    norm = nn.utils.get_total_norm([p.grad for p in model.parameters() if p is not twin])
+    norm = norm.full_tensor() ** 2  # the stage's norm over its shards, on each of its ranks
+    dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=run.mesh.get_group("pp"))  # all stages
+    norm = norm.sqrt()
+    nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+    return norm
+
+
+def mean_over_ranks(value):  # DDP 9
+    """A collective: the average of a scalar tensor over all ranks (SUM, then divide)."""
+    value = value.detach().clone().float()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # every rank gets the sum of all ranks'
+    return value / dist.get_world_size()
+
+
+def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every rank its shards
+    """A collective: rank 0 writes DIR/step-N/run.json (step, flags, vocabulary, every rank's RNG),
+    every rank its shards of weights and AdamW state (DCP: no gather; .metadata last marks it
+    complete). Failed: SaveFailed on every rank, the folder removed, the previous step intact."""
+    rng_states = [None] * run.world_size  # DDP 11: each rank has its own dropout stream
+    dist.all_gather_object(rng_states, rng_state(run.device))  # so rank 0 can save them all
+    folder = os.path.join(run.args.save, f"step-{step:06d}")  # FSDP 3: a folder per step
+    if not shards_finite(raw_model):  # a collective: every rank gets the same answer
+        raise SaveFailed(f"not saving {folder}: the weights are not finite")
+    state = dict(zip(("model", "optimizer"), get_state_dict(raw_model, optimizer)))  # mine
+    as_whole_model(run, raw_model, state["optimizer"])  # PP 6: named as the whole model names it
+    try:  # rank 0 writes run.json, then every rank its shards
+        save_on_rank_0(lambda: write_file(os.path.join(folder, "run.json"),  # talks
+                                          run_state(run, data, step, rng_states)), run.is_main)
+        dcp.save(state, checkpoint_id=folder)  # every rank its shards; .metadata last, by rank 0
+    except (SaveFailed, OSError, RuntimeError, CheckpointException) as err:  # DCP: on every rank
+        save_on_rank_0(lambda: shutil.rmtree(folder, ignore_errors=True), run.is_main)  # talks
+        failed = SaveFailed(f"cannot save {folder}: {first_reason(err, folder, state)}")
+        raise (err if isinstance(err, SaveFailed) else failed) from None
+    save_on_rank_0(lambda: drop_older_steps(run.args.save, folder), run.is_main)  # talks
+    print0(run.is_main, f"step {step}/{run.args.max_steps} | saved {folder}")
+
+
+def save_on_rank_0(write, is_main):  # DDP 12: one writer; every rank waits and learns the outcome
+    """A collective: rank 0 calls write(); every rank waits for it and raises what it raised.
+    Never call it inside `if is_main:`: the other ranks would not reach the broadcast."""
+    error = None
+    if is_main:
+        try:
+            write()
+        except Exception as err:  # sent to every rank below, so that none goes on alone
+            error = err
+    outcome = [error]
+    dist.broadcast_object_list(outcome, src=0)  # every rank waits here for rank 0's write
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
+def leave_distributed():  # DDP 13: leave the process group on every path, error or not
+    """Free what a failed run left (a DDP model holds the group), then leave the group."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()  # waits for no one: each rank leaves on its own
+
+
+# --------------------------------------------------------------------------------- the model: a GPT
 def causal_attention(q, k, v):
     """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
     attention on GPUs); is_causal builds no mask. No dropout on the attention weights: on a CPU it
@@ -91,7 +557,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x):
         B, T, C = x.shape
         # qkv's outputs come head by head (head 0's q, k, v, then head 1's...): equal parts are
-        # whole heads, as chapter 8's tensor-parallel split needs; -1: the heads this module holds
+        # whole heads, as a tensor-parallel split by heads needs; -1: the heads this module holds
         qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
         q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
         y = causal_attention(q, k, v)
@@ -132,7 +598,8 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed):
         """Every parameter from initial_value(): the same weights for the same seed, whether
-        the model is made whole here or one parameter at a time (chapter 7's sharded build)."""
+        the model is made whole here or one parameter at a time (a sharded build, where each rank
+        fills only its own slice)."""
         for name, p in self.named_parameters():
             p.copy_(initial_value(name, p.shape, seed, len(self.blocks)))
 
@@ -176,7 +643,7 @@ def initial_value(name, shape, seed, n_layer):
     return torch.randn(shape, generator=generator) * std
 
 
-class Stage(nn.Module):  # PP 1: a run of the GPT's blocks, and the ends of the model it holds
+class Stage(nn.Module):  # PP 5: a run of the GPT's blocks, and the ends of the model it holds
     """Stage `stage` of `pp` of a GPT: its consecutive blocks under their own indices (blocks.2
     stays blocks.2, so a checkpoint knows nothing of the stages), the embeddings on the first
     stage, the final norm and the head on the last. Its forward takes token ids (first stage) or
@@ -206,7 +673,7 @@ class Stage(nn.Module):  # PP 1: a run of the GPT's blocks, and the ends of the 
         return x if self.head is None else self.head(self.ln_f(x))
 
 
-def stage_blocks(n_layer, pp, stage):  # PP 1: contiguous, as even as can be
+def stage_blocks(n_layer, pp, stage):  # PP 5: contiguous, as even as can be
     """The indices of the blocks that `stage` holds: the stages cut the blocks in order, into runs
     of equal length, the earlier stages one block more when pp does not divide n_layer."""
     size, extra = divmod(n_layer, pp)
@@ -214,182 +681,16 @@ def stage_blocks(n_layer, pp, stage):  # PP 1: contiguous, as even as can be
     return range(first, first + size + (stage < extra))
 
 
-def mean_token_loss(logits, targets):  # PP 2: the last stage's loss, per micro-batch
+def mean_token_loss(logits, targets):  # PP 1: the last stage's loss, per micro-batch
     """The mean cross-entropy per token of logits (B, T, vocab) against targets (B, T)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-# ------------------------------------- the distributed lesson: main() and its steps, in order
-def main(argv=None):
-    args = parse_args(argv)
-    if args.sample:  # inference: one plain process, no process group
-        return sample(args)
-    # setup: one process per device, joined in one group (chapters 8-9: a mesh of groups too);
-    # rank 0 logs and saves. A step that "talks" waits for the others: all call it, in one order
-    device, rank, world_size = init_distributed(args.device, args.dist_timeout, args.debug)  # talks
-    run = make_run(args, device, rank, world_size)
-    # data: every rank reads its own windows of the training tokens
-    data = build_data(run)  # talks with --debug: rank 0 prints each rank's windows
-    # model: the same initial weights on every rank, resumed if asked, then wrapped
-    raw_model, optimizer = build_model(run, data.vocab_size)  # talks from chapter 7 on: a mesh
-    start = resumed_step(run, raw_model, optimizer, data)  # talks: rank 0 finds it, all agree
-    model = wrap_model(run, raw_model)  # talks in chapter 3: DDP sends rank 0's weights
-    schedule = pipeline_schedule(run, model)  # PP 2: this rank's stage in a pipeline schedule
-    if args.benchmark:
-        return benchmark(run, schedule, model, optimizer, data.windows)  # PP 2; talks
-    # train: log, evaluate and save on schedule
-    val_loss = evaluate(run, model, data.val)  # talks: the loss sums of every rank add up
-    print0(run.is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
-    meter = Meter(run, raw_model, start)  # the training clock starts now
-    for step in range(start, args.max_steps):  # every step talks
-        loss, grad_norm = train_step(run, schedule, model, optimizer, data.windows, step)  # PP 2
-        done = step + 1
-        if done % args.log_every == 0 or done == args.max_steps:
-            print0(run.is_main, meter.log_line(done, loss.item(), grad_norm.item()))
-        meter.stop_clock()  # evaluation and checkpoints are not training time
-        if done % args.eval_every == 0 or done == args.max_steps:
-            val_loss = evaluate(run, model, data.val)  # talks
-            print0(run.is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | "
-                                f"baseline {data.baseline:.4f}")
-        # save: rank 0 writes, every rank waits for it
-        due = done == args.max_steps or (args.save_every and done % args.save_every == 0)
-        if args.save and due:
-            save_checkpoint(run, raw_model, optimizer, data, done)  # talks
-        meter.start_clock()
-    # cleanup: the summary and a sample; the group is left by __main__'s `finally`
-    report(run, raw_model, data, val_loss, meter)  # talks: GPU peaks; from chapter 7 on, export
-
-
-def init_distributed(device_name, timeout_s, debug):  # DDP 1: join the group torchrun describes
-    """Join the process group of the processes torchrun started, one device each: a collective,
-    every process calls it. Returns (device, rank, world size)."""
-    refuse_a_bad_launch(device_name)  # guard: no torchrun, or more processes than GPUs
-    if device_name == "auto":
-        device_name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device("cpu")
-    if device_name == "cuda":  # DDP 2: one GPU per process, picked by LOCAL_RANK, before CUDA work
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.set_debug_level(safe_debug_level(backend, debug, dist.get_debug_level()))  # guard
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=device if backend == "nccl" else None)  # NCCL: bind it
-    return device, dist.get_rank(), dist.get_world_size()
-
-
-@dataclasses.dataclass
-class Run:
-    """What every step of one process's run shares, set once at the start."""
-    args: argparse.Namespace  # the flags
-    device: torch.device
-    rank: int
-    world_size: int
-    is_main: bool  # rank 0: the one process that logs and writes files
-    amp: str  # FSDP 1: the compute dtype's name ("bfloat16"), or "off"
-    policy: MixedPrecisionPolicy  # FSDP 1: casts the gathered weights; no autocast, no scaler
-    mesh: object  # PP 3: the (pp, dp) grid of ranks, a DeviceMesh
-    stage: int  # PP 3: this rank's stage, 0 to pp - 1: the blocks it holds
-    dp_rank: int  # PP 4: this rank's column: the data it reads
-    dp_size: int  # PP 4: the ranks of a stage, data-parallel replicas: world size / pp
-    tied: object  # PP 5: this column's first and last stage, a process group; None elsewhere
-
-
-def make_run(args, device, rank, world_size):
-    """This process's Run; logs the run's shape (world size, device, precision, batch)."""
-    is_main = rank == 0  # DDP 3: rank 0 alone logs and saves
-    avoid_page_faults_on_cpu(device)  # guard: page faults every step on Linux CPUs
-    amp, policy = mixed_precision(args.amp, device)  # FSDP 1
-    mesh = grid(args.pp, device, world_size)  # PP 3: pp stages x (world size / pp) ranks
-    stage, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
-    run = Run(args, device, rank, world_size, is_main, amp, policy, mesh, stage, dp_rank,
-              mesh.size(1), ends_group(mesh, stage, dp_rank))  # talks: every rank makes every group
-    print0(is_main, f"world size {world_size} ({args.pp} pp x {run.dp_size} dp) | device "
-                    f"{device} | amp {amp} | {tokens_per_step(run):,} tokens per step "
-                    f"({args.batch_size} x {args.block_size} x {args.grad_accum} micro-batches x "
-                    f"{run.dp_size} replicas) | schedule {args.schedule}")  # PP 4: per column
-    return run
-
-
-def grid(pp, device, world_size):  # PP 3: a 2-D mesh, a stage of consecutive ranks
-    """The ranks as a pp x (world size / pp) DeviceMesh: a stage is consecutive ranks (a node, or
-    several), so that FSDP's all-gathers stay inside it; the stages exchange activations."""
-    if world_size % pp:
-        raise InputError(f"--pp {pp} does not divide the world size {world_size}: start a "
-                         f"multiple of {pp} processes, or give --pp 1")
-    shape, names = (pp, world_size // pp), ("pp", "dp")
-    return init_device_mesh(device.type, shape, mesh_dim_names=names)  # a group per stage, column
-
-
-def ends_group(mesh, stage, dp_rank):  # PP 5: where the two copies of the tied matrix live
-    """A collective: a process group of each column's first and last stage (every rank makes every
-    group). Returns this rank's; None on a middle stage, and at --pp 1 (one matrix, no copies)."""
-    pp = mesh.size(0)
-    ends = mesh.mesh[[0, -1]].T.tolist() if pp > 1 else []  # each column's first and last rank
-    groups = [dist.new_group(ranks) for ranks in ends]  # every rank joins the making of each
-    return groups[dp_rank] if pp > 1 and stage in (0, pp - 1) else None
-
-
-@dataclasses.dataclass
-class Data:
-    windows: "Windows"  # this rank's training batches
-    val: np.ndarray  # the validation tokens
-    vocab_size: int
-    itos: dict  # id -> text, from a nanoGPT folder's meta.pkl; None for bytes or plain ids
-    baseline: float  # the loss of predicting each token by its frequency: the loss to beat
-
-
-def build_data(run):
-    """This rank's training windows and the validation tokens (--debug: a collective)."""
-    args = run.args
-    train, val, vocab_size, itos = load_data(args, run.dp_size)  # PP 4: a batch per column
-    windows = Windows(train, args.block_size, args.batch_size, run.dp_rank, run.dp_size,
-                      args.seed)  # PP 4: each column its own windows, the same on every stage
-    baseline = unigram_loss(train, val, vocab_size)
-    unit = "byte" if vocab_size == 256 else "token"
-    print0(run.is_main, f"data {args.data or 'Python standard library'} | {len(train):,} train "
-                        f"/ {len(val):,} val tokens | vocab {vocab_size} | "
-                        f"{unit}-frequency baseline loss {baseline:.4f}")
-    if args.debug:
-        log_windows(run, windows)  # talks: rank 0 prints every rank's
-    return Data(windows, val, vocab_size, itos, baseline)
-
-
-class Windows:
-    """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
-    block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
-    ranks round-robin, like DistributedSampler: ranks read different windows, and an epoch reads
-    each token once. Micro-batch k is a function of k and of the ranks sharing the data, so a run
-    resumed with as many ranks reads what the uninterrupted one would have."""
-
-    def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
-        self.tokens, self.block, self.batch = tokens, block_size, batch_size
-        self.rank, self.world, self.seed = rank, world_size, seed
-        per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size  # at any offset
-        self.per_epoch = per_rank // batch_size  # micro-batches per rank per epoch
-        self.span = np.arange(block_size + 1)
-        self.epoch, self.starts = None, None
-
-    def starts_of_epoch(self, epoch):  # DDP 4: every rank its own share of the windows
-        """The first token of every window this rank reads in `epoch`, in order."""
-        g = torch.Generator().manual_seed(self.seed + epoch)  # DDP 5: a new order each epoch
-        offset = int(torch.randint(0, self.block + 1, (1,), generator=g))
-        count = self.per_epoch * self.batch * self.world
-        order = torch.randperm((len(self.tokens) - offset) // (self.block + 1), generator=g)[:count]
-        return (offset + order * (self.block + 1))[self.rank::self.world].numpy()
-
-    def rows(self, k):
-        """Micro-batch k of this rank: (B, block_size + 1) token ids, inputs and the next token."""
-        epoch, i = divmod(k, self.per_epoch)
-        if epoch != self.epoch:
-            self.epoch, self.starts = epoch, self.starts_of_epoch(epoch)
-        rows = self.tokens[self.starts[i * self.batch:(i + 1) * self.batch, None] + self.span]
-        return torch.from_numpy(rows.astype(np.int64))
-
-
-def log_windows(run, windows):  # DDP 6: --debug, which windows each rank reads
+# ------------------------- beyond the core: debugging, the replica check, the benchmark, the report
+def log_windows(run, windows):  # DDP 14: --debug, which windows each rank reads
     """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
     that lines from several processes never splice into each other."""
-    line = (f"[rank {run.rank}] stage {run.stage}, dp column {run.dp_rank}: "  # PP 4
+    line = (f"[rank {run.rank}] stage {run.stage}, dp column {run.dp_rank}: "  # PP 3
             f"{windows.per_epoch} micro-batches per epoch, "
             f"first windows at tokens {windows.starts_of_epoch(0)[:4].tolist()}")
     lines = [None] * run.world_size
@@ -397,146 +698,12 @@ def log_windows(run, windows):  # DDP 6: --debug, which windows each rank reads
     print0(run.is_main, "\n".join(lines))
 
 
-def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, then filled
-    """The sharded model (1/N of every parameter here; no rank ever holds it whole), and AdamW."""
-    args = run.args
-    with torch.device("meta"):  # FSDP 2: shapes and dtypes, no memory
-        raw_model = Stage(GPT(**model_config(args, vocab_size)), run.stage, args.pp)  # PP 1
-    shard(run, raw_model)  # FSDP 2: before the optimizer, which must see the shards
-    raw_model.to_empty(device=run.device)  # FSDP 2: this rank's shards, not yet filled
-    init_shards(raw_model, args.seed, args.n_layer)  # PP 1: chapter 3's weights, the GPT's depth
-    raw_model.grad_checkpointing = args.grad_checkpointing
-    optimizer = make_optimizer(raw_model, args, run.device)
-    torch.manual_seed(args.seed + run.rank)  # DDP 7: each rank its own dropout masks
-    print0(run.is_main, f"model {raw_model.whole_params:,} parameters | "  # PP 1: the GPT's
-                        f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
-                        f"context {args.block_size}")
-    held = [None] * run.world_size  # PP 1: what every rank holds, gathered for rank 0's line
-    dist.all_gather_object(held, stage_holding(run, raw_model))  # rank 0 prints every stage's
-    print0(run.is_main, memory_line(raw_model, held))  # PP 1: what each stage holds
-    print0(run.is_main, traffic_line(run, vocab_size))  # PP 1: and what it sends
-    return raw_model, optimizer
-
-
-def shard(run, model):  # FSDP 2: every block a group of its own, then the root
-    """fully_shard turns each block's parameters into DTensors split across the ranks (dim 0): a
-    block's weights are all-gathered just before its forward and its gradients reduce-scattered
-    after its backward, so at most a block or two are whole at a time; the root holds the rest."""
-    mesh = run.mesh["dp"]  # PP 1: FSDP over the ranks of this stage, as chapter 7 over all
-    reshard = run.args.reshard_after_forward == "yes"
-    for block in model.blocks.values():  # PP 1: the stage's blocks
-        fully_shard(block, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)  # hooks
-    fully_shard(model, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)  # the root
-
-
-@torch.no_grad()
-def init_shards(model, seed, n_layer):  # PP 1: n_layer, the GPT's: a stage holds fewer blocks
-    """Fill this rank's shards with chapter 3's initial weights: each parameter made whole from the
-    seed, one at a time; each rank keeps its slice, sending nothing (src_data_rank=None)."""
-    for name, p in model.named_parameters():
-        name = "tok_emb.weight" if name == "head.weight" else name  # PP 5: both copies alike
-        full = initial_value(name, p.shape, seed, n_layer).to(p.device)
-        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))  # mine
-
-
-def resumed_step(run, raw_model, optimizer, data):
-    """A collective: the step to go on from, 0 or --resume's after loading it. Rank 0 decides
-    whether `--resume auto` finds a checkpoint; all ranks load it, or all stop with one line."""
-    path, state, problem = resume_path(run), None, None  # FSDP 3: read the small file, agree,
-    try:  # and only then load the shards, a collective
-        state = read_run_state(path, run, data) if path else None
-    except InputError as err:  # told to every rank below, so that none waits for this one
-        problem = str(err)
-    step = agree_on_start(state["step"] if state else 0, problem, path)  # FSDP 3; talks
-    if path:
-        load_shards(path, state, run, raw_model, optimizer)  # FSDP 3: every rank, at once
-        print0(run.is_main, f"resumed from {path} at step {step}")
-    return step
-
-
-def resume_path(run):
-    """A collective: the checkpoint to resume from, or None. --resume auto: the --save checkpoint
-    if it exists (so that a restart after a crash runs the same command and goes on from the last
-    checkpoint). Rank 0 looks and tells the rest: ranks that looked on their own could disagree."""
-    resume, save = run.args.resume, run.args.save
-    if resume != "auto":
-        return resume and newest_complete_step(resume, run.is_main) or resume  # FSDP 3: a step
-    if not save:
-        raise InputError("--resume auto needs a --save path to look for")
-    found = [newest_complete_step(save, run.is_main) if run.is_main else None]  # FSDP 3
-    dist.broadcast_object_list(found, src=0)  # DDP 8: rank 0 decides for every rank
-    return found[0]  # FSDP 3
-
-
-def agree_on_start(start, error, path):
-    """Every rank resumed from the same step, or all stop with the same line (a rank on a node that
-    cannot see the checkpoint, or sees another file: checkpoints need a shared filesystem)."""
-    outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, (start, error))  # DDP 8: a collective, so no rank hangs
-    failed = [(rank, problem) for rank, (_, problem) in enumerate(outcomes) if problem]
-    if failed and len(failed) == len(outcomes) and len({p for _, p in failed}) == 1:
-        raise InputError(failed[0][1])  # the same problem everywhere: the checkpoint itself
-    if failed:
-        raise InputError(f"rank {failed[0][0]}: {failed[0][1]} (every rank reads --resume: on "
-                         "several nodes it must be on a filesystem they share, docs/multinode.md)")
-    steps = [step for step, _ in outcomes]
-    if len(set(steps)) > 1:
-        raise InputError(f"the ranks read {path} at different steps {steps}: on several nodes it "
-                         "must be one file on a filesystem they share (docs/multinode.md)")
-    return start
-
-
-def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
-    """A collective: every rank reads the slices its shards hold, whatever world size wrote them
-    (DCP knows which slice each file holds); then its RNG, at the world size that saved."""
-    model_state, optim_state = get_state_dict(raw_model, optimizer)  # my shards' state
-    own_names = as_whole_model(run, raw_model, optim_state)  # PP 6: chapter 7's names
-    try:
-        dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)  # every rank
-    except (Exception, CheckpointException) as err:  # raised on every rank: DCP gathers them
-        raise InputError(f"cannot load the shards of {path}: {first_reason(err)}") from None
-    optim_state = as_stage(optim_state, own_names)  # PP 6: back to this stage's names
-    set_state_dict(raw_model, optimizer, model_state_dict=model_state,  # into my shards
-                   optim_state_dict=optim_state)
-    if not shards_finite(raw_model):  # talks: every rank gets the same answer
-        raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
-    if (state["args"].get("pp"), len(state["rng"])) == (run.args.pp, run.world_size):  # PP 6
-        restore_rng(state["rng"][run.rank], run.device)  # FSDP 3: this rank's streams
-
-
-def shards_finite(model):  # FSDP 3
-    """A collective: True on every rank if every rank's shards are free of NaN and infinity."""
-    mine = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
-    flag = torch.tensor([float(mine)], device=next(model.parameters()).device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # 0 if any rank's shards are not finite
-    return bool(flag.item())
-
-
-def wrap_model(run, raw_model):  # FSDP 4: no wrapper: the sharded model trains itself
-    """The model that trains: the sharded raw_model, compiled with --compile. Two handles to one
-    set of shards: `raw_model` (saved, exported) and `model`, the same or its compiled form."""
-    for block in raw_model.blocks.values() if run.args.compile else []:  # PP 2: in place, so the
-        block.compile(backend=run.args.compile_backend)  # schedule still sees an FSDP module
-    return raw_model
-
-
-def pipeline_schedule(run, model):  # PP 2: the stage, in a schedule of the step's micro-batches
-    """This rank's stage in a schedule of --grad-accum micro-batches, which sends each one's
-    activations to the next stage and their gradients back; FSDP reduce-scatters once, after the
-    last backward. The schedule divides the gradients by K: chapter 3's mean over micro-batches."""
-    inputs, outputs = stage_shapes(run, model)  # given, so no forward is run to infer them
-    stage = PipelineStage(model, run.stage, run.args.pp, run.device, inputs, outputs,
-                          group=run.mesh.get_group("pp"))
-    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[run.args.schedule]
-    return kind(stage, run.args.grad_accum, loss_fn=mean_token_loss)
-
-
-def benchmark(run, schedule, model, optimizer, windows):  # PP 2
+def benchmark(run, schedule, model, optimizer, windows):  # PP 1
     """--benchmark: 5 warm-up steps, then --max-steps timed ones; median ms/step and tokens/s."""
     times = []
     for step in range(5 + run.args.max_steps):
         start = time.perf_counter()
-        loss, _ = train_step(run, schedule, model, optimizer, windows, step)  # PP 2; talks
+        loss, _ = train_step(run, schedule, model, optimizer, windows, step)  # PP 1; talks
         loss.item()  # wait for the device: the step is over
         times.append(time.perf_counter() - start)
     result = {**pace_keys(statistics.median(times[5:]), tokens_per_step(run)),
@@ -545,140 +712,6 @@ def benchmark(run, schedule, model, optimizer, windows):  # PP 2
     print0(run.is_main, f"benchmark | {result['step_ms']} ms/step | "
                         f"{result['throughput']:,.0f} tok/s")
     print0(run.is_main, summary_line(result))
-
-
-def train_step(run, schedule, model, optimizer, windows, step):  # PP 2: the schedule steps
-    """One optimizer step over --grad-accum micro-batches; a collective. Returns the loss (mean
-    over all ranks) and the gradient norm before clipping, both device tensors."""
-    args = run.args
-    # PP 2: K micro-batches in a row, (K x B, T), cut by the schedule; stage 0 reads x, the last y
-    rows = torch.cat([windows.rows(step * args.grad_accum + i) for i in range(args.grad_accum)])
-    x, y = on_device(rows, run.device)
-    first, last, losses = run.stage == 0, run.stage == args.pp - 1, []
-    inputs, target = ((x,) if first else ()), (y if last else None)
-    schedule.step(*inputs, target=target, losses=losses if last else None, return_outputs=False)
-    loss = torch.stack(losses).mean() if last else torch.zeros((), device=run.device)
-    sum_tied_gradients(run, model)  # PP 5
-    for group in optimizer.param_groups:
-        group["lr"] = lr_at(step, args)
-    grad_norm = clip_gradients(run, model, args.clip or float("inf"))  # PP 7
-    loss = mean_over_ranks(loss) * args.pp  # PP 2: the other stages add 0: the last stage's mean
-    stop_if_diverged(run, step, loss, grad_norm)
-    optimizer.step()  # FSDP 1
-    optimizer.zero_grad(set_to_none=True)
-    return loss, grad_norm
-
-
-def sum_tied_gradients(run, model):  # PP 5: one matrix, two copies: the sum of both gradients
-    """A collective of this column's first and last stage: the GPT's one embedding and head matrix
-    is two copies here; each gets the sum of both gradients, so both take the one matrix's steps."""
-    if run.tied is not None:  # None: a middle stage, or --pp 1 (one matrix, one gradient)
-        copy = model.tok_emb.weight if run.stage == 0 else model.head.weight
-        dist.all_reduce(copy.grad.to_local(), op=dist.ReduceOp.SUM, group=run.tied)  # both copies
-
-
-def clip_gradients(run, model, max_norm):  # PP 7: the norm over every stage and every shard
-    """clip_grad_norm_ over the whole model: each stage's squared norm over its shards, summed over
-    the stages, the tied matrix counted once. Returns the norm before clipping, on every rank."""
-    twin = model.head.weight if run.stage > 0 and model.head is not None else None  # PP 5
-    norm = nn.utils.get_total_norm([p.grad for p in model.parameters() if p is not twin])
-    norm = norm.full_tensor() ** 2  # the stage's norm over its shards, on each of its ranks
-    dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=run.mesh.get_group("pp"))  # all stages
-    norm = norm.sqrt()
-    nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
-    return norm
-
-
-def mean_over_ranks(value):  # DDP 10
-    """A collective: the average of a scalar tensor over all ranks (SUM, then divide)."""
-    value = value.detach().clone().float()
-    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # every rank gets the sum of all ranks'
-    return value / dist.get_world_size()
-
-
-def evaluate(run, model, val):  # FSDP 7: every rank runs as many forwards
-    """The mean validation loss per token, exact at any world size; a collective. Each forward
-    all-gathers with every rank, so fewer batches are padded with targets of -100: counted 0."""
-    batches = list(validation_batches(run, val))  # DDP 4: disjoint slices
-    most = torch.tensor(len(batches), device=run.device)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most batches any rank holds
-    x = torch.zeros(1, run.args.block_size, dtype=torch.long, device=run.device)
-    batches += [(x, torch.full_like(x, -100))] * (int(most) - len(batches))
-    return mean_loss_over_ranks(run, model, batches)  # PP 8
-
-
-@torch.no_grad()
-def mean_loss_over_ranks(run, model, batches):  # PP 8; FSDP 1: no autocast; DDP 10: sum, divide
-    """The mean cross-entropy per target over all ranks' batches (inputs, targets): each rank
-    sums its own, one all-reduce adds the sums and the counts up. A collective: every rank calls
-    it (evaluate() says how many batches each rank may bring)."""
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
-    for x, y in batches:
-        logits = pipeline_forward(run, model, x)  # PP 8: None but on the last stage
-        if logits is None:  # PP 8: only the last stage scores; the others add 0
-            continue
-        totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
-        totals[1] += (y != -100).sum()  # FSDP 7: the padding counts no token
-    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # gloo has no AVG: sum, then divide
-    free_gathered_weights(model)  # FSDP 7: forwards without a backward leave them
-    model.train()
-    return (totals[0] / totals[1]).item()
-
-
-@torch.no_grad()  # PP 8: a pipeline without a schedule: receive, run, send
-def pipeline_forward(run, model, x):
-    """A forward through every stage of this rank's pp column (a collective of it): stage 0 embeds
-    the token ids x (B, T); every later stage receives the activations (B, T, C) from the stage
-    before, runs its blocks and sends them on. Returns the logits on the last stage, else None."""
-    group, last = run.mesh.get_group("pp"), run.args.pp - 1
-    if run.stage > 0:  # every stage knows x: its shape is the shape of what arrives
-        h = torch.empty(*x.shape, run.args.n_embd, dtype=activation_dtype(run), device=run.device)
-        dist.recv(h, group=group, group_src=run.stage - 1)  # waits for the stage before
-        x = h
-    out = model(x)
-    if run.stage == last:
-        return out
-    dist.send(out.contiguous(), group=group, group_dst=run.stage + 1)  # the next stage's input
-    return None
-
-
-def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every rank its shards
-    """A collective: rank 0 writes DIR/step-N/run.json (step, flags, vocabulary, every rank's RNG),
-    every rank its shards of weights and AdamW state (DCP: no gather; .metadata last marks it
-    complete). Failed: SaveFailed on every rank, the folder removed, the previous step intact."""
-    rng_states = [None] * run.world_size  # DDP 13: each rank has its own dropout stream
-    dist.all_gather_object(rng_states, rng_state(run.device))  # so rank 0 can save them all
-    folder = os.path.join(run.args.save, f"step-{step:06d}")  # FSDP 3: a folder per step
-    if not shards_finite(raw_model):  # a collective: every rank gets the same answer
-        raise SaveFailed(f"not saving {folder}: the weights are not finite")
-    state = dict(zip(("model", "optimizer"), get_state_dict(raw_model, optimizer)))  # mine
-    as_whole_model(run, raw_model, state["optimizer"])  # PP 6: named as chapter 7 names it
-    try:  # rank 0 writes run.json, then every rank its shards
-        save_on_rank_0(lambda: write_file(os.path.join(folder, "run.json"),  # talks
-                                          run_state(run, data, step, rng_states)), run.is_main)
-        dcp.save(state, checkpoint_id=folder)  # every rank its shards; .metadata last, by rank 0
-    except (SaveFailed, OSError, RuntimeError, CheckpointException) as err:  # DCP: on every rank
-        save_on_rank_0(lambda: shutil.rmtree(folder, ignore_errors=True), run.is_main)  # talks
-        failed = SaveFailed(f"cannot save {folder}: {first_reason(err, folder, state)}")
-        raise (err if isinstance(err, SaveFailed) else failed) from None
-    save_on_rank_0(lambda: drop_older_steps(run.args.save, folder), run.is_main)  # talks
-    print0(run.is_main, f"step {step}/{run.args.max_steps} | saved {folder}")
-
-
-def save_on_rank_0(write, is_main):  # DDP 14: one writer; every rank waits and learns the outcome
-    """A collective: rank 0 calls write(); every rank waits for it and raises what it raised.
-    Never call it inside `if is_main:`: the other ranks would not reach the broadcast."""
-    error = None
-    if is_main:
-        try:
-            write()
-        except Exception as err:  # sent to every rank below, so that none goes on alone
-            error = err
-    outcome = [error]
-    dist.broadcast_object_list(outcome, src=0)  # every rank waits here for rank 0's write
-    if outcome[0] is not None:
-        raise outcome[0]
 
 
 def report(run, raw_model, data, val_loss, meter):
@@ -693,16 +726,16 @@ def report(run, raw_model, data, val_loss, meter):
     print0(run.is_main, summary_line(summary))
     if run.args.export:  # FSDP 8: one plain file, for one-process sampling
         export(run, raw_model, data)  # talks: every rank's shards to rank 0
-    if unit == "byte" or data.itos:  # FSDP 7: every rank generates: each forward gathers weights
+    if unit == "byte" or data.itos:  # FSDP 5: every rank generates: each forward gathers weights
         raw_model.eval()
         start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
-        out = generate(run, raw_model, torch.tensor([[start]], device=run.device))  # PP 8
-        print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 7
+        out = generate(run, raw_model, torch.tensor([[start]], device=run.device))  # PP 7
+        print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 5
 
 
-def export(run, raw_model, data):  # PP 6: by stage; FSDP 8: one plain file, chapter 3's format
+def export(run, raw_model, data):  # PP 6: by stage; FSDP 8: one plain file
     """A collective: each stage all-gathers its whole parameters and its first rank sends them to
-    rank 0's CPU, which writes --export in chapter 3's format (train_ddp_minigpt.py --sample)."""
+    rank 0's CPU, which writes --export as one process saves it (train_ddp_minigpt.py --sample)."""
     if not shards_finite(raw_model):  # talks: every rank gets the same answer
         raise SaveFailed(f"not exporting {run.args.export}: the weights are not finite")
     options = StateDictOptions(full_state_dict=True)  # PP 6: every rank its whole stage
@@ -714,7 +747,7 @@ def export(run, raw_model, data):  # PP 6: by stage; FSDP 8: one plain file, cha
     save_on_rank_0(lambda: write_export(run, weights, data), run.is_main)  # talks
 
 
-@torch.no_grad()  # PP 8: each new token is a forward through every stage
+@torch.no_grad()  # PP 7: each new token is a forward through every stage
 def generate(run, model, idx):
     """Append --max-new-tokens tokens to idx (1, T); a collective of the pp column. The last stage
     draws each token from its logits and sends it to every stage of the column."""
@@ -729,7 +762,7 @@ def generate(run, model, idx):
     return idx
 
 
-def log_peak_gpu_memory(run):  # DDP 15: every rank's peak, printed by rank 0
+def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
     """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in rank
     order (measured: weights, gradients, optimizer state, activations; docs/fsdp.md)."""
     if run.device.type != "cuda":
@@ -740,19 +773,21 @@ def log_peak_gpu_memory(run):  # DDP 15: every rank's peak, printed by rank 0
            ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
 
 
-def leave_distributed():  # DDP 16: leave the process group on every path, error or not
-    """Free what a failed run left (a DDP model holds the group), then leave the group."""
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()  # waits for no one: each rank leaves on its own
-
-
 # ============================================================================== the plumbing
-# Flags, data files, mixed precision, the optimizer and schedule, checkpoint files, logging and
-# timing, sampling, and the errors: what any trainer needs, distributed or not.
 
 
 # ---------------------------------------- guards: each stops one thing going wrong in production
+def avoid_known_failures(args):  # guard: every guard, in one place, before the group is joined
+    """Exit code 2 for a launch that could never join a group; a workaround for each known fault."""
+    refuse_a_bad_launch(args.device)  # guard: no torchrun, or more processes than GPUs
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    backend = "nccl" if cuda else "gloo"
+    level = safe_debug_level(backend, args.debug, dist.get_debug_level())  # guard: DETAIL on gloo
+    dist.set_debug_level(level)  # before init_process_group, which reads it
+    if not cuda:
+        avoid_page_faults_on_cpu()  # guard: page faults every step on Linux CPUs
+
+
 def refuse_a_bad_launch(device_name):  # guard: a process that could never join a group
     """Exit code 2 and one line if torchrun did not start this process, or its GPU is missing."""
     def refuse(problem):
@@ -781,11 +816,9 @@ def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=D
     return level
 
 
-def avoid_page_faults_on_cpu(device):  # guard: glibc returning freed memory at once
+def avoid_page_faults_on_cpu():  # guard: glibc returning freed memory at once
     """On Linux CPUs (glibc), keep freed memory in the process: glibc hands each step's tens of MB
     (the logits) back to the OS, and page faults cost 10-30% of a step (docs/performance.md)."""
-    if device.type != "cpu":
-        return
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -838,10 +871,10 @@ def parse_args(argv=None):
     a("--compile-backend", default="inductor", metavar="NAME",
       help="torch.compile backend (default: inductor)")
     a = p.add_argument_group("training").add_argument
-    a("--batch-size", type=positive(int), default=16, metavar="B",  # PP 4: per column
+    a("--batch-size", type=positive(int), default=16, metavar="B",  # PP 3: per column
       help="sequences per micro-batch, per dp column: every stage of a column works on the same "
            "ones (default: 16)")
-    a("--grad-accum", type=positive(int), default=4, metavar="K",  # PP 2
+    a("--grad-accum", type=positive(int), default=4, metavar="K",  # PP 1
       help="micro-batches per optimizer step: the pipeline's; the more, the smaller its bubble "
            "((pp - 1) / (K + pp - 1) of the step idle, for equal stages) and the larger the "
            "global batch; 1f1b needs K >= --pp (default: 4)")
@@ -864,14 +897,14 @@ def parse_args(argv=None):
     a = p.add_argument_group("distributed: timeouts and debugging (chapters 5 and 6)").add_argument
     a("--dist-timeout", type=positive(float), default=300, metavar="S",
       help="seconds a collective waits for a peer before the job fails (default: 300)")
-    a("--pp", type=positive(int), default=2, metavar="N",  # PP 3
+    a("--pp", type=positive(int), default=2, metavar="N",  # PP 2
       help="pipeline stages: runs of consecutive blocks, each on world size / N consecutive "
            "ranks (a node); must divide the world size, at most --n-layer (default: 2)")
-    a("--schedule", choices=["gpipe", "1f1b"], default="1f1b",  # PP 2
+    a("--schedule", choices=["gpipe", "1f1b"], default="1f1b",  # PP 1
       help="the order of a step's micro-batches: gpipe (all forwards, then all backwards) or "
            "1f1b (after a warm-up, one forward and one backward in turn: fewer activations "
            "held) (default: 1f1b)")
-    a("--reshard-after-forward", choices=["yes", "no"], default="no",  # PP 2: no, unlike ch. 7
+    a("--reshard-after-forward", choices=["yes", "no"], default="no",  # PP 1: no, unlike ch. 7
       help="yes: free each block's gathered weights after each forward (ZeRO-3); no: keep them "
            "until the step's backwards end (one all-gather per block and step, not one per "
            "micro-batch; more memory) (default: no)")
@@ -910,9 +943,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.n_embd % args.n_head:
         p.error(f"--n-head {args.n_head} must divide --n-embd {args.n_embd}")
-    if args.pp > args.n_layer:  # PP 3: every stage holds a block
+    if args.pp > args.n_layer:  # PP 2: every stage holds a block
         p.error(f"--pp {args.pp} is more stages than --n-layer {args.n_layer} blocks")
-    if args.schedule == "1f1b" and args.grad_accum < args.pp:  # PP 2: torch's 1F1B needs K >= pp
+    if args.schedule == "1f1b" and args.grad_accum < args.pp:  # PP 1: torch's 1F1B needs K >= pp
         p.error(f"--schedule 1f1b needs at least --pp {args.pp} micro-batches per step, got "
                 f"--grad-accum {args.grad_accum}: give more, or --schedule gpipe")
     if not 0 <= args.dropout < 1 or not 0 < args.val_fraction < 1:
@@ -943,9 +976,8 @@ def load_tokens(args, default_bytes=2_000_000):
 
 
 def read_meta(path):
-    """nanoGPT's meta.pkl ({"vocab_size", "itos", "stoi"}), read without running it. A pickle can
-    call any function while it loads; this unpickler refuses every class and function, so only
-    plain data can load, and only dicts, lists, strings and ints are accepted."""
+    """nanoGPT's meta.pkl ({"vocab_size", "itos", "stoi"}), read without running it: a pickle may
+    call any function; this unpickler refuses them all, and takes dicts, lists, strings and ints."""
     class PlainData(pickle.Unpickler):
         def find_class(self, module, name):
             raise pickle.UnpicklingError(f"it asks for {module}.{name}, not plain data")
@@ -1019,17 +1051,6 @@ def unigram_loss(train, val, vocab_size):
     in the training tokens: the loss to beat, for a model that ignores context."""
     counts = np.bincount(train, minlength=vocab_size) + 1.0  # +1: no token has probability 0
     return float(-np.log(counts / counts.sum())[val].mean())
-
-
-def validation_batches(run, val):
-    """This rank's validation batches, (inputs, targets) on its device: the first --eval-windows
-    non-overlapping windows of the validation tokens, dealt to the ranks round-robin."""
-    args = run.args
-    starts = np.arange(0, len(val) - args.block_size, args.block_size + 1)[:args.eval_windows]
-    mine = starts[run.dp_rank::run.dp_size]  # PP 4: by column
-    for i in range(0, len(mine), args.batch_size):
-        rows = val[mine[i:i + args.batch_size, None] + np.arange(args.block_size + 1)]
-        yield on_device(torch.from_numpy(rows.astype(np.int64)), run.device)
 
 
 def on_device(rows, device):
@@ -1127,9 +1148,8 @@ def state_bytes(state):
 
 
 def why_not_written(err, tmp, needed):
-    """Why writing `tmp` failed, in one line and the user's words: a full disk (or quota) says so,
-    with the room there is once the partial file is gone and the room a checkpoint needs; the
-    system's or torch's own words follow as the detail."""
+    """Why writing `tmp` failed, in one line: a full disk (or quota) says so, with the room left
+    (the partial file gone) and the room a checkpoint needs; then the system's or torch's words."""
     detail = getattr(err, "strerror", None) or (str(err).strip().splitlines() or [repr(err)])[0]
     folder = os.path.dirname(os.path.abspath(tmp))
     while not os.path.isdir(folder):  # a folder that could not be made
@@ -1173,7 +1193,7 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
             os.remove(tmp)
 
 
-def free_gathered_weights(model):  # FSDP 7: --reshard-after-forward no keeps them gathered
+def free_gathered_weights(model):  # FSDP 5: --reshard-after-forward no keeps them gathered
     """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
     sampling) gathered are freed, and the parameters are this rank's shards again."""
     for module in model.modules():
@@ -1292,17 +1312,17 @@ def as_stage(optim_state, own_names):  # PP 6: back to this stage's names
     return optim_state
 
 
-def stage_holding(run, model):  # PP 1: what this rank holds
+def stage_holding(run, model):  # PP 5: what this rank holds
     """(dp rank, stage, the parts of the model it holds, the parameters of its shards)."""
     blocks = list(model.blocks)
     span = f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}"
     parts = ["embeddings"] * (model.tok_emb is not None) + [span] \
         + ["final norm and head"] * (model.head is not None)
     mine = sum(p.to_local().numel() for p in model.parameters())
-    return run.dp_rank, run.stage, ", ".join(parts), mine  # PP 1: for rank 0's memory line
+    return run.dp_rank, run.stage, ", ".join(parts), mine  # PP 5: for rank 0's memory line
 
 
-def memory_line(model, held):  # PP 1: what a rank of each stage holds, against DDP's full copy
+def memory_line(model, held):  # PP 5: what a rank of each stage holds, against DDP's full copy
     """Bytes of weights + gradients + AdamW's two moments (fp32: 4 copies) held by the first rank
     of each stage, from every rank's stage_holding(), and the parts of the model it holds."""
     stages = [f"stage {stage} ({parts}) {16 * n / 2**20:.2f} MiB, {n:,} parameters"
@@ -1312,7 +1332,7 @@ def memory_line(model, held):  # PP 1: what a rank of each stage holds, against 
             f"(of {whole:,}; DDP: {16 * whole / 2**20:.2f} MiB)")
 
 
-def traffic_line(run, vocab_size):  # PP 1: what a stage sends, per micro-batch and per step
+def traffic_line(run, vocab_size):  # PP 5: what a stage sends, per micro-batch and per step
     """PP's point-to-point traffic: per micro-batch, each stage but the last sends its activations
     (B, T, C) in the compute dtype to the next, and each stage but the first sends their gradient
     back; per step, the first and last stage all-reduce the tied matrix's gradient shard (fp32)."""
@@ -1327,7 +1347,7 @@ def traffic_line(run, vocab_size):  # PP 1: what a stage sends, per micro-batch 
             f"between stage 0 and stage {args.pp - 1}")
 
 
-def stage_shapes(run, model):  # PP 2: what a micro-batch brings to a stage, and what it sends
+def stage_shapes(run, model):  # PP 1: what a micro-batch brings to a stage, and what it sends
     """Meta tensors of a micro-batch's input to this stage (token ids on the first, activations
     after) and of its output (activations, logits on the last)."""
     size, width = (run.args.batch_size, run.args.block_size), run.args.n_embd
@@ -1338,7 +1358,7 @@ def stage_shapes(run, model):  # PP 2: what a micro-batch brings to a stage, and
     return ids if run.stage == 0 else inputs, outputs
 
 
-def activation_dtype(run):  # PP 8: what goes between stages
+def activation_dtype(run):  # PP 7: what goes between stages
     """The dtype of the activations a stage sends: FSDP's compute dtype, or fp32."""
     return run.policy.param_dtype or torch.float32
 
@@ -1351,14 +1371,13 @@ def print0(is_main, message):
 
 
 def tokens_per_step(run):
-    return run.args.batch_size * run.args.block_size * run.args.grad_accum * run.dp_size  # PP 4
+    return run.args.batch_size * run.args.block_size * run.args.grad_accum * run.dp_size  # PP 3
 
 
 def peak_tflops(gpu_name, amp):
-    """The dense peak TFLOPS of a GPU in the table (vendor datasheets, no sparsity; 16-bit with fp32
-    accumulation, as autocast runs) for the autocast dtype ("off": fp32 without TF32). Names match
-    word by word: an "H100 NVL" is no H100 SXM, an "L40" no "L4", an "A10G" no "A10". None for a GPU
-    not in the table."""
+    """The dense peak TFLOPS of a GPU in the table (datasheets, no sparsity; 16-bit with fp32
+    accumulation, as autocast runs) for the autocast dtype ("off": fp32 without TF32), or None.
+    Names match word by word: an "H100 NVL" is no H100 SXM, an "L40" no "L4", an "A10G" no "A10"."""
     words = gpu_name.replace("-", " ").split()
     table = {  # the words of a model's name: (16-bit tensor cores, fp32); variants first
         ("H100", "PCIe"): (756, 51), ("H100", "NVL"): (835, 60), ("H100",): (989, 67),
@@ -1375,7 +1394,7 @@ def peak_tflops(gpu_name, amp):
 def flops_per_token(raw_model, args):
     """The model's FLOPs per token of training as nanoGPT counts them: 6 per parameter (forward
     and backward), position embeddings aside, plus attention's 12 x layers x width x context."""
-    n = raw_model.whole_params - args.block_size * args.n_embd  # PP 1: the whole GPT
+    n = raw_model.whole_params - args.block_size * args.n_embd  # PP 5: the whole GPT
     return 6 * n + 12 * args.n_layer * args.n_embd * args.block_size
 
 
@@ -1501,7 +1520,7 @@ def encode(text, itos):
     return [stoi[c] for c in text]
 
 
-def next_token(logits, temperature, top_k):  # PP 8: what GPT.generate draws, per token
+def next_token(logits, temperature, top_k):  # PP 7: what GPT.generate draws, per token
     """A token id (1, 1) drawn from the logits (1, vocab) of the last position."""
     logits = logits / temperature
     if top_k:
@@ -1546,5 +1565,5 @@ if __name__ == "__main__":
         sys.stderr.write(f"error: {err}\n")  # one write: lines from several ranks never splice
         code = err.code
     finally:
-        leave_distributed()  # DDP 16
+        leave_distributed()  # DDP 13
     sys.exit(code)

@@ -13,18 +13,29 @@ each node is one tp group. Sampling runs in one plain process. Default data: the
 bytes of this Python's own standard library, one token per byte (vocab 256), so nothing is
 downloaded; `--data` also takes a text file, a .bin of uint16 token ids, or a nanoGPT folder.
 
-What TP adds to FSDP (`diff train_fsdp_minigpt.py train_tp_minigpt.py`: the `# TP k` lines, k =
-1 to 6 in reading order, the README's chapter 8 table; `# FSDP k`, `# DDP k`: chapters 7 and 3):
-- The ranks form a grid of (world size / tp) rows by tp columns. A row is a tp group: consecutive
-  ranks, one node's GPUs. The rows are FSDP's data-parallel replicas, sharded as in chapter 7.
-- In every block, qkv and the MLP's first matrix are split by output (column-wise: each tp rank
-  computes its own heads and its own hidden units); attn.proj and the MLP's second by input
-  (row-wise: each rank's partial outputs are summed by one all-reduce). Per block and micro-batch:
-  2 all-reduces of the activations in forward, 2 in backward. Embeddings, norms, head: whole.
-- Every rank of a tp group computes on the same batch: data and dropout follow the dp row, not
-  the rank. Read by rank, the ranks of a group would split heads of different sequences.
-- The weights live on two meshes (blocks' matrices: dp x tp; the rest: dp), so the gradient norm
-  is taken per mesh, then combined.
+Read it top-down: main(), then its core steps in the order it calls them, the model, and what goes
+beyond the core (debugging, checks, the benchmark, the report). All that talks to other processes
+is above the line `# === the plumbing`; below it, guards, flags, files, logging and errors.
+
+Tags: `# TP k` marks each line TP changes in the FSDP trainer, numbered in reading order:
+  TP 1  --tp N: a (world / N, N) mesh ("dp", "tp"); a row is consecutive ranks, one node
+  TP 2  data, global batch and dropout by the dp row: a row's ranks hold parts of one replica
+  TP 3  the bytes each rank sends: 4 all-reduces per block and micro-batch
+  TP 4  each block split by parallelize_module over the row, then fully_shard over the column
+  TP 5  random streams restored only at the same grid: a row's ranks draw alike
+  TP 6  the gradient norm per mesh, then combined: clip_grad_norm_ cannot mix two meshes
+Kept from the DDP trainer (chapter 3), where they mark the same lines:
+  DDP 1  join the group torchrun started             DDP 9   SUM over ranks, then divide
+  DDP 2  one GPU per process, by LOCAL_RANK          DDP 11  every rank's RNG state, saved
+  DDP 3  is_main: rank 0 alone logs and saves        DDP 12  rank 0 writes, every rank waits
+  DDP 4  each rank its own windows of an epoch       DDP 13  leave the group on every path
+  DDP 5  one shuffled order, the same on all ranks   DDP 14  --debug: each rank's windows
+  DDP 7  resume: rank 0 looks, every rank agrees     DDP 16  every rank's peak GPU memory
+Kept from the FSDP trainer (chapter 7), where they mark the same lines:
+  FSDP 1  bf16 by FSDP's MixedPrecisionPolicy        FSDP 5  every rank runs every forward
+  FSDP 2  built on the meta device, then sharded     FSDP 7  one reduce-scatter per step
+  FSDP 3  DCP checkpoints: every rank its shards     FSDP 8  --export: one plain file
+  FSDP 4  no wrapper: fully_shard hooks the model
 """
 import argparse
 import contextlib
@@ -32,7 +43,7 @@ import ctypes
 import dataclasses
 import datetime
 import errno
-import gc  # DDP 16
+import gc
 import glob
 import io  # FSDP 8
 import json
@@ -49,7 +60,7 @@ import zlib
 
 import numpy as np
 import torch
-import torch.distributed as dist  # DDP 1
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.distributed.checkpoint as dcp  # FSDP 3
@@ -65,129 +76,22 @@ from torch.distributed.tensor.parallel import (ColwiseParallel,  # TP 4
 from torch.utils.checkpoint import checkpoint
 
 
-# ------------------------------------------------------- the model: a GPT, nothing distributed
-def causal_attention(q, k, v):
-    """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
-    attention on GPUs); is_causal builds no mask. No dropout on the attention weights: on a CPU it
-    forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
-    bf16 CPU backward kernel is 3x slower than the fp32 one (measured: docs/performance.md)."""
-    if q.device.type != "cpu":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    with torch.autocast("cpu", enabled=False):
-        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
-    return y.to(q.dtype)
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd, n_head):
-        super().__init__()
-        self.n_head = n_head
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
-        self.proj = nn.Linear(n_embd, n_embd)
-
-    def forward(self, x):
-        B, T, C = x.shape
-        # qkv's outputs come head by head (head 0's q, k, v, then head 1's...): equal parts are
-        # whole heads, as chapter 8's tensor-parallel split needs; -1: the heads this module holds
-        qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
-        q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
-        y = causal_attention(q, k, v)
-        return self.proj(y.transpose(1, 2).flatten(2))
-
-
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attention(norm(x)), then x + MLP(norm(x))."""
-
-    def __init__(self, n_embd, n_head, dropout):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
-                                 nn.Linear(4 * n_embd, n_embd))
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x):
-        x = x + self.drop(self.attn(self.ln1(x)))
-        return x + self.drop(self.mlp(self.ln2(x)))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd, dropout):
-        super().__init__()
-        self.block_size = block_size
-        self.grad_checkpointing = False  # True: recompute each block's activations in backward
-        self.tok_emb = nn.Embedding(vocab_size, n_embd)
-        self.pos_emb = nn.Embedding(block_size, n_embd)
-        self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd)
-        self.head = nn.Linear(n_embd, vocab_size, bias=False)
-        self.head.weight = self.tok_emb.weight  # weight tying: one matrix embeds and un-embeds
-        if not self.head.weight.is_meta:  # on the meta device there is nothing to fill yet
-            self.init_weights(seed=0)
-
-    @torch.no_grad()
-    def init_weights(self, seed):
-        """Every parameter from initial_value(): the same weights for the same seed, whether
-        the model is made whole here or one parameter at a time (chapter 7's sharded build)."""
-        for name, p in self.named_parameters():
-            p.copy_(initial_value(name, p.shape, seed, len(self.blocks)))
-
-    def forward(self, idx, targets=None):
-        """Logits (B, T, vocab), and the mean cross-entropy per token if targets are given."""
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
-        for block in self.blocks:
-            if self.grad_checkpointing and self.training:  # keep block inputs; recompute the rest
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        logits = self.head(self.ln_f(x))
-        if targets is None:
-            return logits, None
-        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature, top_k):
-        """Append max_new_tokens tokens to idx (1, T), each drawn from the model's prediction."""
-        for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.block_size:])[0][:, -1] / temperature
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            idx = torch.cat([idx, torch.multinomial(logits.softmax(-1), 1)], dim=1)
-        return idx
-
-
-def initial_value(name, shape, seed, n_layer):
-    """The initial value of parameter `name`, GPT-2's scheme: N(0, 0.02) for matrices (residual
-    projections shrink with depth), zero biases, unit norm weights. Each parameter draws from a
-    generator of its own, seeded by (seed, name), so any one can be made without the others."""
-    if name.endswith(".bias"):
-        return torch.zeros(shape)
-    if len(shape) == 1:  # a LayerNorm's weight
-        return torch.ones(shape)
-    residual = name.endswith(("attn.proj.weight", "mlp.2.weight"))
-    std = 0.02 / math.sqrt(2 * n_layer) if residual else 0.02
-    generator = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
-    return torch.randn(shape, generator=generator) * std
-
-
-# ------------------------------------- the distributed lesson: main() and its steps, in order
+# ------------------- the distributed lesson: main(), then its core steps in the order it calls them
 def main(argv=None):
     args = parse_args(argv)
     if args.sample:  # inference: one plain process, no process group
         return sample(args)
-    # setup: one process per device, joined in one group (chapters 8-9: a mesh of groups too);
-    # rank 0 logs and saves. A step that "talks" waits for the others: all call it, in one order
-    device, rank, world_size = init_distributed(args.device, args.dist_timeout, args.debug)  # talks
+    avoid_known_failures(args)  # guard: refuses a bad launch, avoids known failures
+    # setup: one process per device, joined in one group; rank 0 logs and saves. A step that
+    # "talks" waits for the others: every rank calls it, in the same order
+    device, rank, world_size = init_distributed(args.device, args.dist_timeout)  # talks
     run = make_run(args, device, rank, world_size)
     # data: every rank reads its own windows of the training tokens
     data = build_data(run)  # talks with --debug: rank 0 prints each rank's windows
     # model: the same initial weights on every rank, resumed if asked, then wrapped
-    raw_model, optimizer = build_model(run, data.vocab_size)  # talks from chapter 7 on: a mesh
+    raw_model, optimizer = build_model(run, data.vocab_size)  # talks where the model is sharded
     start = resumed_step(run, raw_model, optimizer, data)  # talks: rank 0 finds it, all agree
-    model = wrap_model(run, raw_model)  # talks in chapter 3: DDP sends rank 0's weights
+    model = wrap_model(run, raw_model)  # talks under DDP: rank 0's weights go to every rank
     if args.benchmark:
         return benchmark(run, model, optimizer, data.windows)  # talks: training steps, timed
     # train: log, evaluate and save on schedule
@@ -210,21 +114,20 @@ def main(argv=None):
             save_checkpoint(run, raw_model, optimizer, data, done)  # talks
         meter.start_clock()
     # cleanup: the summary and a sample; the group is left by __main__'s `finally`
-    report(run, raw_model, data, val_loss, meter)  # talks: GPU peaks; from chapter 7 on, export
+    report(run, raw_model, data, val_loss, meter)  # talks: GPU peaks; a sharded model's export
 
 
-def init_distributed(device_name, timeout_s, debug):  # DDP 1: join the group torchrun describes
-    """Join the process group of the processes torchrun started, one device each: a collective,
-    every process calls it. Returns (device, rank, world size)."""
-    refuse_a_bad_launch(device_name)  # guard: no torchrun, or more processes than GPUs
+def init_distributed(device_name, timeout_s):  # DDP 1: join the group torchrun describes
+    """A collective: join the group torchrun started; returns (device, rank, world size)."""
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device("cpu")
     if device_name == "cuda":  # DDP 2: one GPU per process, picked by LOCAL_RANK, before CUDA work
+        # LOCAL_RANK numbers the processes of this node (its GPUs: 0, 1...); RANK, of all nodes
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.set_debug_level(safe_debug_level(backend, debug, dist.get_debug_level()))  # guard
+    # no address given: it reads torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=device if backend == "nccl" else None)  # NCCL: bind it
     return device, dist.get_rank(), dist.get_world_size()
@@ -248,7 +151,6 @@ class Run:
 def make_run(args, device, rank, world_size):
     """This process's Run; logs the run's shape (world size, device, precision, batch)."""
     is_main = rank == 0  # DDP 3: rank 0 alone logs and saves
-    avoid_page_faults_on_cpu(device)  # guard: page faults every step on Linux CPUs
     amp, policy = mixed_precision(args.amp, device)  # FSDP 1
     mesh = grid(args.tp, device, world_size)  # TP 1: (world size / tp) x tp ranks
     run = Run(args, device, rank, world_size, is_main, amp, policy, mesh,
@@ -302,20 +204,22 @@ def build_data(run):
 class Windows:
     """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
     block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
-    ranks round-robin, like DistributedSampler: ranks read different windows, and an epoch reads
-    each token once. Micro-batch k is a function of k and of the ranks sharing the data, so a run
-    resumed with as many ranks reads what the uninterrupted one would have."""
+    ranks round-robin: each token once an epoch, on one rank (a DataLoader's equivalent:
+    DistributedSampler(drop_last=True) and set_epoch(epoch)). Micro-batch k depends on k and the
+    ranks alone, so a run resumed with as many ranks reads what the uninterrupted one would have."""
 
     def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
         self.tokens, self.block, self.batch = tokens, block_size, batch_size
         self.rank, self.world, self.seed = rank, world_size, seed
         per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size  # at any offset
+        # as many micro-batches on every rank: a rank with one more would wait in its collectives
         self.per_epoch = per_rank // batch_size  # micro-batches per rank per epoch
         self.span = np.arange(block_size + 1)
         self.epoch, self.starts = None, None
 
     def starts_of_epoch(self, epoch):  # DDP 4: every rank its own share of the windows
         """The first token of every window this rank reads in `epoch`, in order."""
+        # seeded by epoch, not by rank: every rank draws the same order, then keeps its own slice
         g = torch.Generator().manual_seed(self.seed + epoch)  # DDP 5: a new order each epoch
         offset = int(torch.randint(0, self.block + 1, (1,), generator=g))
         count = self.per_epoch * self.batch * self.world
@@ -331,16 +235,6 @@ class Windows:
         return torch.from_numpy(rows.astype(np.int64))
 
 
-def log_windows(run, windows):  # DDP 6: --debug, which windows each rank reads
-    """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
-    that lines from several processes never splice into each other."""
-    line = (f"[rank {run.rank}] {windows.per_epoch} micro-batches per epoch, "
-            f"first windows at tokens {windows.starts_of_epoch(0)[:4].tolist()}")
-    lines = [None] * run.world_size
-    dist.all_gather_object(lines, line)  # to rank 0, which prints them in rank order
-    print0(run.is_main, "\n".join(lines))
-
-
 def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, then filled
     """The sharded model (1/N of every parameter here; no rank ever holds it whole), and AdamW."""
     args = run.args
@@ -348,7 +242,7 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
         raw_model = GPT(**model_config(args, vocab_size))
     shard(run, raw_model)  # FSDP 2: before the optimizer, which must see the shards
     raw_model.to_empty(device=run.device)  # FSDP 2: this rank's shards, not yet filled
-    init_shards(raw_model, args.seed)  # FSDP 2: chapter 3's initial weights
+    init_shards(raw_model, args.seed)  # FSDP 2: one process's initial weights
     raw_model.grad_checkpointing = args.grad_checkpointing
     optimizer = make_optimizer(raw_model, args, run.device)
     torch.manual_seed(args.seed + run.dp_rank)  # TP 2: a row draws the same dropout masks
@@ -362,12 +256,12 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
 
 def shard(run, model):  # TP 4: each block split across its row's tp ranks, then FSDP by column
     """parallelize_module splits each block's four matrices across the tp ranks of a row (DTensors
-    on the tp mesh); then fully_shard shards every parameter over the rows (dp), as in chapter 7:
+    on the tp mesh); then fully_shard shards every parameter over the rows (dp), as FSDP alone:
     a block's matrices end up on the 2-D mesh, the embeddings, norms and head on the dp mesh."""
     mesh = run.mesh["dp"]  # TP 4: FSDP shards over the rows, within each column
     reshard = run.args.reshard_after_forward == "yes"
     for block in model.blocks:  # sharding sends nothing: the hooks it adds all-gather later
-        if run.args.tp > 1:  # TP 4: --tp 1 is chapter 7
+        if run.args.tp > 1:  # TP 4: --tp 1 is FSDP alone
             parallelize_module(block, run.mesh["tp"], block_plan())  # all-reduces in its forward
         fully_shard(block, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)  # hooks
     fully_shard(model, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)  # the root
@@ -383,7 +277,7 @@ def block_plan():  # TP 4: Megatron's split of a block, 2 all-reduces in forward
 
 @torch.no_grad()
 def init_shards(model, seed):  # FSDP 2: one whole parameter at a time, each rank keeps its slice
-    """Fill this rank's shards with chapter 3's initial weights: each parameter made whole from the
+    """Fill this rank's shards with one process's initial weights: each parameter whole from the
     seed, one at a time; each rank keeps its slice, sending nothing (src_data_rank=None)."""
     for name, p in model.named_parameters():
         full = initial_value(name, p.shape, seed, len(model.blocks)).to(p.device)
@@ -415,7 +309,7 @@ def resume_path(run):
     if not save:
         raise InputError("--resume auto needs a --save path to look for")
     found = [newest_complete_step(save, run.is_main) if run.is_main else None]  # FSDP 3
-    dist.broadcast_object_list(found, src=0)  # DDP 8: rank 0 decides for every rank
+    dist.broadcast_object_list(found, src=0)  # DDP 7: rank 0 decides for every rank
     return found[0]  # FSDP 3
 
 
@@ -423,7 +317,7 @@ def agree_on_start(start, error, path):
     """Every rank resumed from the same step, or all stop with the same line (a rank on a node that
     cannot see the checkpoint, or sees another file: checkpoints need a shared filesystem)."""
     outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, (start, error))  # DDP 8: a collective, so no rank hangs
+    dist.all_gather_object(outcomes, (start, error))  # DDP 7: a collective, so no rank hangs
     failed = [(rank, problem) for rank, (_, problem) in enumerate(outcomes) if problem]
     if failed and len(failed) == len(outcomes) and len({p for _, p in failed}) == 1:
         raise InputError(failed[0][1])  # the same problem everywhere: the checkpoint itself
@@ -470,20 +364,44 @@ def wrap_model(run, raw_model):  # FSDP 4: no wrapper: the sharded model trains 
     return raw_model
 
 
-def benchmark(run, model, optimizer, windows):
-    """--benchmark: 5 warm-up steps, then --max-steps timed ones; median ms/step and tokens/s."""
-    times = []
-    for step in range(5 + run.args.max_steps):
-        start = time.perf_counter()
-        loss, _ = train_step(run, model, optimizer, windows, step)  # talks
-        loss.item()  # wait for the device: the step is over
-        times.append(time.perf_counter() - start)
-    result = {**pace_keys(statistics.median(times[5:]), tokens_per_step(run)),
-              "timed_steps": run.args.max_steps}
-    log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
-    print0(run.is_main, f"benchmark | {result['step_ms']} ms/step | "
-                        f"{result['throughput']:,.0f} tok/s")
-    print0(run.is_main, summary_line(result))
+def evaluate(run, model, val):  # FSDP 5: every rank runs as many forwards
+    """The mean validation loss per token, exact at any world size; a collective. Each forward
+    all-gathers with every rank, so fewer batches are padded with targets of -100: counted 0."""
+    batches = list(validation_batches(run, val))  # DDP 4: disjoint slices
+    most = torch.tensor(len(batches), device=run.device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most batches any rank holds
+    x = torch.zeros(1, run.args.block_size, dtype=torch.long, device=run.device)
+    batches += [(x, torch.full_like(x, -100))] * (int(most) - len(batches))
+    return mean_loss_over_ranks(model, batches)  # talks: sums and counts of every rank
+
+
+def validation_batches(run, val):
+    """This rank's validation batches, (inputs, targets) on its device: the first --eval-windows
+    non-overlapping windows of the validation tokens, dealt to the ranks round-robin: disjoint
+    slices, never padded with repeats as a DistributedSampler pads them, so each counts once."""
+    args = run.args
+    starts = np.arange(0, len(val) - args.block_size, args.block_size + 1)[:args.eval_windows]
+    mine = starts[run.dp_rank::run.dp_size]  # TP 2: by row
+    for i in range(0, len(mine), args.batch_size):
+        rows = val[mine[i:i + args.batch_size, None] + np.arange(args.block_size + 1)]
+        yield on_device(torch.from_numpy(rows.astype(np.int64)), run.device)
+
+
+@torch.no_grad()
+def mean_loss_over_ranks(model, batches):  # FSDP 1: no autocast; DDP 9: sum, divide once
+    """The mean cross-entropy per target over all ranks' batches (inputs, targets): each rank
+    sums its own, one all-reduce adds the sums and the counts up. A collective: every rank calls
+    it (evaluate() says how many batches each rank may bring)."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
+    for x, y in batches:
+        logits, _ = model(x)  # FSDP 1
+        totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
+        totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # TP 2: a row's sums tp times, its counts too
+    free_gathered_weights(model)  # FSDP 5: forwards without a backward leave them
+    model.train()
+    return (totals[0] / totals[1]).item()
 
 
 def train_step(run, model, optimizer, windows, step):
@@ -496,31 +414,24 @@ def train_step(run, model, optimizer, windows, step):
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, args)
     grad_norm = clip_gradients(model, args.clip or float("inf"))  # TP 6: over both meshes
-    loss = mean_over_ranks(loss)  # DDP 10: every rank gets the same mean, so the same verdict
+    loss = mean_over_ranks(loss)  # DDP 9: every rank gets the same mean, so the same verdict
     stop_if_diverged(run, step, loss, grad_norm)
     optimizer.step()  # FSDP 1
     optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm
 
 
-def accumulate_gradients(model, batches):  # FSDP 6: one reduce-scatter per step
+def accumulate_gradients(model, batches):  # FSDP 7: one reduce-scatter per step
     """Forward and backward over each micro-batch (inputs, targets): gradients add up in each
     rank's shards, and FSDP reduce-scatters them once, in the last backward; the mean loss."""
     total = 0.0
     for i, (x, y) in enumerate(batches):
-        model.set_requires_gradient_sync(i == len(batches) - 1)  # FSDP 6: FSDP's no_sync
+        model.set_requires_gradient_sync(i == len(batches) - 1)  # FSDP 7: FSDP's no_sync
         _, loss = model(x, y)
         loss = loss / len(batches)  # micro-batches of equal size: the mean of their means
-        loss.backward()
+        loss.backward()  # the last one reduce-scatters: each rank gets its shard's mean gradient
         total += loss.detach()
     return total
-
-
-def mean_over_ranks(value):  # DDP 10
-    """A collective: the average of a scalar tensor over all ranks (SUM, then divide)."""
-    value = value.detach().clone().float()
-    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # every rank gets the sum of all ranks'
-    return value / dist.get_world_size()
 
 
 def clip_gradients(model, max_norm):  # TP 6: DTensors on two meshes
@@ -538,39 +449,18 @@ def clip_gradients(model, max_norm):  # TP 6: DTensors on two meshes
     return norm
 
 
-def evaluate(run, model, val):  # FSDP 7: every rank runs as many forwards
-    """The mean validation loss per token, exact at any world size; a collective. Each forward
-    all-gathers with every rank, so fewer batches are padded with targets of -100: counted 0."""
-    batches = list(validation_batches(run, val))  # DDP 4: disjoint slices
-    most = torch.tensor(len(batches), device=run.device)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most batches any rank holds
-    x = torch.zeros(1, run.args.block_size, dtype=torch.long, device=run.device)
-    batches += [(x, torch.full_like(x, -100))] * (int(most) - len(batches))
-    return mean_loss_over_ranks(model, batches)  # talks: sums and counts of every rank
-
-
-@torch.no_grad()
-def mean_loss_over_ranks(model, batches):  # FSDP 1: no autocast; DDP 10: sum, divide once
-    """The mean cross-entropy per target over all ranks' batches (inputs, targets): each rank
-    sums its own, one all-reduce adds the sums and the counts up. A collective: every rank calls
-    it (evaluate() says how many batches each rank may bring)."""
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
-    for x, y in batches:
-        logits, _ = model(x)  # FSDP 1
-        totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
-        totals[1] += (y != -100).sum()  # FSDP 7: the padding counts no token
-    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # TP 2: a row's sums tp times, its counts too
-    free_gathered_weights(model)  # FSDP 7: forwards without a backward leave them
-    model.train()
-    return (totals[0] / totals[1]).item()
+def mean_over_ranks(value):  # DDP 9
+    """A collective: the average of a scalar tensor over all ranks (SUM, then divide)."""
+    value = value.detach().clone().float()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # every rank gets the sum of all ranks'
+    return value / dist.get_world_size()
 
 
 def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every rank its shards
     """A collective: rank 0 writes DIR/step-N/run.json (step, flags, vocabulary, every rank's RNG),
     every rank its shards of weights and AdamW state (DCP: no gather; .metadata last marks it
     complete). Failed: SaveFailed on every rank, the folder removed, the previous step intact."""
-    rng_states = [None] * run.world_size  # DDP 13: each rank has its own dropout stream
+    rng_states = [None] * run.world_size  # DDP 11: each rank has its own dropout stream
     dist.all_gather_object(rng_states, rng_state(run.device))  # so rank 0 can save them all
     folder = os.path.join(run.args.save, f"step-{step:06d}")  # FSDP 3: a folder per step
     if not shards_finite(raw_model):  # a collective: every rank gets the same answer
@@ -588,7 +478,7 @@ def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every ran
     print0(run.is_main, f"step {step}/{run.args.max_steps} | saved {folder}")
 
 
-def save_on_rank_0(write, is_main):  # DDP 14: one writer; every rank waits and learns the outcome
+def save_on_rank_0(write, is_main):  # DDP 12: one writer; every rank waits and learns the outcome
     """A collective: rank 0 calls write(); every rank waits for it and raises what it raised.
     Never call it inside `if is_main:`: the other ranks would not reach the broadcast."""
     error = None
@@ -603,6 +493,149 @@ def save_on_rank_0(write, is_main):  # DDP 14: one writer; every rank waits and 
         raise outcome[0]
 
 
+def leave_distributed():  # DDP 13: leave the process group on every path, error or not
+    """Free what a failed run left (a DDP model holds the group), then leave the group."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()  # waits for no one: each rank leaves on its own
+
+
+# --------------------------------------------------------------------------------- the model: a GPT
+def causal_attention(q, k, v):
+    """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
+    attention on GPUs); is_causal builds no mask. No dropout on the attention weights: on a CPU it
+    forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
+    bf16 CPU backward kernel is 3x slower than the fp32 one (measured: docs/performance.md)."""
+    if q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with torch.autocast("cpu", enabled=False):
+        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    return y.to(q.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        # qkv's outputs come head by head (head 0's q, k, v, then head 1's...): equal parts are
+        # whole heads, as a tensor-parallel split by heads needs; -1: the heads this module holds
+        qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
+        y = causal_attention(q, k, v)
+        return self.proj(y.transpose(1, 2).flatten(2))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attention(norm(x)), then x + MLP(norm(x))."""
+
+    def __init__(self, n_embd, n_head, dropout):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
+                                 nn.Linear(4 * n_embd, n_embd))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd, dropout):
+        super().__init__()
+        self.block_size = block_size
+        self.grad_checkpointing = False  # True: recompute each block's activations in backward
+        self.tok_emb = nn.Embedding(vocab_size, n_embd)
+        self.pos_emb = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # weight tying: one matrix embeds and un-embeds
+        if not self.head.weight.is_meta:  # on the meta device there is nothing to fill yet
+            self.init_weights(seed=0)
+
+    @torch.no_grad()
+    def init_weights(self, seed):
+        """Every parameter from initial_value(): the same weights for the same seed, whether
+        the model is made whole here or one parameter at a time (a sharded build, where each rank
+        fills only its own slice)."""
+        for name, p in self.named_parameters():
+            p.copy_(initial_value(name, p.shape, seed, len(self.blocks)))
+
+    def forward(self, idx, targets=None):
+        """Logits (B, T, vocab), and the mean cross-entropy per token if targets are given."""
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+        for block in self.blocks:
+            if self.grad_checkpointing and self.training:  # keep block inputs; recompute the rest
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature, top_k):
+        """Append max_new_tokens tokens to idx (1, T), each drawn from the model's prediction."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.block_size:])[0][:, -1] / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            idx = torch.cat([idx, torch.multinomial(logits.softmax(-1), 1)], dim=1)
+        return idx
+
+
+def initial_value(name, shape, seed, n_layer):
+    """The initial value of parameter `name`, GPT-2's scheme: N(0, 0.02) for matrices (residual
+    projections shrink with depth), zero biases, unit norm weights. Each parameter draws from a
+    generator of its own, seeded by (seed, name), so any one can be made without the others."""
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if len(shape) == 1:  # a LayerNorm's weight
+        return torch.ones(shape)
+    residual = name.endswith(("attn.proj.weight", "mlp.2.weight"))
+    std = 0.02 / math.sqrt(2 * n_layer) if residual else 0.02
+    generator = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=generator) * std
+
+
+# ------------------------- beyond the core: debugging, the replica check, the benchmark, the report
+def log_windows(run, windows):  # DDP 14: --debug, which windows each rank reads
+    """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
+    that lines from several processes never splice into each other."""
+    line = (f"[rank {run.rank}] {windows.per_epoch} micro-batches per epoch, "
+            f"first windows at tokens {windows.starts_of_epoch(0)[:4].tolist()}")
+    lines = [None] * run.world_size
+    dist.all_gather_object(lines, line)  # to rank 0, which prints them in rank order
+    print0(run.is_main, "\n".join(lines))
+
+
+def benchmark(run, model, optimizer, windows):
+    """--benchmark: 5 warm-up steps, then --max-steps timed ones; median ms/step and tokens/s."""
+    times = []
+    for step in range(5 + run.args.max_steps):
+        start = time.perf_counter()
+        loss, _ = train_step(run, model, optimizer, windows, step)  # talks
+        loss.item()  # wait for the device: the step is over
+        times.append(time.perf_counter() - start)
+    result = {**pace_keys(statistics.median(times[5:]), tokens_per_step(run)),
+              "timed_steps": run.args.max_steps}
+    log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
+    print0(run.is_main, f"benchmark | {result['step_ms']} ms/step | "
+                        f"{result['throughput']:,.0f} tok/s")
+    print0(run.is_main, summary_line(result))
+
+
 def report(run, raw_model, data, val_loss, meter):
     """The done line, the summary line, and (rank 0, the plain model) a taste of what it learned;
     on GPUs first every rank's peak memory (a collective)."""
@@ -615,16 +648,16 @@ def report(run, raw_model, data, val_loss, meter):
     print0(run.is_main, summary_line(summary))
     if run.args.export:  # FSDP 8: one plain file, for one-process sampling
         export(run, raw_model, data)  # talks: every rank's shards to rank 0
-    if unit == "byte" or data.itos:  # FSDP 7: every rank generates: each forward gathers weights
+    if unit == "byte" or data.itos:  # FSDP 5: every rank generates: each forward gathers weights
         raw_model.eval()
         start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
         first, args = torch.tensor([[start]], device=run.device), run.args
         out = raw_model.generate(first, args.max_new_tokens, args.temperature, args.top_k)
-        print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 7
+        print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 5
 
 
-def export(run, raw_model, data):  # FSDP 8: one plain file, chapter 3's format
-    """A collective: every rank's shards to rank 0's CPU, which writes chapter 3's format."""
+def export(run, raw_model, data):  # FSDP 8: one plain file, as one process saves it
+    """A collective: every rank's shards to rank 0's CPU, which writes one plain state_dict."""
     if not shards_finite(raw_model):  # talks: every rank gets the same answer
         raise SaveFailed(f"not exporting {run.args.export}: the weights are not finite")
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0
@@ -632,7 +665,7 @@ def export(run, raw_model, data):  # FSDP 8: one plain file, chapter 3's format
     save_on_rank_0(lambda: write_export(run, weights, data), run.is_main)  # talks
 
 
-def log_peak_gpu_memory(run):  # DDP 15: every rank's peak, printed by rank 0
+def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
     """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in rank
     order (measured: weights, gradients, optimizer state, activations; docs/fsdp.md)."""
     if run.device.type != "cuda":
@@ -643,19 +676,21 @@ def log_peak_gpu_memory(run):  # DDP 15: every rank's peak, printed by rank 0
            ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
 
 
-def leave_distributed():  # DDP 16: leave the process group on every path, error or not
-    """Free what a failed run left (a DDP model holds the group), then leave the group."""
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()  # waits for no one: each rank leaves on its own
-
-
 # ============================================================================== the plumbing
-# Flags, data files, mixed precision, the optimizer and schedule, checkpoint files, logging and
-# timing, sampling, and the errors: what any trainer needs, distributed or not.
 
 
 # ---------------------------------------- guards: each stops one thing going wrong in production
+def avoid_known_failures(args):  # guard: every guard, in one place, before the group is joined
+    """Exit code 2 for a launch that could never join a group; a workaround for each known fault."""
+    refuse_a_bad_launch(args.device)  # guard: no torchrun, or more processes than GPUs
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    backend = "nccl" if cuda else "gloo"
+    level = safe_debug_level(backend, args.debug, dist.get_debug_level())  # guard: DETAIL on gloo
+    dist.set_debug_level(level)  # before init_process_group, which reads it
+    if not cuda:
+        avoid_page_faults_on_cpu()  # guard: page faults every step on Linux CPUs
+
+
 def refuse_a_bad_launch(device_name):  # guard: a process that could never join a group
     """Exit code 2 and one line if torchrun did not start this process, or its GPU is missing."""
     def refuse(problem):
@@ -684,11 +719,9 @@ def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=D
     return level
 
 
-def avoid_page_faults_on_cpu(device):  # guard: glibc returning freed memory at once
+def avoid_page_faults_on_cpu():  # guard: glibc returning freed memory at once
     """On Linux CPUs (glibc), keep freed memory in the process: glibc hands each step's tens of MB
     (the logits) back to the OS, and page faults cost 10-30% of a step (docs/performance.md)."""
-    if device.type != "cpu":
-        return
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -835,9 +868,8 @@ def load_tokens(args, default_bytes=2_000_000):
 
 
 def read_meta(path):
-    """nanoGPT's meta.pkl ({"vocab_size", "itos", "stoi"}), read without running it. A pickle can
-    call any function while it loads; this unpickler refuses every class and function, so only
-    plain data can load, and only dicts, lists, strings and ints are accepted."""
+    """nanoGPT's meta.pkl ({"vocab_size", "itos", "stoi"}), read without running it: a pickle may
+    call any function; this unpickler refuses them all, and takes dicts, lists, strings and ints."""
     class PlainData(pickle.Unpickler):
         def find_class(self, module, name):
             raise pickle.UnpicklingError(f"it asks for {module}.{name}, not plain data")
@@ -911,17 +943,6 @@ def unigram_loss(train, val, vocab_size):
     in the training tokens: the loss to beat, for a model that ignores context."""
     counts = np.bincount(train, minlength=vocab_size) + 1.0  # +1: no token has probability 0
     return float(-np.log(counts / counts.sum())[val].mean())
-
-
-def validation_batches(run, val):
-    """This rank's validation batches, (inputs, targets) on its device: the first --eval-windows
-    non-overlapping windows of the validation tokens, dealt to the ranks round-robin."""
-    args = run.args
-    starts = np.arange(0, len(val) - args.block_size, args.block_size + 1)[:args.eval_windows]
-    mine = starts[run.dp_rank::run.dp_size]  # TP 2: by row
-    for i in range(0, len(mine), args.batch_size):
-        rows = val[mine[i:i + args.batch_size, None] + np.arange(args.block_size + 1)]
-        yield on_device(torch.from_numpy(rows.astype(np.int64)), run.device)
 
 
 def on_device(rows, device):
@@ -1019,9 +1040,8 @@ def state_bytes(state):
 
 
 def why_not_written(err, tmp, needed):
-    """Why writing `tmp` failed, in one line and the user's words: a full disk (or quota) says so,
-    with the room there is once the partial file is gone and the room a checkpoint needs; the
-    system's or torch's own words follow as the detail."""
+    """Why writing `tmp` failed, in one line: a full disk (or quota) says so, with the room left
+    (the partial file gone) and the room a checkpoint needs; then the system's or torch's words."""
     detail = getattr(err, "strerror", None) or (str(err).strip().splitlines() or [repr(err)])[0]
     folder = os.path.dirname(os.path.abspath(tmp))
     while not os.path.isdir(folder):  # a folder that could not be made
@@ -1065,7 +1085,7 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
             os.remove(tmp)
 
 
-def free_gathered_weights(model):  # FSDP 7: --reshard-after-forward no keeps them gathered
+def free_gathered_weights(model):  # FSDP 5: --reshard-after-forward no keeps them gathered
     """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
     sampling) gathered are freed, and the parameters are this rank's shards again."""
     for module in model.modules():
@@ -1198,10 +1218,9 @@ def tokens_per_step(run):
 
 
 def peak_tflops(gpu_name, amp):
-    """The dense peak TFLOPS of a GPU in the table (vendor datasheets, no sparsity; 16-bit with fp32
-    accumulation, as autocast runs) for the autocast dtype ("off": fp32 without TF32). Names match
-    word by word: an "H100 NVL" is no H100 SXM, an "L40" no "L4", an "A10G" no "A10". None for a GPU
-    not in the table."""
+    """The dense peak TFLOPS of a GPU in the table (datasheets, no sparsity; 16-bit with fp32
+    accumulation, as autocast runs) for the autocast dtype ("off": fp32 without TF32), or None.
+    Names match word by word: an "H100 NVL" is no H100 SXM, an "L40" no "L4", an "A10G" no "A10"."""
     words = gpu_name.replace("-", " ").split()
     table = {  # the words of a model's name: (16-bit tensor cores, fp32); variants first
         ("H100", "PCIe"): (756, 51), ("H100", "NVL"): (835, 60), ("H100",): (989, 67),
@@ -1380,5 +1399,5 @@ if __name__ == "__main__":
         sys.stderr.write(f"error: {err}\n")  # one write: lines from several ranks never splice
         code = err.code
     finally:
-        leave_distributed()  # DDP 16
+        leave_distributed()  # DDP 13
     sys.exit(code)

@@ -14,8 +14,9 @@ These tests prove that, for each of the five scripts,
    own lines (a `#` comment on the statement), and every step of main() that talks says so on its
    line or in the comment above it;
 3. the production guards (refusals, the debug level, the allocator, compile workarounds) are one
-   group of functions named `refuse_*`, `safe_*` or `avoid_*`, each tagged `# guard:`, and every
-   call of one in the lesson says `# guard` on its line;
+   group of functions named `refuse_*`, `safe_*` or `avoid_*`, each tagged `# guard:`, every call
+   of one says `# guard` on its line, and none runs inside a core step: main() calls them once,
+   through `avoid_known_failures`, before it joins the group;
 4. the detector is no rubber stamp: it finds the collectives above the line (init_process_group,
    all_reduce...), and flags a collective planted below the line, directly or through a helper.
 """
@@ -191,3 +192,8 @@ def test_the_guards_are_one_named_group(name):
     calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call)
              and called_name(c) in {g.name for g in guards}]
     assert calls and all("# guard" in lines[c.lineno - 1] for c in calls), name
+    mark = next(i for i, line in enumerate(lines, 1) if PLUMBING.match(line))
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    above = [(c.lineno, called_name(c)) for c in calls if c.lineno < mark]
+    assert [name for _, name in above] == ["avoid_known_failures"], f"{name}: guards in the core"
+    assert main.lineno < above[0][0] <= main.end_lineno  # once, in main(), before the group
