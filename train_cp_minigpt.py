@@ -15,21 +15,22 @@ bytes of this Python's own standard library, one token per byte (vocab 256), so 
 downloaded; `--data` also takes a text file, a .bin of uint16 token ids, or a nanoGPT folder.
 
 Read it top-down: main(), then its core steps in the order it calls them, the model, and what goes
-beyond the core (debugging, checks, the benchmark, the report). All that talks to other processes
-is above the line `# === the plumbing`; below it, guards, flags, files, logging and errors.
+beyond the core (debugging, the benchmark, the report). All that talks to other processes is above
+the line that ends `the plumbing`; below it, guards, flags, data, files, logging, sampling, errors.
 
 Tags: `# CP k` marks each line CP changes in the FSDP trainer, numbered in reading order:
   CP 1  --cp N: a (world / N, N) mesh ("dp", "cp"); a row is consecutive ranks, one node
   CP 2  data and global batch by the dp row: a row's ranks share its sequences
   CP 3  Context: rank i holds chunks i and 2N - 1 - i of each sequence; loss, evaluation on them
   CP 4  GatherContext: all-gather K, V (backward: reduce-scatter); keys up to each chunk's end
-  CP 5  the model takes a context: global positions, and the attention over the gathered keys
+  CP 5  the model takes a context: global positions; attention over gathered keys, lower-right
   CP 6  its checkpoint and export names: the FSDP trainer's formats
 What CP saves: each rank holds 1/cp of every sequence's activations (embeddings, norms, MLPs,
 the residual stream, logits). What it keeps: each block's keys and values of the whole sequence,
 gathered and held for backward (2 T C numbers, whatever cp is), and on a CPU each chunk's mask.
 Weights, gradients and AdamW state are FSDP's shards. Positions are global.
-Kept from the DDP trainer (chapter 3), where they mark the same lines:
+Kept from the DDP trainer (chapter 3), where they mark the same lines (8, 10, 15: DDP's wrapper,
+no_sync and replica check, which FSDP 4 and 7 replace):
   DDP 1  join the group torchrun started             DDP 9   SUM over ranks, then divide
   DDP 2  one GPU per process, by LOCAL_RANK          DDP 11  every rank's RNG state, saved
   DDP 3  is_main: rank 0 alone logs and saves        DDP 12  rank 0 writes, every rank waits
@@ -90,12 +91,12 @@ def main(argv=None):
     # "talks" waits for the others: every rank calls it, in the same order
     device, rank, world_size = init_distributed(args.device, args.dist_timeout)  # talks
     run = make_run(args, device, rank, world_size)
-    # data: every rank reads its own windows of the training tokens
+    # data: each data-parallel replica reads its own windows of the training tokens
     data = build_data(run)  # talks with --debug: rank 0 prints each rank's windows
-    # model: the same initial weights on every rank, resumed if asked, then wrapped
+    # model: one process's initial weights, whole or sharded, resumed if asked, then wrapped
     raw_model, optimizer = build_model(run, data.vocab_size)  # talks where the model is sharded
     start = resumed_step(run, raw_model, optimizer, data)  # talks: rank 0 finds it, all agree
-    model = wrap_model(run, raw_model)  # talks under DDP: rank 0's weights go to every rank
+    model = wrap_model(run, raw_model)  # talks under DDP (rank 0's weights to all); FSDP: silent
     if args.benchmark:
         return benchmark(run, model, optimizer, data.windows)  # talks: training steps, timed
     # train: log, evaluate and save on schedule
@@ -187,7 +188,7 @@ class Context:  # CP 3: this rank's share of every sequence, and how its queries
     def __init__(self, group, cp_rank, args, device):
         # cp 2, 16 tokens, 4 chunks of 4: rank 0 holds positions 0-3 and 12-15, rank 1 4-7, 8-11.
         # Gathered in rank order the keys stand as 0-3, 12-15, 4-7, 8-11; order [0-3, 8-15, 4-7]
-        # sorts them to 0-15. ends: rank 0 [4, 16], rank 1 [8, 12] (queries 12-15 read keys 0-15)
+        # (indices into the gathered keys) sorts them to 0-15. ends: rank 0 [4, 16], rank 1 [8, 12]
         every = [chunk_positions(r, args.cp, args.block_size) for r in range(args.cp)]
         self.group, self.cp, self.positions = group, args.cp, every[cp_rank].to(device)  # CP 3
         self.order = torch.cat(every).argsort().to(device)  # CP 4: gathered -> sequence order
@@ -263,7 +264,7 @@ def build_data(run):
 class Windows:
     """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
     block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
-    ranks round-robin: each token once an epoch, on one rank (a DataLoader's equivalent:
+    ranks round-robin: each token at most once an epoch, on one rank (a DataLoader's equivalent:
     DistributedSampler(drop_last=True) and set_epoch(epoch)). Micro-batch k depends on k and the
     ranks alone, so a run resumed with as many ranks reads what the uninterrupted one would have."""
 
@@ -436,7 +437,7 @@ def validation_batches(run, val):
 
 
 @torch.no_grad()
-def mean_loss_over_ranks(model, batches, context):  # CP 3: FSDP 1's, on this rank's tokens
+def mean_loss_over_ranks(model, batches, context):  # CP 3: on this rank's tokens
     """The mean cross-entropy per target over all ranks' batches (inputs, targets): each rank
     sums its own, one all-reduce adds the sums and the counts up. A collective: every rank calls
     it (evaluate() says how many batches each rank may bring)."""
@@ -471,7 +472,7 @@ def train_step(run, model, optimizer, windows, step):
     return loss, grad_norm
 
 
-def accumulate_gradients(model, batches, context):  # CP 3: FSDP 7's, on this rank's tokens
+def accumulate_gradients(model, batches, context):  # CP 3: on this rank's tokens
     """Forward and backward over each micro-batch (inputs, targets): gradients add up in each
     rank's shards, and FSDP reduce-scatters them once, in the last backward; the mean loss."""
     total = 0.0
@@ -479,6 +480,8 @@ def accumulate_gradients(model, batches, context):  # CP 3: FSDP 7's, on this ra
         model.set_requires_gradient_sync(i == len(batches) - 1)  # FSDP 7: FSDP's no_sync
         _, loss = model(x, y, context)  # CP 3: the mean over this rank's tokens
         loss = loss / len(batches)  # micro-batches of equal size: the mean of their means
+        # CP 3: the last backward averages each gradient over every rank, dp and cp alike: the mean
+        # of the ranks' means over equal shares of tokens, so one process's gradient
         loss.backward()  # CP 4: talks: each block reduce-scatters its keys' and values' gradients
         total += loss.detach()
     return total
@@ -529,7 +532,7 @@ def save_on_rank_0(write, is_main):  # DDP 12: one writer; every rank waits and 
 
 
 def leave_distributed():  # DDP 13: leave the process group on every path, error or not
-    """Free what a failed run left (a DDP model holds the group), then leave the group."""
+    """Free what a failed run left (a model's hooks may hold the group), then leave the group."""
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()  # waits for no one: each rank leaves on its own
@@ -538,17 +541,16 @@ def leave_distributed():  # DDP 13: leave the process group on every path, error
 # --------------------------------------------------------------------------------- the model: a GPT
 def causal_attention(q, k, v):
     """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
-    attention on GPUs); is_causal builds no mask. No dropout on the attention weights: on a CPU it
+    attention on GPUs: no causal mask is built). No dropout on the attention weights: on a CPU it
     forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
     bf16 CPU backward kernel is 3x slower than the fp32 one (measured: docs/performance.md)."""
-    # CP 5: q holds the last positions of k's sequence. The lower-right mask aligns the diagonal
+    # CP 5: q holds the last positions of k's sequence. The lower-right mask aligns the last query
     # with the last key: queries 12-15 over 16 keys, query 12 reads keys 0-12 (is_causal=True
-    # would align it with the first: key 0 alone, and train wrong). A CPU builds the mask
+    # would align the first query with the first key: key 0 alone, and train wrong)
     causal = causal_lower_right(q.shape[-2], k.shape[-2])
-    if q.device.type != "cpu":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal)  # CP 5
-    with torch.autocast("cpu", enabled=False):
-        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),  # CP 5
+    cpu = q.device.type == "cpu"  # CP 5: one call, one mask, on every device (tested on a CPU)
+    with torch.autocast("cpu", enabled=False) if cpu else contextlib.nullcontext():
+        y = F.scaled_dot_product_attention(*(t.float() if cpu else t for t in (q, k, v)),
                                            attn_mask=causal)
     return y.to(q.dtype)
 
@@ -655,7 +657,7 @@ def initial_value(name, shape, seed, n_layer):
     return torch.randn(shape, generator=generator) * std
 
 
-# ------------------------- beyond the core: debugging, the replica check, the benchmark, the report
+# -------------------------------------------- beyond the core: debugging, the benchmark, the report
 def log_windows(run, windows):  # DDP 14: --debug, which windows each rank reads
     """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
     that lines from several processes never splice into each other."""
@@ -683,8 +685,8 @@ def benchmark(run, model, optimizer, windows):
 
 
 def report(run, raw_model, data, val_loss, meter):
-    """The done line, the summary line, and (rank 0, the plain model) a taste of what it learned;
-    on GPUs first every rank's peak memory (a collective)."""
+    """The done line, the summary line, and a taste of what it learned, printed by rank 0; on GPUs
+    first every rank's peak memory (a collective)."""
     log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
     summary = {**meter.summary(), "val_loss": val_loss, "baseline_loss": data.baseline}
     unit = "byte" if data.vocab_size == 256 else "token"

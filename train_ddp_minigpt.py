@@ -14,23 +14,23 @@ one token per byte (vocab 256), so nothing is downloaded; `--data` also takes a 
 of uint16 token ids, or a nanoGPT folder.
 
 Read it top-down: main(), then its core steps in the order it calls them, the model, and what goes
-beyond the core (debugging, checks, the benchmark, the report). All that talks to other processes
-is above the line `# === the plumbing`; below it, guards, flags, files, logging and errors.
+beyond the core (debugging, the benchmark, the report). All that talks to other processes is above
+the line that ends `the plumbing`; below it, guards, flags, data, files, logging, sampling, errors.
 
 Tags: `# DDP k` marks each line DDP adds to a one-process trainer, numbered in reading order:
   DDP 1   init_process_group: join the processes torchrun started; every collective needs it
   DDP 2   one GPU per process, picked by LOCAL_RANK before any CUDA work: none piles onto GPU 0
   DDP 3   is_main = rank == 0: one process logs and writes files, not every one of them
-  DDP 4   each rank its own windows of an epoch: the ranks train on different data
+  DDP 4   each rank its own share: windows of an epoch, validation slices; no sample twice
   DDP 5   one shuffled order, the same on every rank and new each epoch: the shares stay disjoint
   DDP 6   dropout seeded by rank: the replicas draw different masks, as one big batch would
   DDP 7   resume: rank 0 looks for the checkpoint and every rank agrees, or all stop
   DDP 8   DDP(model): rank 0's weights to every rank; backward() averages the gradients
   DDP 9   SUM over ranks, then divide (gloo has no AVG); evaluate model.module, the plain model
-  DDP 10  no_sync() for all micro-batches but the last: one all-reduce per step, not one each
-  DDP 11  every rank's RNG state in the checkpoint: a resumed run draws what it would have
+  DDP 10  no_sync() for all micro-batches but the last: gradients synced once a step, not each
+  DDP 11  every rank's RNG state in the checkpoint: resumed at as many ranks, the same draws
   DDP 12  rank 0 writes, every rank waits and learns how it went: a failed save stops them all
-  DDP 13  leave the group on every path, error or not: no process is left waiting
+  DDP 13  leave the group on every path, error or not: each process ends cleanly
   DDP 14  --debug: which windows each rank reads, printed by rank 0 in rank order
   DDP 15  --check-sync: every rank's weight hash; replicas that differ stop the run
   DDP 16  every rank's peak GPU memory, printed by rank 0
@@ -74,12 +74,12 @@ def main(argv=None):
     # "talks" waits for the others: every rank calls it, in the same order
     device, rank, world_size = init_distributed(args.device, args.dist_timeout)  # talks
     run = make_run(args, device, rank, world_size)
-    # data: every rank reads its own windows of the training tokens
+    # data: each data-parallel replica reads its own windows of the training tokens
     data = build_data(run)  # talks with --debug: rank 0 prints each rank's windows
-    # model: the same initial weights on every rank, resumed if asked, then wrapped
+    # model: one process's initial weights, whole or sharded, resumed if asked, then wrapped
     raw_model, optimizer = build_model(run, data.vocab_size)  # talks where the model is sharded
     start = resumed_step(run, raw_model, optimizer, data)  # talks: rank 0 finds it, all agree
-    model = wrap_model(run, raw_model)  # talks under DDP: rank 0's weights go to every rank
+    model = wrap_model(run, raw_model)  # talks under DDP (rank 0's weights to all); FSDP: silent
     if args.benchmark:
         return benchmark(run, model, optimizer, data.windows)  # talks: training steps, timed
     # train: log, evaluate and save on schedule
@@ -175,7 +175,7 @@ def build_data(run):
 class Windows:
     """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
     block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
-    ranks round-robin: each token once an epoch, on one rank (a DataLoader's equivalent:
+    ranks round-robin: each token at most once an epoch, on one rank (a DataLoader's equivalent:
     DistributedSampler(drop_last=True) and set_epoch(epoch)). Micro-batch k depends on k and the
     ranks alone, so a run resumed with as many ranks reads what the uninterrupted one would have."""
 
@@ -384,7 +384,7 @@ def save_on_rank_0(write, is_main):  # DDP 12: one writer; every rank waits and 
 
 
 def leave_distributed():  # DDP 13: leave the process group on every path, error or not
-    """Free what a failed run left (a DDP model holds the group), then leave the group."""
+    """Free what a failed run left (a model's hooks may hold the group), then leave the group."""
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()  # waits for no one: each rank leaves on its own
@@ -393,7 +393,7 @@ def leave_distributed():  # DDP 13: leave the process group on every path, error
 # --------------------------------------------------------------------------------- the model: a GPT
 def causal_attention(q, k, v):
     """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
-    attention on GPUs); is_causal builds no mask. No dropout on the attention weights: on a CPU it
+    attention on GPUs: no causal mask is built). No dropout on the attention weights: on a CPU it
     forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
     bf16 CPU backward kernel is 3x slower than the fp32 one (measured: docs/performance.md)."""
     if q.device.type != "cpu":
@@ -499,7 +499,7 @@ def initial_value(name, shape, seed, n_layer):
     return torch.randn(shape, generator=generator) * std
 
 
-# ------------------------- beyond the core: debugging, the replica check, the benchmark, the report
+# -------------------------------------------- beyond the core: debugging, the benchmark, the report
 def log_windows(run, windows):  # DDP 14: --debug, which windows each rank reads
     """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
     that lines from several processes never splice into each other."""
@@ -536,8 +536,8 @@ def check_replicas_in_sync(model, when):  # DDP 15: --check-sync, every rank's w
 
 
 def report(run, raw_model, data, val_loss, meter):
-    """The done line, the summary line, and (rank 0, the plain model) a taste of what it learned;
-    on GPUs first every rank's peak memory (a collective)."""
+    """The done line, the summary line, and a taste of what it learned, printed by rank 0; on GPUs
+    first every rank's peak memory (a collective)."""
     log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
     summary = {**meter.summary(), "val_loss": val_loss, "baseline_loss": data.baseline}
     unit = "byte" if data.vocab_size == 256 else "token"

@@ -15,8 +15,8 @@ nodes, each node is one stage. Sampling runs in one plain process. Default data:
 is downloaded; `--data` also takes a text file, a .bin of uint16 token ids, or a nanoGPT folder.
 
 Read it top-down: main(), then its core steps in the order it calls them, the model, and what goes
-beyond the core (debugging, checks, the benchmark, the report). All that talks to other processes
-is above the line `# === the plumbing`; below it, guards, flags, files, logging and errors.
+beyond the core (debugging, the benchmark, the report). All that talks to other processes is above
+the line that ends `the plumbing`; below it, guards, flags, data, files, logging, sampling, errors.
 
 Tags: `# PP k` marks each line PP changes in the FSDP trainer, numbered in reading order:
   PP 1  a PipelineStage in a schedule (1f1b, gpipe) of --grad-accum micro-batches per step
@@ -29,7 +29,8 @@ Tags: `# PP k` marks each line PP changes in the FSDP trainer, numbered in readi
   PP 8  the gradient norm summed over every stage and shard: one process's clipping
 Per micro-batch, activations go forward between stages and their gradients back. GPipe runs all
 forwards, then all backwards; 1F1B alternates, so stage s holds at most pp - s micro-batches.
-Kept from the DDP trainer (chapter 3), where they mark the same lines:
+Kept from the DDP trainer (chapter 3), where they mark the same lines (8, 10, 15: DDP's wrapper,
+no_sync and replica check, which FSDP 4 and 7 replace):
   DDP 1  join the group torchrun started             DDP 9   SUM over ranks, then divide
   DDP 2  one GPU per process, by LOCAL_RANK          DDP 11  every rank's RNG state, saved
   DDP 3  is_main: rank 0 alone logs and saves        DDP 12  rank 0 writes, every rank waits
@@ -89,12 +90,12 @@ def main(argv=None):
     # "talks" waits for the others: every rank calls it, in the same order
     device, rank, world_size = init_distributed(args.device, args.dist_timeout)  # talks
     run = make_run(args, device, rank, world_size)
-    # data: every rank reads its own windows of the training tokens
+    # data: each data-parallel replica reads its own windows of the training tokens
     data = build_data(run)  # talks with --debug: rank 0 prints each rank's windows
-    # model: the same initial weights on every rank, resumed if asked, then wrapped
+    # model: one process's initial weights, whole or sharded, resumed if asked, then wrapped
     raw_model, optimizer = build_model(run, data.vocab_size)  # talks where the model is sharded
     start = resumed_step(run, raw_model, optimizer, data)  # talks: rank 0 finds it, all agree
-    model = wrap_model(run, raw_model)  # talks under DDP: rank 0's weights go to every rank
+    model = wrap_model(run, raw_model)  # talks under DDP (rank 0's weights to all); FSDP: silent
     schedule = pipeline_schedule(run, model)  # PP 1: this rank's stage in a pipeline schedule
     if args.benchmark:
         return benchmark(run, schedule, model, optimizer, data.windows)  # PP 1; talks
@@ -216,7 +217,7 @@ def build_data(run):
 class Windows:
     """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
     block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
-    ranks round-robin: each token once an epoch, on one rank (a DataLoader's equivalent:
+    ranks round-robin: each token at most once an epoch, on one rank (a DataLoader's equivalent:
     DistributedSampler(drop_last=True) and set_epoch(epoch)). Micro-batch k depends on k and the
     ranks alone, so a run resumed with as many ranks reads what the uninterrupted one would have."""
 
@@ -528,7 +529,7 @@ def save_on_rank_0(write, is_main):  # DDP 12: one writer; every rank waits and 
 
 
 def leave_distributed():  # DDP 13: leave the process group on every path, error or not
-    """Free what a failed run left (a DDP model holds the group), then leave the group."""
+    """Free what a failed run left (a model's hooks may hold the group), then leave the group."""
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()  # waits for no one: each rank leaves on its own
@@ -537,7 +538,7 @@ def leave_distributed():  # DDP 13: leave the process group on every path, error
 # --------------------------------------------------------------------------------- the model: a GPT
 def causal_attention(q, k, v):
     """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
-    attention on GPUs); is_causal builds no mask. No dropout on the attention weights: on a CPU it
+    attention on GPUs: no causal mask is built). No dropout on the attention weights: on a CPU it
     forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
     bf16 CPU backward kernel is 3x slower than the fp32 one (measured: docs/performance.md)."""
     if q.device.type != "cpu":
@@ -686,7 +687,7 @@ def mean_token_loss(logits, targets):  # PP 1: the last stage's loss, per micro-
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-# ------------------------- beyond the core: debugging, the replica check, the benchmark, the report
+# -------------------------------------------- beyond the core: debugging, the benchmark, the report
 def log_windows(run, windows):  # DDP 14: --debug, which windows each rank reads
     """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
     that lines from several processes never splice into each other."""
@@ -715,8 +716,8 @@ def benchmark(run, schedule, model, optimizer, windows):  # PP 1
 
 
 def report(run, raw_model, data, val_loss, meter):
-    """The done line, the summary line, and (rank 0, the plain model) a taste of what it learned;
-    on GPUs first every rank's peak memory (a collective)."""
+    """The done line, the summary line, and a taste of what it learned, printed by rank 0; on GPUs
+    first every rank's peak memory (a collective)."""
     log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
     summary = {**meter.summary(), "val_loss": val_loss, "baseline_loss": data.baseline}
     unit = "byte" if data.vocab_size == 256 else "token"

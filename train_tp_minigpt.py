@@ -14,8 +14,8 @@ bytes of this Python's own standard library, one token per byte (vocab 256), so 
 downloaded; `--data` also takes a text file, a .bin of uint16 token ids, or a nanoGPT folder.
 
 Read it top-down: main(), then its core steps in the order it calls them, the model, and what goes
-beyond the core (debugging, checks, the benchmark, the report). All that talks to other processes
-is above the line `# === the plumbing`; below it, guards, flags, files, logging and errors.
+beyond the core (debugging, the benchmark, the report). All that talks to other processes is above
+the line that ends `the plumbing`; below it, guards, flags, data, files, logging, sampling, errors.
 
 Tags: `# TP k` marks each line TP changes in the FSDP trainer, numbered in reading order:
   TP 1  --tp N: a (world / N, N) mesh ("dp", "tp"); a row is consecutive ranks, one node
@@ -24,7 +24,8 @@ Tags: `# TP k` marks each line TP changes in the FSDP trainer, numbered in readi
   TP 4  each block split by parallelize_module over the row, then fully_shard over the column
   TP 5  random streams restored only at the same grid: a row's ranks draw alike
   TP 6  the gradient norm per mesh, then combined: clip_grad_norm_ cannot mix two meshes
-Kept from the DDP trainer (chapter 3), where they mark the same lines:
+Kept from the DDP trainer (chapter 3), where they mark the same lines (6: dropout by row, TP 2;
+8, 10, 15: DDP's wrapper, no_sync and replica check, which FSDP 4 and 7 replace):
   DDP 1  join the group torchrun started             DDP 9   SUM over ranks, then divide
   DDP 2  one GPU per process, by LOCAL_RANK          DDP 11  every rank's RNG state, saved
   DDP 3  is_main: rank 0 alone logs and saves        DDP 12  rank 0 writes, every rank waits
@@ -86,12 +87,12 @@ def main(argv=None):
     # "talks" waits for the others: every rank calls it, in the same order
     device, rank, world_size = init_distributed(args.device, args.dist_timeout)  # talks
     run = make_run(args, device, rank, world_size)
-    # data: every rank reads its own windows of the training tokens
+    # data: each data-parallel replica reads its own windows of the training tokens
     data = build_data(run)  # talks with --debug: rank 0 prints each rank's windows
-    # model: the same initial weights on every rank, resumed if asked, then wrapped
+    # model: one process's initial weights, whole or sharded, resumed if asked, then wrapped
     raw_model, optimizer = build_model(run, data.vocab_size)  # talks where the model is sharded
     start = resumed_step(run, raw_model, optimizer, data)  # talks: rank 0 finds it, all agree
-    model = wrap_model(run, raw_model)  # talks under DDP: rank 0's weights go to every rank
+    model = wrap_model(run, raw_model)  # talks under DDP (rank 0's weights to all); FSDP: silent
     if args.benchmark:
         return benchmark(run, model, optimizer, data.windows)  # talks: training steps, timed
     # train: log, evaluate and save on schedule
@@ -204,7 +205,7 @@ def build_data(run):
 class Windows:
     """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
     block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
-    ranks round-robin: each token once an epoch, on one rank (a DataLoader's equivalent:
+    ranks round-robin: each token at most once an epoch, on one rank (a DataLoader's equivalent:
     DistributedSampler(drop_last=True) and set_epoch(epoch)). Micro-batch k depends on k and the
     ranks alone, so a run resumed with as many ranks reads what the uninterrupted one would have."""
 
@@ -494,7 +495,7 @@ def save_on_rank_0(write, is_main):  # DDP 12: one writer; every rank waits and 
 
 
 def leave_distributed():  # DDP 13: leave the process group on every path, error or not
-    """Free what a failed run left (a DDP model holds the group), then leave the group."""
+    """Free what a failed run left (a model's hooks may hold the group), then leave the group."""
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()  # waits for no one: each rank leaves on its own
@@ -503,7 +504,7 @@ def leave_distributed():  # DDP 13: leave the process group on every path, error
 # --------------------------------------------------------------------------------- the model: a GPT
 def causal_attention(q, k, v):
     """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
-    attention on GPUs); is_causal builds no mask. No dropout on the attention weights: on a CPU it
+    attention on GPUs: no causal mask is built). No dropout on the attention weights: on a CPU it
     forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
     bf16 CPU backward kernel is 3x slower than the fp32 one (measured: docs/performance.md)."""
     if q.device.type != "cpu":
@@ -609,7 +610,7 @@ def initial_value(name, shape, seed, n_layer):
     return torch.randn(shape, generator=generator) * std
 
 
-# ------------------------- beyond the core: debugging, the replica check, the benchmark, the report
+# -------------------------------------------- beyond the core: debugging, the benchmark, the report
 def log_windows(run, windows):  # DDP 14: --debug, which windows each rank reads
     """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
     that lines from several processes never splice into each other."""
@@ -637,8 +638,8 @@ def benchmark(run, model, optimizer, windows):
 
 
 def report(run, raw_model, data, val_loss, meter):
-    """The done line, the summary line, and (rank 0, the plain model) a taste of what it learned;
-    on GPUs first every rank's peak memory (a collective)."""
+    """The done line, the summary line, and a taste of what it learned, printed by rank 0; on GPUs
+    first every rank's peak memory (a collective)."""
     log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
     summary = {**meter.summary(), "val_loss": val_loss, "baseline_loss": data.baseline}
     unit = "byte" if data.vocab_size == 256 else "token"

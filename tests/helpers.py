@@ -39,6 +39,7 @@ TINY_GPT = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size",
 CONSTANT_LR = ["--warmup-steps", "0", "--lr", "3e-3", "--min-lr", "3e-3"]
 SHARDED = TINY_GPT + ["--batch-size", "6", "--grad-accum", "2", *CONSTANT_LR,
                       "--max-new-tokens", "1"]
+EVAL_6 = ["--eval-every", "6"]  # the references' validation losses at steps 0, 6, 12 and 18
 
 sys.path.insert(0, str(REPO))  # the trainers are importable: `trainer(GPT).GPT`, `.parse_args`...
 
@@ -249,6 +250,12 @@ def logged_grad_norms(stdout):
     return {int(m.group(1)): float(m.group(3)) for m in LOG_LINE.finditer(stdout)}
 
 
+def logged_val_losses(stdout):
+    """{step: validation loss} of an LM trainer's log lines (printed to 4 decimals)."""
+    return {int(step): float(loss) for step, loss in
+            re.findall(r"^step (\d+)/\d+ \| val loss (\d+\.\d+)", stdout, re.M)}
+
+
 def weights(path):
     import torch
     return torch.load(path, map_location="cpu", weights_only=True)["model"]
@@ -413,7 +420,7 @@ def demo_run():
 
 @functools.cache
 def ddp_reference():
-    """Chapter 3 at 2 processes for 18 steps of SHARDED, run once: the run that chapters 7 and 8
+    """Chapter 3 at 2 processes for 18 steps of SHARDED (evaluated every 6), run once: the run that chapters 7 and 8
     must reproduce, and chapter 3's own proofs of its data and communication (test_minigpt.py). It
     runs through tests/probe_minigpt.py's `record` (each rank's windows and gradient all-reduces,
     written to the folder), with --debug (each rank's windows logged, replicas checked in sync),
@@ -421,7 +428,8 @@ def ddp_reference():
     the folder of the records)."""
     folder = scratch("ddp_reference")
     cmd = command("tests/probe_minigpt.py", ["record", folder, *SHARDED, "--max-steps", 18,
-                                             "--debug", "--save", folder / "ddp.pt"], nproc=2)
+                                             *EVAL_6, "--debug", "--save", folder / "ddp.pt"],
+                  nproc=2)
     with hostile_shell():  # the launch ignores a user's SLURM, torchrun and debug settings
         proc = start(cmd, REPO)
     return ok(finish(proc, cmd)), folder / "ddp.pt", folder
@@ -429,11 +437,12 @@ def ddp_reference():
 
 @functools.cache
 def one_process_reference():
-    """Chapter 3 in one process (in this one) for 18 steps of SHARDED with --batch-size 12: the
+    """Chapter 3 in one process (in this one) for 18 steps of SHARDED with --batch-size 12
+    (evaluated every 6): the
     global batch of ddp_reference (2 processes of 6) in one process, the run that chapters 8 and 9
     must reproduce. Returns (what it printed, its checkpoint)."""
     ckpt = scratch("one_process") / "one.pt"
-    out = in_process(GPT, SHARDED + ["--max-steps", 18, "--batch-size", 12, "--save", ckpt])
+    out = in_process(GPT, SHARDED + ["--max-steps", 18, "--batch-size", 12, *EVAL_6, "--save", ckpt])
     return out, ckpt
 
 

@@ -2,19 +2,26 @@
 torchrun launches on CPU/gloo. These tests prove:
 
 1. the same math as one process: at the same seed, data and flags (2 accumulation steps, gradient
-   norms above --clip, so clipping binds), --cp 2 at 2 processes logs the losses and gradient norms
-   of chapter 3 in one process with the same global batch (1e-5 relative), for 10 steps (5-14). So
-   would not a run where a rank's queries saw a later token (the loss falls too fast), where the
-   positions were a rank's own (0..T/cp - 1, not its tokens' places in the sequence), or where a
-   rank's keys and values got no gradient from the other rank's queries;
+   norms above --clip, so clipping binds), --cp 2 at 2 processes with --grad-checkpointing logs the
+   losses and gradient norms of chapter 3 in one process with the same global batch (1e-5
+   relative: the last printed digit of a loss; norms print 3 decimals), for 10 steps (5-14), and
+   its validation losses at steps 6 and 12 (1e-4: 4 decimals; the control: they differ by more).
+   So would not a run where a rank's queries saw a later token (the loss falls too fast), where the
+   positions were a rank's own (0..T/cp - 1, not its tokens' places in the sequence), where a
+   rank's keys and values got no gradient from the other rank's queries, where a checkpointed
+   block lost its context, or where validation windows were dealt by rank instead of by row or
+   their tokens counted twice;
 2. dp 2 x cp 2 at 4 processes, two nodes of 2 started through chapter 4's launcher, logs the
-   losses and gradient norms of 2 DDP processes (1e-5 relative): every rank of a row reads one
-   batch, and the rows read what DDP's ranks read;
+   losses and gradient norms of 2 DDP processes (1e-5 relative) and their validation losses at
+   steps 0 and 6: every rank of a row reads one batch, the rows read what DDP's ranks read, and
+   the validation sums of every rank add up (none is left out);
 3. the split the docs describe: at cp 2 and T 32, context rank 0 holds tokens 0-7 and 24-31 and
    rank 1 tokens 8-23, whatever its row; the split line shows equal attention work (50%, 50%)
    where contiguous halves would give 26% and 74%; at cp 4 the chunks cover each position once
    with equal work; each block's all-gather returns the keys and values of the whole sequence,
-   once per block and micro-batch;
+   once per block and micro-batch; a chunk's attention (one function and mask on every device,
+   so the GPU's path runs here too) equals the rows of whole-sequence causal attention it holds,
+   where torch's is_causal=True (aligned with the first key) does not;
 4. checkpoints are chapter 7's: the --cp 2 run resumes chapter 7's checkpoint (step 4), and
    chapter 7 resumes its last (step 14) to step 18 with one process's losses and weights; its
    export samples in chapter 3; a rank SIGKILLed at step 10 under `torchrun --max-restarts=1`
@@ -28,9 +35,12 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
-from helpers import (GPT, REPO, SHARDED, as_script, command, ddp_reference, finish, in_process,
-                     ok, one_process_reference, start, start_two_nodes, summary, trainer)
+from helpers import logged_val_losses as val_losses
+from helpers import (EVAL_6, GPT, REPO, SHARDED, as_script, command, ddp_reference, finish,
+                     in_process, ok, one_process_reference, start, start_two_nodes, summary,
+                     trainer)
 
 import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
 
@@ -49,11 +59,12 @@ def runs(tmp_path_factory):
     (d / "grid").mkdir()
     (d / "rec").mkdir()
     grid = start_two_nodes("tests/probe_cp.py", ["record", d / "grid", *SHARDED, "--cp", 2,
-                                                 "--max-steps", 10, "--save", "", "--export", ""],
-                           nproc=2)
+                                                 "--max-steps", 10, *EVAL_6, "--save", "",
+                                                 "--export", ""], nproc=2)
     in_process(FSDP, ONE + ["--max-steps", 4, "--save", d / "ck", "--export", ""])
     cmd = command("tests/probe_cp.py", ["crash", "10:1", d / "rec", *ONE, "--cp", 2,
-                                        "--max-steps", 14, "--save-every", 4, "--save", d / "ck",
+                                        "--max-steps", 14, *EVAL_6, "--grad-checkpointing",
+                                        "--save-every", 4, "--save", d / "ck",
                                         "--resume", "auto", "--export", d / "cp.pt"],
                   nproc=2, torchrun_args=["--max-restarts=1"])
     proc = start(cmd, REPO, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # pytorch#135712
@@ -65,14 +76,18 @@ def runs(tmp_path_factory):
     return {**r, "dir": d}
 
 
-def test_cp2_logs_one_processs_losses_and_gradient_norms(runs):
-    out, (one, _) = runs["restarted"], runs["one"]
+def test_cp2_logs_one_processs_losses_gradient_norms_and_validation_losses(runs):
+    out, (one, _) = runs["restarted"], runs["one"]  # with --grad-checkpointing
     assert "world size 2 (1 dp x 2 cp)" in out
     assert sorted(losses(out)) == list(range(5, 15))
-    for step, loss in losses(out).items():
+    for step, loss in losses(out).items():  # printed to 4 decimals: 1e-5 relative is the last one
         assert loss == pytest.approx(losses(one)[step], rel=1e-5), step
-    for step, norm in grad_norms(out).items():  # above --clip 1.0: clipping binds
+    for step, norm in grad_norms(out).items():  # above --clip 1.0: clipping binds; 3 decimals
         assert norm > 1.0 and norm == pytest.approx(grad_norms(one)[step], rel=1e-5), step
+    assert {6, 12} <= set(val_losses(out))  # every 6 steps, and at its starts (4, 8) and end
+    for step in (6, 12):  # 4 decimals; the control: the loss at 6 is not the loss at 12
+        assert val_losses(out)[step] == pytest.approx(val_losses(one)[step], abs=1e-4), step
+    assert abs(val_losses(one)[6] - val_losses(one)[12]) > 0.01
 
 
 def test_dp2_x_cp2_on_two_nodes_logs_ddps_losses_and_gradient_norms(runs):
@@ -83,6 +98,9 @@ def test_dp2_x_cp2_on_two_nodes_logs_ddps_losses_and_gradient_norms(runs):
         assert loss == pytest.approx(losses(ddp)[step], rel=1e-5), step
     for step, norm in grad_norms(grid).items():
         assert norm > 1.0 and norm == pytest.approx(grad_norms(ddp)[step], rel=1e-5), step
+    assert sorted(val_losses(grid)) == [0, 6, 10]  # each row's windows, summed over every rank
+    for step in (0, 6):
+        assert val_losses(grid)[step] == pytest.approx(val_losses(ddp)[step], abs=1e-4), step
 
 
 def test_each_rank_holds_an_early_chunk_and_a_late_one(runs):
@@ -105,6 +123,20 @@ def test_four_context_ranks_cover_every_position_once_with_equal_work():
     assert len({int((s + 1).sum()) for s in shares}) == 1  # query p reads p + 1 keys
     contiguous = [torch.arange(16 * r, 16 * r + 16) for r in range(4)]  # the control: unequal
     assert len({int((s + 1).sum()) for s in contiguous}) == 4
+
+
+def test_a_chunks_queries_read_every_key_up_to_their_own_place():
+    """The attention a chunk runs, the same function and mask on a GPU (only the dtype differs)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g) for _ in range(3))
+    whole = cp.causal_attention(q, k, v)
+    torch.testing.assert_close(whole, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    last = cp.causal_attention(q[..., 12:, :], k, v)  # positions 12-15 over keys 0-15
+    torch.testing.assert_close(last, whole[..., 12:, :])
+    inner = cp.causal_attention(q[..., 8:12, :], k[..., :12, :], v[..., :12, :])  # its end: 12
+    torch.testing.assert_close(inner, whole[..., 8:12, :])
+    top_left = F.scaled_dot_product_attention(q[..., 12:, :], k, v, is_causal=True)  # the control
+    assert not torch.allclose(top_left, whole[..., 12:, :], atol=1e-3)
 
 
 def test_checkpoints_move_between_chapter_7_and_cp_and_a_killed_rank_resumes(runs):

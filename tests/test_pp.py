@@ -38,6 +38,7 @@ import re
 import pytest
 import torch
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
+from helpers import logged_val_losses as val_losses
 from helpers import (GPT, REPO, SHARDED, TINY_GPT, as_script, command, ddp_reference, finish,
                      in_process, ok, one_process_reference, start, start_two_nodes, summary,
                      trainer)
@@ -47,10 +48,6 @@ import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path:
 PP, FSDP = "train_pp_minigpt.py", "train_fsdp_minigpt.py"
 
 
-def val_losses(out):
-    """{step: validation loss} of an LM trainer's log."""
-    return {int(step): float(loss) for step, loss in
-            re.findall(r"^step (\d+)/\d+ \| val loss (\d+\.\d+)", out, re.M)}
 pp = trainer(PP)
 # SHARDED's run (2 DDP processes of batch 6, 2 micro-batches: 24 sequences a step) as 2 stages of
 # one column: 4 micro-batches of 6, so that 1F1B (2 held on stage 0) and GPipe (4) differ
