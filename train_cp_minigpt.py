@@ -230,10 +230,10 @@ class GatherContext(torch.autograd.Function):  # CP 4: an all-gather that carrie
     @staticmethod
     def backward(ctx, grad):
         n = dist.get_world_size(ctx.group)
-        parts = torch.cat(grad.chunk(n, dim=-2))  # rank r's part at [r * len(mine):]
-        mine = grad.new_empty((parts.shape[0] // n, *parts.shape[1:]))
+        parts = torch.cat(grad.chunk(n, dim=-2)).float()  # rank r's at [r * len(mine):]; fp32 sums:
+        mine = parts.new_empty((parts.shape[0] // n, *parts.shape[1:]))  # bf16 would round each
         dist.reduce_scatter_single(mine, parts, group=ctx.group)  # talks: sums, each rank its own
-        return mine, None
+        return mine.to(grad.dtype), None
 
 
 @dataclasses.dataclass
@@ -473,15 +473,16 @@ def train_step(run, model, optimizer, windows, step):
 
 
 def accumulate_gradients(model, batches, context):  # CP 3: on this rank's tokens
-    """Forward and backward over each micro-batch (inputs, targets): gradients add up in each
-    rank's shards, and FSDP reduce-scatters them once, in the last backward; the mean loss."""
+    """A collective: forward and backward over each micro-batch; FSDP reduce-scatters in the last
+    backward. Returns this rank's loss sum over the step's targets on all ranks, times the world."""
+    tokens = sum((y != -100).sum() for _, y in batches).double()  # CP 3: -100 is no target
+    dist.all_reduce(tokens, op=dist.ReduceOp.SUM)  # talks: the step's targets, on every rank
+    scale = dist.get_world_size() / tokens  # CP 3: FSDP averages over the ranks: a global mean
     total = 0.0
     for i, (x, y) in enumerate(batches):
         model.set_requires_gradient_sync(i == len(batches) - 1)  # FSDP 7: FSDP's no_sync
-        _, loss = model(x, y, context)  # CP 3: the mean over this rank's tokens
-        loss = loss / len(batches)  # micro-batches of equal size: the mean of their means
-        # CP 3: the last backward averages each gradient over every rank, dp and cp alike: the mean
-        # of the ranks' means over equal shares of tokens, so one process's gradient
+        logits, _ = model(x, context=context)  # CP 3: a sum, not a mean: shares' targets differ
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum") * scale
         loss.backward()  # CP 4: talks: each block reduce-scatters its keys' and values' gradients
         total += loss.detach()
     return total

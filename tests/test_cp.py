@@ -21,7 +21,10 @@ torchrun launches on CPU/gloo. These tests prove:
    with equal work; each block's all-gather returns the keys and values of the whole sequence,
    once per block and micro-batch; a chunk's attention (one function and mask on every device,
    so the GPU's path runs here too) equals the rows of whole-sequence causal attention it holds,
-   where torch's is_causal=True (aligned with the first key) does not;
+   where torch's is_causal=True (aligned with the first key) does not; the keys' and values'
+   gradients are summed in fp32 under bf16 (rounded once); the training loss is the global sum
+   over the global count of targets, so shares with unequal targets (a masked prompt) give one
+   process's gradient and loss, where the mean of the ranks' means (the control) does not;
 4. checkpoints are chapter 7's: the --cp 2 run resumes chapter 7's checkpoint (step 4), and
    chapter 7 resumes its last (step 14) to step 18 with one process's losses and weights; its
    export samples in chapter 3; a rank SIGKILLed at step 10 under `torchrun --max-restarts=1`
@@ -32,6 +35,7 @@ torchrun launches on CPU/gloo. These tests prove:
 6. benchmark_scaling.py reads its summary: the global batch counts the dp rows, not the ranks.
 """
 import json
+import types
 
 import pytest
 import torch
@@ -137,6 +141,60 @@ def test_a_chunks_queries_read_every_key_up_to_their_own_place():
     torch.testing.assert_close(inner, whole[..., 8:12, :])
     top_left = F.scaled_dot_product_attention(q[..., 12:, :], k, v, is_causal=True)  # the control
     assert not torch.allclose(top_left, whole[..., 12:, :], atol=1e-3)
+
+
+def test_key_and_value_gradients_are_summed_in_fp32(monkeypatch):
+    """Under bf16 the reduce-scatter of dK and dV adds in fp32 and rounds once, at the end (the
+    control: the gradient that comes in is bf16)."""
+    sent = {}
+
+    def reduce_scatter(out, parts, group=None):  # as if both ranks sent this rank's parts
+        sent["dtype"] = parts.dtype
+        out.copy_(2 * parts[:len(out)])
+    monkeypatch.setattr(cp.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(cp.dist, "reduce_scatter_single", reduce_scatter)
+    grad = torch.randn(2, 1, 2, 8, 4).bfloat16()  # K and V, batch, heads, 2 ranks' 4 tokens, size
+    mine, _ = cp.GatherContext.backward(types.SimpleNamespace(group=None), grad)
+    assert grad.dtype == torch.bfloat16 and sent["dtype"] == torch.float32
+    assert mine.dtype == torch.bfloat16 and mine.shape == (2, 1, 2, 4, 4)
+    torch.testing.assert_close(mine, (2 * grad[..., :4, :].float()).bfloat16())
+
+
+def test_the_training_loss_is_the_global_sum_over_the_global_count_of_targets(monkeypatch):
+    """Shares with unequal targets (a masked prompt, -100, on one rank): each rank's backward,
+    averaged over the ranks as FSDP averages, gives one process's gradient and loss; the mean of
+    the ranks' means (the control) does not."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 5)
+    x, y = torch.randn(2, 6, 8), torch.randint(0, 5, (2, 6))
+    y[:, :2] = -100  # the prompt: rank 0 holds 2 targets of 6, rank 1 all 6
+    shares = [(x[:, :3], y[:, :3]), (x[:, 3:], y[:, 3:])]
+
+    class Model(torch.nn.Module):  # what accumulate_gradients asks of FSDP's model
+        def __init__(self):
+            super().__init__()
+            self.head = head
+
+        def set_requires_gradient_sync(self, sync):
+            pass
+
+        def forward(self, x, context=None):
+            return self.head(x), None
+    targets = float((y != -100).sum())
+    monkeypatch.setattr(cp.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(cp.dist, "all_reduce", lambda t, op=None, group=None: t.fill_(targets))
+    grads, losses = [], []
+    for share in shares:
+        head.zero_grad()
+        losses.append(float(cp.accumulate_gradients(Model(), [share], None)))
+        grads.append(head.weight.grad.clone())
+    head.zero_grad()
+    one = F.cross_entropy(head(x).flatten(0, 1), y.flatten())  # one process, every target
+    one.backward()
+    torch.testing.assert_close((grads[0] + grads[1]) / 2, head.weight.grad)
+    assert sum(losses) / 2 == pytest.approx(one.item(), rel=1e-6)  # train_step's mean_over_ranks
+    means = [F.cross_entropy(head(a).flatten(0, 1), b.flatten()).item() for a, b in shares]
+    assert sum(means) / 2 != pytest.approx(one.item(), rel=1e-2)
 
 
 def test_checkpoints_move_between_chapter_7_and_cp_and_a_killed_rank_resumes(runs):
