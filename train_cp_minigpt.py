@@ -25,10 +25,8 @@ Tags: `# CP k` marks each line CP changes in the FSDP trainer, numbered in readi
   CP 4  GatherContext: all-gather K, V (backward: reduce-scatter); keys up to each chunk's end
   CP 5  the model takes a context: global positions; attention over gathered keys, lower-right
   CP 6  its checkpoint and export names: the FSDP trainer's formats
-What CP saves: each rank holds 1/cp of every sequence's activations (embeddings, norms, MLPs,
-the residual stream, logits). What it keeps: each block's keys and values of the whole sequence,
-gathered and held for backward (2 T C numbers, whatever cp is), and on a CPU each chunk's mask.
-Weights, gradients and AdamW state are FSDP's shards. Positions are global.
+What CP saves: each rank holds 1/cp of every sequence's activations, its own q, k, v included;
+backward gathers each block's keys and values again, one block at a time. Positions are global.
 Kept from the DDP trainer (chapter 3), where they mark the same lines (8, 10, 15: DDP's wrapper,
 no_sync and replica check, which FSDP 4 and 7 replace):
   DDP 1  join the group torchrun started             DDP 9   SUM over ranks, then divide
@@ -201,6 +199,10 @@ class Context:  # CP 3: this rank's share of every sequence, and how its queries
     def attention(self, q, k, v):  # CP 4: each chunk's queries over every key up to its end
         if self.cp == 1:  # the whole sequence is here: plain causal attention
             return causal_attention(q, k, v)
+        # backward keeps this rank's q, k, v alone: it gathers again and recomputes the attention
+        return checkpoint(self.gathered_attention, q, k, v, use_reentrant=False)
+
+    def gathered_attention(self, q, k, v):  # CP 4: talks: gathers the row's keys and values
         kv = GatherContext.apply(torch.stack([k, v]), self.group)  # (2, B, heads, T, head size)
         k, v = kv.index_select(-2, self.order)  # the whole sequence, in order of position
         chunks = q.chunk(2, dim=-2)  # an early chunk's queries and a late one's
@@ -473,8 +475,8 @@ def train_step(run, model, optimizer, windows, step):
 
 
 def accumulate_gradients(model, batches, context):  # CP 3: on this rank's tokens
-    """A collective: forward and backward over each micro-batch; FSDP reduce-scatters in the last
-    backward. Returns this rank's loss sum over the step's targets on all ranks, times the world."""
+    """Forward and backward over each micro-batch (inputs, targets): gradients add up in each
+    rank's shards, and FSDP reduce-scatters them once, in the last backward; the loss to average."""
     tokens = sum((y != -100).sum() for _, y in batches).double()  # CP 3: -100 is no target
     dist.all_reduce(tokens, op=dist.ReduceOp.SUM)  # talks: the step's targets, on every rank
     scale = dist.get_world_size() / tokens  # CP 3: FSDP averages over the ranks: a global mean
@@ -824,7 +826,7 @@ def parse_args(argv=None):
       help="torch.compile backend (default: inductor)")
     a = p.add_argument_group("training").add_argument
     a("--batch-size", type=positive(int), default=16, metavar="B",
-      help="sequences per micro-step, per process (default: 16)")
+      help="sequences per micro-step, per dp row (default: 16)")  # CP 2: its ranks share them
     a("--grad-accum", type=positive(int), default=1, metavar="K",
       help="micro-steps per optimizer step (default: 1)")
     a("--max-steps", type=positive(int), default=300, metavar="N",

@@ -387,7 +387,7 @@ def train_step(run, model, optimizer, windows, step):
 
 def accumulate_gradients(model, batches):  # FSDP 7: one reduce-scatter per step
     """Forward and backward over each micro-batch (inputs, targets): gradients add up in each
-    rank's shards, and FSDP reduce-scatters them once, in the last backward; the mean loss."""
+    rank's shards, and FSDP reduce-scatters them once, in the last backward; the loss to average."""
     total = 0.0
     for i, (x, y) in enumerate(batches):
         model.set_requires_gradient_sync(i == len(batches) - 1)  # FSDP 7: FSDP's no_sync

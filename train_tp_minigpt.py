@@ -424,7 +424,7 @@ def train_step(run, model, optimizer, windows, step):
 
 def accumulate_gradients(model, batches):  # FSDP 7: one reduce-scatter per step
     """Forward and backward over each micro-batch (inputs, targets): gradients add up in each
-    rank's shards, and FSDP reduce-scatters them once, in the last backward; the mean loss."""
+    rank's shards, and FSDP reduce-scatters them once, in the last backward; the loss to average."""
     total = 0.0
     for i, (x, y) in enumerate(batches):
         model.set_requires_gradient_sync(i == len(batches) - 1)  # FSDP 7: FSDP's no_sync
@@ -776,7 +776,7 @@ def parse_args(argv=None):
       help="torch.compile backend (default: inductor)")
     a = p.add_argument_group("training").add_argument
     a("--batch-size", type=positive(int), default=16, metavar="B",
-      help="sequences per micro-step, per process (default: 16)")
+      help="sequences per micro-step, per dp row (default: 16)")  # TP 2: its ranks share them
     a("--grad-accum", type=positive(int), default=1, metavar="K",
       help="micro-steps per optimizer step (default: 1)")
     a("--max-steps", type=positive(int), default=300, metavar="N",
