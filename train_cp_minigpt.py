@@ -157,7 +157,8 @@ def make_run(args, device, rank, world_size):
     is_main = rank == 0  # DDP 3: rank 0 alone logs and saves
     amp, policy = mixed_precision(args.amp, device)  # FSDP 1
     mesh = grid(args.cp, device, world_size)  # CP 1: (world size / cp) x cp ranks
-    context = Context(mesh["cp"].get_group(), mesh.get_local_rank("cp"), args, device)  # CP 3
+    context = Context(mesh["cp"].get_group(), mesh.get_local_rank("cp"), args.cp,
+                      args.block_size, device)  # CP 3: plain values, so it copies out whole
     run = Run(args, device, rank, world_size, is_main, amp, policy, mesh,
               mesh.get_local_rank("dp"), mesh.size(0), context)
     print0(is_main, f"world size {world_size} ({run.dp_size} dp x {args.cp} cp) | device "
@@ -183,15 +184,14 @@ class Context:  # CP 3: this rank's share of every sequence, and how its queries
     """Rank i of a row holds chunks i and 2 cp - 1 - i of 2 cp: one early, one late, equal work.
     Its attention gathers the row's keys and values, each chunk's queries reading up to its end."""
 
-    def __init__(self, group, cp_rank, args, device):
+    def __init__(self, group, cp_rank, cp, block_size, device):
         # cp 2, 16 tokens, 4 chunks of 4: rank 0 holds positions 0-3 and 12-15, rank 1 4-7, 8-11.
         # Gathered in rank order the keys stand as 0-3, 12-15, 4-7, 8-11; order [0-3, 8-15, 4-7]
         # (indices into the gathered keys) sorts them to 0-15. ends: rank 0 [4, 16], rank 1 [8, 12]
-        every = [chunk_positions(r, args.cp, args.block_size) for r in range(args.cp)]
-        self.group, self.cp, self.positions = group, args.cp, every[cp_rank].to(device)  # CP 3
+        every = [chunk_positions(r, cp, block_size) for r in range(cp)]
+        self.group, self.cp, self.positions = group, cp, every[cp_rank].to(device)  # CP 3
         self.order = torch.cat(every).argsort().to(device)  # CP 4: gathered -> sequence order
-        size = len(self.positions) // 2
-        self.ends = [int(self.positions[i * size + size - 1]) + 1 for i in (0, 1)]  # CP 4
+        self.ends = [int(chunk[-1]) + 1 for chunk in self.positions.chunk(2)]  # CP 4
 
     def share(self, x, y):  # CP 3: this rank's tokens of each sequence, and their targets
         return x[:, self.positions], y[:, self.positions]

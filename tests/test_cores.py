@@ -1,5 +1,5 @@
-"""The distributed cores of chapter 3 can be copied into a trainer of one's own as they stand. These
-tests prove that
+"""The distributed cores of chapter 3, and the context-parallel pieces of chapter 10, can be copied
+into a trainer of one's own as they stand. These tests prove that
 
 1. each core (joining the group and picking the device, with its two guards: refusing a bad launch
    and a debug level that crashes DDP; the no_sync accumulation, the mean over ranks, exact
@@ -11,7 +11,11 @@ tests prove that
 3. copied afresh out of the script beside the page's small model of its own, the cores run under
    torchrun at 2 processes: the DDP trainer logs the single-process trainer's losses, evaluates to
    its validation loss, and rank 0 alone saves weights that load into the plain model; started
-   without torchrun it stops in one line with exit code 2.
+   without torchrun it stops in one line with exit code 2;
+4. docs/cp_in_your_trainer.md holds chapter 10's pieces (chunk_positions, Context, GatherContext,
+   causal_attention) as the script does, its diff block is the real diff between its two trainers,
+   and copied afresh out of the script, the pieces split a small model's sequences over 2 processes
+   under torchrun with the single-process losses (to the 4 printed decimals).
 """
 import ast
 import builtins
@@ -105,3 +109,53 @@ def test_the_cores_stand_alone_under_torchrun(tmp_path, monkeypatch):
     alone = as_script(mine / "my_trainer.py")  # `python my_trainer.py`: no torchrun
     assert alone.returncode == 2 and alone.stderr == (
         "error: not launched by torchrun: see the commands at the top of this script\n")
+
+
+CP_PIECES = ["chunk_positions", "Context", "GatherContext", "causal_attention"]
+CP_PAGE = REPO / "docs" / "cp_in_your_trainer.md"
+
+
+def cp_pieces():
+    """{name: source} of chapter 10's pieces, cut out of the script by their def or class line."""
+    source = (REPO / "train_cp_minigpt.py").read_text()
+    lines = source.splitlines()
+    return {n.name: "\n".join(lines[n.lineno - 1:n.end_lineno]) for n in ast.parse(source).body
+            if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in CP_PIECES}
+
+
+def test_the_cp_page_holds_the_scripts_pieces_as_they_stand():
+    single, mine, diff = re.findall(r"^```(?:python|diff)\n(.*?)^```", CP_PAGE.read_text(),
+                                    re.M | re.S)
+    assert sorted(cp_pieces()) == sorted(CP_PIECES)
+    for name, source in cp_pieces().items():
+        assert source in mine, f"docs/cp_in_your_trainer.md lost {name} as the script has it"
+    real = difflib.unified_diff(single.splitlines(), mine.splitlines(), "my_lm_single.py",
+                                "my_lm_cp.py", n=1, lineterm="")
+    assert diff.rstrip("\n") == "\n".join(real)
+
+
+def test_the_cp_pieces_stand_alone_under_torchrun(tmp_path):
+    single, mine, _ = re.findall(r"^```(?:python|diff)\n(.*?)^```", CP_PAGE.read_text(),
+                                 re.M | re.S)
+    first, last = mine.index("def chunk_positions("), mine.index("def main(")
+    pieces = cp_pieces()
+    fresh = mine[:first] + "\n\n\n".join(pieces[n] for n in CP_PIECES) + "\n\n\n" + mine[last:]
+    (tmp_path / "my_lm_cp.py").write_text(fresh)
+    cmd = command(tmp_path / "my_lm_cp.py", nproc=2)
+    launched = start(cmd, tmp_path)
+    printed, threads = io.StringIO(), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(str(_write(tmp_path / "my_lm_single.py", single)), run_name="__main__")
+    finally:
+        torch.set_num_threads(threads)
+    out = ok(finish(launched, cmd))
+    numbers = [re.findall(r"loss (\d+\.\d+)", text) for text in (out, printed.getvalue())]
+    assert len(numbers[0]) == 4 and numbers[0] == numbers[1], (out, printed.getvalue())
+    assert float(numbers[0][-1]) < float(numbers[0][0]) - 1  # it learns: the control
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
