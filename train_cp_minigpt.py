@@ -479,7 +479,7 @@ def accumulate_gradients(model, batches, context):  # CP 3: on this rank's token
     rank's shards, and FSDP reduce-scatters them once, in the last backward; the loss to average."""
     tokens = sum((y != -100).sum() for _, y in batches).double()  # CP 3: -100 is no target
     dist.all_reduce(tokens, op=dist.ReduceOp.SUM)  # talks: the step's targets, on every rank
-    scale = dist.get_world_size() / tokens  # CP 3: FSDP averages over the ranks: a global mean
+    scale = dist.get_world_size() / tokens.clamp(min=1)  # CP 3: FSDP averages: a global mean
     total = 0.0
     for i, (x, y) in enumerate(batches):
         model.set_requires_gradient_sync(i == len(batches) - 1)  # FSDP 7: FSDP's no_sync
@@ -740,6 +740,17 @@ def avoid_known_failures(args):  # guard: every guard, in one place, before the 
     dist.set_debug_level(level)  # before init_process_group, which reads it
     if not cuda:
         avoid_page_faults_on_cpu()  # guard: page faults every step on Linux CPUs
+    node = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))  # CP 1: per node
+    warning = avoid_cp_across_nodes(args.cp, node)  # guard: CP 1
+    if warning and os.environ["RANK"] == "0":
+        print(warning, flush=True)
+
+
+def avoid_cp_across_nodes(cp, per_node):  # guard: a cp row whose gathers cross the network
+    """A warning if a row of cp consecutive ranks may span nodes of per_node processes."""
+    if per_node % cp:
+        return (f"warning: --cp {cp} with {per_node} processes per node: a cp row spans nodes, "
+                "and its all-gathers of keys and values cross the network")
 
 
 def refuse_a_bad_launch(device_name):  # guard: a process that could never join a group

@@ -15,7 +15,7 @@ into a trainer of one's own as they stand. These tests prove that
 4. docs/cp_in_your_trainer.md holds chapter 10's pieces (chunk_positions, Context, GatherContext,
    causal_attention) as the script does, its diff block is the real diff between its two trainers,
    and copied afresh out of the script, the pieces split a small model's sequences over 2 processes
-   under torchrun with the single-process losses (to the 4 printed decimals).
+   under torchrun with the single-process losses and clipped gradient norms (4 printed decimals).
 """
 import ast
 import builtins
@@ -151,9 +151,11 @@ def test_the_cp_pieces_stand_alone_under_torchrun(tmp_path):
     finally:
         torch.set_num_threads(threads)
     out = ok(finish(launched, cmd))
-    numbers = [re.findall(r"loss (\d+\.\d+)", text) for text in (out, printed.getvalue())]
+    numbers = [re.findall(r"loss (\d+\.\d+) \| norm (\d+\.\d+)", text)
+               for text in (out, printed.getvalue())]
     assert len(numbers[0]) == 4 and numbers[0] == numbers[1], (out, printed.getvalue())
-    assert float(numbers[0][-1]) < float(numbers[0][0]) - 1  # it learns: the control
+    assert float(numbers[0][-1][0]) < float(numbers[0][0][0]) - 1  # it learns: the control
+    assert all(float(norm) > 1 for _, norm in numbers[0])  # clipping binds: the scale matters
 
 
 def _write(path, text):

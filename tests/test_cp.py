@@ -185,9 +185,13 @@ def test_the_training_loss_is_the_global_sum_over_the_global_count_of_targets(mo
 
         def forward(self, x, context=None):
             return self.head(x), None
-    targets = float((y != -100).sum())
+    counted = []  # what each rank sends; the all-reduce answers their sum
+
+    def all_reduce(count, op=None, group=None):
+        counted.append(int(count))
+        count.fill_(float((y != -100).sum()))
     monkeypatch.setattr(cp.dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(cp.dist, "all_reduce", lambda t, op=None, group=None: t.fill_(targets))
+    monkeypatch.setattr(cp.dist, "all_reduce", all_reduce)
     grads, losses = [], []
     for share in shares:
         head.zero_grad()
@@ -196,6 +200,7 @@ def test_the_training_loss_is_the_global_sum_over_the_global_count_of_targets(mo
     head.zero_grad()
     one = F.cross_entropy(head(x).flatten(0, 1), y.flatten())  # one process, every target
     one.backward()
+    assert counted == [2, 6]  # each rank counts its own targets, the masked ones left out
     torch.testing.assert_close((grads[0] + grads[1]) / 2, head.weight.grad)
     assert sum(losses) / 2 == pytest.approx(one.item(), rel=1e-6)  # train_step's mean_over_ranks
     means = [F.cross_entropy(head(a).flatten(0, 1), b.flatten()).item() for a, b in shares]
@@ -207,6 +212,8 @@ def test_checkpoints_move_between_chapter_7_and_cp_and_a_killed_rank_resumes(run
     assert f"resumed from {d / 'ck' / 'step-000004'} at step 4" in out  # chapter 7's
     assert f"resumed from {d / 'ck' / 'step-000008'} at step 8" in out  # after the kill
     assert out.count("step 9/14 | loss") == 2  # logged before the kill, and again after it
+    seen = json.loads((d / "rec" / "rank0.json").read_text())  # --grad-checkpointing: the block's
+    assert seen["all_gathers"] == 2 * 2 * 3, seen  # recompute gathers once more, per micro-batch
     resumed = losses(runs["fsdp"])
     assert sorted(resumed) == [15, 16, 17, 18]
     for step, loss in resumed.items():
@@ -233,6 +240,14 @@ def test_a_split_that_does_not_fit_is_one_line(flags, message):
 def test_a_cp_that_does_not_divide_the_world_is_one_line():
     with pytest.raises(cp.InputError, match=r"^--cp 2 does not divide the world size 1: start a"):
         in_process(CP, SHARDED + ["--cp", 2, "--max-steps", 1, "--save", "", "--export", ""])
+
+
+def test_a_cp_row_across_nodes_is_a_warning():
+    """Not refused: a row of --cp consecutive ranks that nodes of that many processes cannot hold
+    runs, with one warning line from rank 0 at the start."""
+    assert cp.avoid_cp_across_nodes(2, 8) is None and cp.avoid_cp_across_nodes(4, 4) is None
+    assert cp.avoid_cp_across_nodes(16, 8).startswith("warning: --cp 16 with 8 processes per node")
+    assert cp.avoid_cp_across_nodes(3, 8) and cp.avoid_cp_across_nodes(2, 1)  # 3 rows of 8: across
 
 
 def test_benchmark_scaling_reads_the_cp_trainers_summary(runs):

@@ -29,7 +29,7 @@
    8's from chapter 7's by at most 150 (the mesh, the TP plan, the norm), chapter 9's from chapter
    7's by at most 200 (the stage, the schedule, the tied weight, forward-only pipelines), chapter
    10's from chapter 7's by at most 120 (the mesh, the split, the gather); the whole files by at
-   most 440, 175, 430 and 250 lines (the plumbing stays shared; each docstring's key differs);
+   most 440, 175, 430 and 255 lines (the plumbing stays shared; each docstring's key differs);
 8. every block a twin adds or changes opens with its tag (`# FSDP k`, k = 1..8; `# TP k`, 1..6;
    `# PP k`, 1..8; `# CP k`, 1..6; in reading order), and the README's chapter has a row (F1..,
    T1.., P1.., C1..) for each.
@@ -54,8 +54,8 @@ PP_TAG, PP_CHANGES = re.compile(r"# PP (\d+)\b"), 8
 CP_TAG, CP_CHANGES = re.compile(r"# CP (\d+)\b"), 6
 SIZE = {"train_ddp_minigpt.py": 1202, "train_fsdp_minigpt.py": 1314,  # lines, at most, besides
         "train_tp_minigpt.py": 1384, "train_pp_minigpt.py": 1550,  # the docstring's own key (how
-        "train_cp_minigpt.py": 1439}  # to read the file, and its tags): the sizes before the key;
-# chapter 10: 1,438 and the line its global-count loss adds
+        "train_cp_minigpt.py": 1450}  # to read the file, and its tags): the sizes before the key;
+# chapter 10: 1,438, the line its global-count loss adds and the 11 of its guard for cp across nodes
 
 
 def lines(name):
@@ -248,7 +248,7 @@ def test_the_lm_training_loop_has_no_fault_switch():
     ("train_ddp_minigpt.py", "train_fsdp_minigpt.py", FSDP_TAG, FSDP_CHANGES, 440, "7", "F"),
     ("train_fsdp_minigpt.py", "train_tp_minigpt.py", TP_TAG, TP_CHANGES, 175, "8", "T"),
     ("train_fsdp_minigpt.py", "train_pp_minigpt.py", PP_TAG, PP_CHANGES, 430, "9", "P"),
-    ("train_fsdp_minigpt.py", "train_cp_minigpt.py", CP_TAG, CP_CHANGES, 250, "10", "C")])
+    ("train_fsdp_minigpt.py", "train_cp_minigpt.py", CP_TAG, CP_CHANGES, 255, "10", "C")])
 def test_every_changed_block_opens_with_its_tag_and_the_readme_has_every_row(
         parent, child, tag, changes, limit, chapter, row):
     docstring_end = lines(child).index('"""', 1)
