@@ -182,7 +182,7 @@ def grid(cp, device, world_size):  # CP 1: a 2-D mesh, rows of cp ranks
 
 class Context:  # CP 3: this rank's share of every sequence, and how its queries see the rest
     """Rank i of a row holds chunks i and 2 cp - 1 - i of 2 cp: one early, one late, equal work.
-    Its attention gathers the row's keys and values, each chunk's queries reading up to its end."""
+    Its attention gathers the row's keys and values; backward keeps none: it gathers again."""
 
     def __init__(self, group, cp_rank, cp, block_size, device):
         # cp 2, 16 tokens, 4 chunks of 4: rank 0 holds positions 0-3 and 12-15, rank 1 4-7, 8-11.
@@ -192,6 +192,7 @@ class Context:  # CP 3: this rank's share of every sequence, and how its queries
         self.group, self.cp, self.positions = group, cp, every[cp_rank].to(device)  # CP 3
         self.order = torch.cat(every).argsort().to(device)  # CP 4: gathered -> sequence order
         self.ends = [int(chunk[-1]) + 1 for chunk in self.positions.chunk(2)]  # CP 4
+        self.masks = [causal_lower_right(len(self.positions) // 2, end) for end in self.ends]
 
     def share(self, x, y):  # CP 3: this rank's tokens of each sequence, and their targets
         return x[:, self.positions], y[:, self.positions]
@@ -199,15 +200,14 @@ class Context:  # CP 3: this rank's share of every sequence, and how its queries
     def attention(self, q, k, v):  # CP 4: each chunk's queries over every key up to its end
         if self.cp == 1:  # the whole sequence is here: plain causal attention
             return causal_attention(q, k, v)
-        # backward keeps this rank's q, k, v alone: it gathers again and recomputes the attention
-        return checkpoint(self.gathered_attention, q, k, v, use_reentrant=False)
+        return checkpoint(self.gathered_attention, q, k, v, use_reentrant=False)  # recomputed
 
     def gathered_attention(self, q, k, v):  # CP 4: talks: gathers the row's keys and values
         kv = GatherContext.apply(torch.stack([k, v]), self.group)  # (2, B, heads, T, head size)
         k, v = kv.index_select(-2, self.order)  # the whole sequence, in order of position
         chunks = q.chunk(2, dim=-2)  # an early chunk's queries and a late one's
-        return torch.cat([causal_attention(part, k[..., :end, :], v[..., :end, :])
-                          for part, end in zip(chunks, self.ends)], dim=-2)
+        return torch.cat([causal_attention(part, k[..., :end, :], v[..., :end, :], mask)
+                          for part, end, mask in zip(chunks, self.ends, self.masks)], dim=-2)
 
 
 def chunk_positions(cp_rank, cp, block_size):  # CP 3: an early chunk and a late one
@@ -542,7 +542,7 @@ def leave_distributed():  # DDP 13: leave the process group on every path, error
 
 
 # --------------------------------------------------------------------------------- the model: a GPT
-def causal_attention(q, k, v):
+def causal_attention(q, k, v, causal=None):  # CP 5: causal: Context's mask, built before compile
     """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
     attention on GPUs: no causal mask is built). No dropout on the attention weights: on a CPU it
     forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
@@ -550,11 +550,12 @@ def causal_attention(q, k, v):
     # CP 5: q holds the last positions of k's sequence. The lower-right mask aligns the last query
     # with the last key: queries 12-15 over 16 keys, query 12 reads keys 0-12 (is_causal=True
     # would align the first query with the first key: key 0 alone, and train wrong)
-    causal = causal_lower_right(q.shape[-2], k.shape[-2])
+    if causal is None and q.shape[-2] != k.shape[-2]:  # as many queries as keys: is_causal
+        causal = causal_lower_right(q.shape[-2], k.shape[-2])
     cpu = q.device.type == "cpu"  # CP 5: one call, one mask, on every device (tested on a CPU)
     with torch.autocast("cpu", enabled=False) if cpu else contextlib.nullcontext():
         y = F.scaled_dot_product_attention(*(t.float() if cpu else t for t in (q, k, v)),
-                                           attn_mask=causal)
+                                           attn_mask=causal, is_causal=causal is None)
     return y.to(q.dtype)
 
 

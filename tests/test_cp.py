@@ -21,7 +21,8 @@ torchrun launches on CPU/gloo. These tests prove:
    with equal work; each block's all-gather returns the keys and values of the whole sequence,
    once per block and micro-batch; a chunk's attention (one function and mask on every device,
    so the GPU's path runs here too) equals the rows of whole-sequence causal attention it holds,
-   where torch's is_causal=True (aligned with the first key) does not; the keys' and values'
+   where torch's is_causal=True (aligned with the first key) does not, and torch.compile traces it
+   without a graph break (the masks built beforehand); the keys' and values'
    gradients are summed in fp32 under bf16 (rounded once); the training loss is the global sum
    over the global count of targets, so shares with unequal targets (a masked prompt) give one
    process's gradient and loss, where the mean of the ranks' means (the control) does not;
@@ -146,6 +147,24 @@ def test_a_chunks_queries_read_every_key_up_to_their_own_place():
     torch.testing.assert_close(inner, whole[..., 8:12, :])
     top_left = F.scaled_dot_product_attention(q[..., 12:, :], k, v, is_causal=True)  # the control
     assert not torch.allclose(top_left, whole[..., 12:, :], atol=1e-3)
+
+
+def test_the_attention_compiles_without_a_graph_break():
+    """Context builds each chunk's mask before torch.compile traces the attention, and a square one
+    is is_causal: no graph break. The control: the mask built inside the traced code breaks it."""
+    from torch._dynamo.utils import counters
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g) for _ in range(3))
+    late = cp.Context(None, 0, 2, 16, torch.device("cpu")).masks[1]  # positions 12-15, 16 keys
+
+    def breaks(attention):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.compile(attention, backend="eager")(q, k, v)
+        return sum(counters["graph_break"].values())
+    assert breaks(lambda q, k, v: cp.causal_attention(q[..., 12:, :], k, v, late)) == 0
+    assert breaks(lambda q, k, v: cp.causal_attention(q, k, v)) == 0
+    assert breaks(lambda q, k, v: cp.causal_attention(q[..., 12:, :], k, v)) > 0
 
 
 def test_key_and_value_gradients_are_summed_in_fp32(monkeypatch):
