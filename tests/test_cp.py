@@ -30,7 +30,8 @@ torchrun launches on CPU/gloo. These tests prove:
    chapter 7 resumes its last (step 14) to step 18 with one process's losses and weights; its
    export samples in chapter 3; a rank SIGKILLed at step 10 under `torchrun --max-restarts=1`
    (the README's restart setting) is restarted and `--resume auto` goes on from step 8 with the
-   uninterrupted run's losses (those of item 1);
+   uninterrupted run's losses (those of item 1); its export holds the weights of its last
+   checkpoint, read offline (`dcp_to_torch_save`), exactly (the control: 4 steps on, they differ);
 5. bad input is one line and exit code 2: a --cp that does not divide the world size, a
    --block-size that 2 x cp does not divide, more chunks than tokens;
 6. benchmark_scaling.py reads its summary: the global batch counts the dp rows, not the ranks.
@@ -41,6 +42,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
 from helpers import (EVAL_6, GPT, REPO, SHARDED, as_script, command, ddp_reference, finish,
@@ -240,6 +242,13 @@ def test_checkpoints_move_between_chapter_7_and_cp_and_a_killed_rank_resumes(run
     exported = torch.load(d / "f18.pt", map_location="cpu", weights_only=True)["model"]
     for key, value in torch.load(one_ckpt, map_location="cpu", weights_only=True)["model"].items():
         torch.testing.assert_close(exported[key], value, rtol=1e-4, atol=1e-4, msg=key)
+    dcp_to_torch_save(d / "ck" / "step-000014", d / "ck14.pt")  # offline: no process group
+    checkpointed = torch.load(d / "ck14.pt", weights_only=False)["model"]
+    cp_export = torch.load(d / "cp.pt", map_location="cpu", weights_only=True)["model"]
+    assert sorted(cp_export) == sorted(checkpointed)  # the export: the step-14 weights, whole
+    for key, value in checkpointed.items():
+        assert torch.equal(cp_export[key], value), key
+    assert not torch.equal(cp_export["tok_emb.weight"], exported["tok_emb.weight"])  # 4 steps on
     sampled = in_process(GPT, ["--sample", "--ckpt", d / "cp.pt", "--prompt", "def ",
                                "--max-new-tokens", 20])
     assert sampled.startswith("def ") and len(sampled) > 10
