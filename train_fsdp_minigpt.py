@@ -234,9 +234,11 @@ def shard(run, model):  # FSDP 2: every block a group of its own, then the root
     after its backward, so at most a block or two are whole at a time; the root holds the rest."""
     mesh = init_device_mesh(run.device.type, (run.world_size,))  # on the group's device type
     reshard = run.args.reshard_after_forward == "yes"
-    for block in model.blocks:  # sharding sends nothing: the hooks it adds all-gather later
-        fully_shard(block, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)  # hooks
-    fully_shard(model, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)  # the root
+    for i, block in enumerate(model.blocks):  # sharding sends nothing: its hooks gather later
+        last = i == len(model.blocks) - 1  # its backward comes first: no gather in between
+        fully_shard(block, mesh=mesh, mp_policy=run.policy,
+                    reshard_after_forward=reshard and not last)  # hooks
+    fully_shard(model, mesh=mesh, mp_policy=run.policy)  # the root: whole from forward to backward
 
 
 @torch.no_grad()

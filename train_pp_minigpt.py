@@ -275,9 +275,11 @@ def shard(run, model):  # FSDP 2: every block a group of its own, then the root
     after its backward, so at most a block or two are whole at a time; the root holds the rest."""
     mesh = run.mesh["dp"]  # PP 5: FSDP over the ranks of this stage, not over all
     reshard = run.args.reshard_after_forward == "yes"
-    for block in model.blocks.values():  # PP 5: the stage's blocks
-        fully_shard(block, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)  # hooks
-    fully_shard(model, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)  # the root
+    for i, block in enumerate(model.blocks.values()):  # PP 5: the stage's blocks
+        last = i == len(model.blocks) - 1  # its backward comes first: no gather in between
+        fully_shard(block, mesh=mesh, mp_policy=run.policy,
+                    reshard_after_forward=reshard and not last)  # hooks
+    fully_shard(model, mesh=mesh, mp_policy=run.policy)  # the root: whole from forward to backward
 
 
 @torch.no_grad()

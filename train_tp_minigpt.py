@@ -261,11 +261,13 @@ def shard(run, model):  # TP 4: each block split across its row's tp ranks, then
     a block's matrices end up on the 2-D mesh, the embeddings, norms and head on the dp mesh."""
     mesh = run.mesh["dp"]  # TP 4: FSDP shards over the rows, within each column
     reshard = run.args.reshard_after_forward == "yes"
-    for block in model.blocks:  # sharding sends nothing: the hooks it adds all-gather later
+    for i, block in enumerate(model.blocks):  # sharding sends nothing: its hooks gather later
         if run.args.tp > 1:  # TP 4: --tp 1 is FSDP alone
             parallelize_module(block, run.mesh["tp"], block_plan())  # all-reduces in its forward
-        fully_shard(block, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)  # hooks
-    fully_shard(model, mesh=mesh, mp_policy=run.policy, reshard_after_forward=reshard)  # the root
+        last = i == len(model.blocks) - 1  # its backward comes first: no gather in between
+        fully_shard(block, mesh=mesh, mp_policy=run.policy,
+                    reshard_after_forward=reshard and not last)  # hooks
+    fully_shard(model, mesh=mesh, mp_policy=run.policy)  # the root: whole from forward to backward
 
 
 def block_plan():  # TP 4: Megatron's split of a block, 2 all-reduces in forward, 2 in backward

@@ -4,7 +4,8 @@ never imports it:
 
     torchrun ... tests/probe_fsdp.py count OUT_DIR [trainer flags]
         each rank writes OUT_DIR/rank{RANK}.json: {"reduce_scatters": how many times FSDP
-        reduce-scattered gradients, "steps": optimizer steps taken}
+        reduce-scattered gradients, "all_gathers": how many times it gathered weights (both inside
+        training steps), "steps": optimizer steps taken}
     torchrun ... tests/probe_fsdp.py crash STEP:RANK [trainer flags]
         that rank dies as if killed (os._exit, no cleanup) when step STEP begins, on the first
         attempt only (TORCHELASTIC_RESTART_COUNT 0), so a restarted job gets past it
@@ -23,20 +24,26 @@ import train_fsdp_minigpt as trainer  # noqa: E402
 from helpers import count_calls, run_as_script  # noqa: E402
 
 def count(out_dir):
-    seen = {"reduce_scatters": 0, "steps": 0}
+    seen = {"reduce_scatters": 0, "all_gathers": 0, "steps": 0, "in_step": False}
     count_calls(trainer.dist, {"reduce_scatter_tensor": "reduce_scatters",  # the name varies
-                               "reduce_scatter_single": "reduce_scatters"}, seen)  # by release
+                               "reduce_scatter_single": "reduce_scatters",  # by release
+                               "all_gather_into_tensor": "all_gathers",
+                               "all_gather_single": "all_gathers"}, seen, lambda: seen["in_step"])
     train_step = trainer.train_step
 
-    def counted_step(*args):
-        seen["steps"] += 1
-        return train_step(*args)
+    def counted_step(*args):  # FSDP's calls inside training steps, not evaluation's or export's
+        seen["steps"], seen["in_step"] = seen["steps"] + 1, True
+        try:
+            return train_step(*args)
+        finally:
+            seen["in_step"] = False
 
     trainer.train_step = counted_step
     try:
         run_as_script(trainer)
     finally:
         with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
+            seen.pop("in_step")
             json.dump(seen, f)
 
 

@@ -103,6 +103,10 @@ def test_accumulation_reduce_scatters_once_per_group_per_step(runs):
         seen = json.loads((runs["dir"] / "count" / f"rank{rank}.json").read_text())
         groups = 2 + 1  # --n-layer 2 blocks, then the root (embeddings, final norm, head)
         assert seen["steps"] == 18 and seen["reduce_scatters"] == groups * 18, seen
+        # per micro-batch: the root once (whole from its forward to its backward), both blocks
+        # before their forward, block 0 again before its backward (the last block stays whole)
+        assert seen["all_gathers"] == (1 + 2 + 1) * 2 * 18, seen  # resharding the root and the
+        # last block after their forward, as torch does when told to, would make it 6, not 4
 
 
 def test_each_of_two_ranks_holds_half_the_parameters(runs):
