@@ -2,10 +2,12 @@
 These tests prove:
 
 1. the same math as DDP: at the same seed, data and flags (2 accumulation steps), 2 FSDP processes
-   log the losses of 2 DDP processes (1e-5 relative) and end with the same weights to float32
+   log the losses of 2 DDP processes (1e-5 relative) and their validation losses at steps 0, 6, 12
+   and 18 (4 printed decimals), and end with the same weights to float32
    rounding; the exported plain file samples in one process through train_ddp_minigpt.py;
-2. accumulation adds no communication: FSDP reduce-scatters once per sharded group per optimizer
-   step, not once per micro-batch (a counting probe);
+2. accumulation adds no reduce-scatter: FSDP reduce-scatters once per sharded group per optimizer
+   step, not once per micro-batch, and gathers 4 times per micro-batch of 2 blocks: the root and the
+   last block stay whole from forward to backward (a counting probe);
 3. memory: each of 2 ranks holds about half the parameters (and so of the gradients and AdamW
    state) that 1 process holds;
 4. checkpoints are shards that resume at another world size: saved at 2 processes (step 14) and
@@ -33,7 +35,8 @@ import subprocess
 
 import pytest
 import torch
-from helpers import (CONSTANT_LR, GPT, REPO, SHARDED, TINY_GPT, command, ddp_reference, finish,
+from helpers import logged_val_losses as val_losses
+from helpers import (CONSTANT_LR, EVAL_6, GPT, REPO, SHARDED, TINY_GPT, command, ddp_reference, finish,
                      hostile_shell, in_process, ok, start, start_two_nodes, summary, trainer)
 
 import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
@@ -71,8 +74,8 @@ def runs(tmp_path_factory):
                for name, cmd in cmds.items()}
     with hostile_shell():  # a SLURM allocation, debug switches...: the helpers' launches ignore it
         nodes = start_two_nodes("tests/probe_fsdp.py", ["count", d / "count", *FLAGS, "--max-steps",
-                                                        18, "--save", d / "f18", "--export",
-                                                        d / "f18.pt"])
+                                                        18, *EVAL_6, "--save", d / "f18",
+                                                        "--export", d / "f18.pt"])
     ddp, ddp_ckpt, _ = ddp_reference()
     r = {name: finish(proc, cmds[name]) for name, proc in started.items()}
     ok(r["restarted"])
@@ -88,6 +91,9 @@ def test_fsdp_computes_what_ddp_computes(runs):
     assert sorted(a) == list(range(1, 19)) and a[18] < a[1]
     for step in a:
         assert a[step] == pytest.approx(b[step], rel=1e-5), step
+    val, ddp_val = val_losses(runs["fsdp"].stdout), val_losses(runs["ddp"])
+    assert sorted(val) == sorted(ddp_val) == [0, 6, 12, 18]  # 4 decimals; the control: they differ
+    assert val == pytest.approx(ddp_val, abs=1e-4) and ddp_val[18] < ddp_val[0] - 0.5
     fsdp_weights = torch.load(runs["dir"] / "f18.pt", map_location="cpu", weights_only=True)
     ddp_weights = torch.load(runs["ddp.pt"], map_location="cpu", weights_only=True)
     assert fsdp_weights["config"] == ddp_weights["config"]

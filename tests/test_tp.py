@@ -3,7 +3,8 @@ launches on CPU/gloo. These tests prove:
 
 1. the same math as DDP: at the same seed, data and flags (2 accumulation steps, gradient norms
    above --clip, so clipping binds), dp 2 x tp 2 at 4 processes logs the losses and gradient norms of 2 DDP processes (1e-5
-   relative); this holds only if the two ranks of a tp group read the same batch (data by dp row,
+   relative) and their validation losses at steps 0 and 6 (4 printed decimals; the control: those
+   two differ); this holds only if the two ranks of a tp group read the same batch (data by dp row,
    not by rank: read by rank, the 4 ranks would read 4 different shares of the windows);
 2. checkpoints reshard across grids: the (dp 2, tp 2) checkpoint resumes at (dp 1, tp 2), two
    processes that two nodes' agents start through chapter 4's launcher, and at tp 1 (in process),
@@ -21,8 +22,9 @@ import re
 import pytest
 import torch
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
-from helpers import (GPT, SHARDED, TINY_GPT, ddp_reference, in_process, ok, one_process_reference,
-                     run, start_two_nodes, summary, trainer)
+from helpers import logged_val_losses as val_losses
+from helpers import (EVAL_6, GPT, SHARDED, TINY_GPT, ddp_reference, in_process, ok,
+                     one_process_reference, run, start_two_nodes, summary, trainer)
 
 import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
 
@@ -40,7 +42,7 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("tp")
     ddp, ddp_ckpt, _ = ddp_reference()
     r = {"ddp": ddp, "ddp.pt": ddp_ckpt,
-         "grid": ok(run(TP, FLAGS + ["--tp", 2, "--max-steps", 10, "--save", d / "ck",
+         "grid": ok(run(TP, FLAGS + ["--tp", 2, "--max-steps", 10, *EVAL_6, "--save", d / "ck",
                                      "--export", ""], nproc=4))}
     resume = FLAGS + ["--batch-size", 12, "--resume", d / "ck", "--save", ""]
     row = start_two_nodes(TP, resume + ["--tp", 2, "--export", d / "tp.pt"])  # while these run:
@@ -58,6 +60,10 @@ def test_dp2_x_tp2_computes_what_ddp_computes(runs):
         assert loss == pytest.approx(losses(ddp)[step], rel=1e-5), step
     for step, norm in grad_norms(grid).items():  # above --clip 1.0: clipping binds
         assert norm > 1.0 and norm == pytest.approx(grad_norms(ddp)[step], abs=2e-3), step
+    assert sorted(val_losses(grid)) == [0, 6, 10]  # 4 decimals; the control: they differ
+    for step in (0, 6):
+        assert val_losses(grid)[step] == pytest.approx(val_losses(ddp)[step], abs=1e-4), step
+    assert abs(val_losses(ddp)[0] - val_losses(ddp)[6]) > 0.01
 
 
 def test_the_grid_checkpoint_resumes_at_dp1_x_tp2_and_at_tp1(runs):
