@@ -692,6 +692,17 @@ def avoid_known_failures(args):  # guard: every guard, in one place, before the 
     dist.set_debug_level(level)  # before init_process_group, which reads it
     if not cuda:
         avoid_page_faults_on_cpu()  # guard: page faults every step on Linux CPUs
+    node = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))  # TP 1: per node
+    warning = avoid_tp_across_nodes(args.tp, node)  # guard: TP 1
+    if warning and os.environ["RANK"] == "0":
+        print(warning, flush=True)
+
+
+def avoid_tp_across_nodes(tp, per_node):  # guard: a tp row whose all-reduces cross the network
+    """A warning if a row of tp consecutive ranks may span nodes of per_node processes."""
+    if per_node % tp:
+        return (f"warning: --tp {tp} with {per_node} processes per node: a tp row spans nodes, "
+                "and its 4 all-reduces per block and micro-batch cross the network")
 
 
 def refuse_a_bad_launch(device_name):  # guard: a process that could never join a group

@@ -29,7 +29,8 @@
    8's from chapter 7's by at most 150 (the mesh, the TP plan, the norm), chapter 9's from chapter
    7's by at most 200 (the stage, the schedule, the tied weight, forward-only pipelines), chapter
    10's from chapter 7's by at most 120 (the mesh, the split, the gather); the whole files by at
-   most 440, 175, 430 and 255 lines (the plumbing stays shared; each docstring's key differs);
+   most 440, 190, 430 and 255 lines (the plumbing stays shared, but for chapters 8 and 10's
+   warnings of a row across nodes; each docstring's key differs);
 8. every block a twin adds or changes opens with its tag (`# FSDP k`, k = 1..8; `# TP k`, 1..6;
    `# PP k`, 1..8; `# CP k`, 1..6; in reading order), and the README's chapter has a row (F1..,
    T1.., P1.., C1..) for each.
@@ -53,10 +54,11 @@ TP_TAG, TP_CHANGES = re.compile(r"# TP (\d+)\b"), 6
 PP_TAG, PP_CHANGES = re.compile(r"# PP (\d+)\b"), 8
 CP_TAG, CP_CHANGES = re.compile(r"# CP (\d+)\b"), 6
 SIZE = {"train_ddp_minigpt.py": 1202, "train_fsdp_minigpt.py": 1314,  # lines, at most, besides
-        "train_tp_minigpt.py": 1384, "train_pp_minigpt.py": 1550,  # the docstring's own key (how
+        "train_tp_minigpt.py": 1395, "train_pp_minigpt.py": 1552,  # the docstring's own key (how
         "train_cp_minigpt.py": 1453}  # to read the file, and its tags): the sizes before the key;
 # chapter 10: 1,438, a line for its global-count loss, 11 for its guard for cp across nodes, 1 for
-# the masks it builds before compile traces it, 2 for the last block kept whole (as in 7-9)
+# the masks it builds before compile traces it, 2 for the last block kept whole (as in 7-9);
+# chapter 8: 11 for its guard for tp across nodes (and 2 for the last block, as chapter 7's), 9: 2
 
 
 def lines(name):
@@ -247,7 +249,7 @@ def test_the_lm_training_loop_has_no_fault_switch():
 @pytest.mark.parametrize("parent,child,tag,changes,limit,chapter,row", [
     # chapter 7: most of the 420 are the meta build, DCP checkpoints and the export
     ("train_ddp_minigpt.py", "train_fsdp_minigpt.py", FSDP_TAG, FSDP_CHANGES, 440, "7", "F"),
-    ("train_fsdp_minigpt.py", "train_tp_minigpt.py", TP_TAG, TP_CHANGES, 175, "8", "T"),
+    ("train_fsdp_minigpt.py", "train_tp_minigpt.py", TP_TAG, TP_CHANGES, 190, "8", "T"),
     ("train_fsdp_minigpt.py", "train_pp_minigpt.py", PP_TAG, PP_CHANGES, 430, "9", "P"),
     ("train_fsdp_minigpt.py", "train_cp_minigpt.py", CP_TAG, CP_CHANGES, 255, "10", "C")])
 def test_every_changed_block_opens_with_its_tag_and_the_readme_has_every_row(

@@ -120,3 +120,21 @@ def test_benchmark_scaling_reads_the_tp_trainers_summary(runs):
     row = bench.pace_row(summary(runs["grid"]), 4, 0.0)
     assert row["per_step"] == 6 * 32 * 2 * 2 and row["unit"] == "tokens/s"  # batch x T x K x dp
     assert row["throughput"] == pytest.approx(768 / (row["step_ms"] / 1000), rel=0.01)
+
+
+def test_a_tp_row_across_nodes_is_a_warning():
+    """Not refused: a row of --tp consecutive ranks that nodes of that many processes cannot hold
+    runs, with one warning line from rank 0 at the start."""
+    assert tp.avoid_tp_across_nodes(2, 8) is None and tp.avoid_tp_across_nodes(8, 8) is None
+    assert tp.avoid_tp_across_nodes(16, 8).startswith("warning: --tp 16 with 8 processes per node")
+    assert tp.avoid_tp_across_nodes(3, 8) and tp.avoid_tp_across_nodes(2, 1)
+
+
+def test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32():
+    """--amp bf16: the gathered weights cast to bf16, the gradients reduced in fp32 (a bf16 sum
+    over many ranks would round at every addition); --amp off: no cast at all."""
+    name, policy = tp.mixed_precision("bf16", torch.device("cpu"))
+    assert name == "bfloat16" and policy.param_dtype == torch.bfloat16
+    assert policy.reduce_dtype == torch.float32
+    name, policy = tp.mixed_precision("off", torch.device("cpu"))
+    assert name == "off" and policy.param_dtype is None  # the control: nothing cast
