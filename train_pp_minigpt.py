@@ -192,7 +192,7 @@ def ends_group(mesh, stage, dp_rank):  # PP 4: where the two copies of the tied 
 @dataclasses.dataclass
 class Data:
     windows: "Windows"  # this rank's training batches
-    val: np.ndarray  # the validation tokens
+    val: np.ndarray  # held out: the last --val-fraction of the tokens, or a folder's val.bin
     vocab_size: int
     itos: dict  # id -> text, from a nanoGPT folder's meta.pkl; None for bytes or plain ids
     baseline: float  # the loss of predicting each token by its frequency: the loss to beat

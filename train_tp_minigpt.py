@@ -180,7 +180,7 @@ def grid(tp, device, world_size):  # TP 1: a 2-D mesh, rows of tp ranks
 @dataclasses.dataclass
 class Data:
     windows: "Windows"  # this rank's training batches
-    val: np.ndarray  # the validation tokens
+    val: np.ndarray  # held out: the last --val-fraction of the tokens, or a folder's val.bin
     vocab_size: int
     itos: dict  # id -> text, from a nanoGPT folder's meta.pkl; None for bytes or plain ids
     baseline: float  # the loss of predicting each token by its frequency: the loss to beat
