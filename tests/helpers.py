@@ -420,12 +420,12 @@ def demo_run():
 
 @functools.cache
 def ddp_reference():
-    """Chapter 3 at 2 processes for 18 steps of SHARDED (evaluated every 6), run once: the run that chapters 7 and 8
-    must reproduce, and chapter 3's own proofs of its data and communication (test_minigpt.py). It
-    runs through tests/probe_minigpt.py's `record` (each rank's windows and gradient all-reduces,
-    written to the folder), with --debug (each rank's windows logged, replicas checked in sync),
-    launched from a hostile shell (test_hermetic.py). Returns (what it printed, its checkpoint,
-    the folder of the records)."""
+    """Chapter 3 at 2 processes for 18 steps of SHARDED, evaluated every 6, run once: the run that
+    chapters 7 and 8 must reproduce, and chapter 3's own proofs of its data and communication
+    (test_minigpt.py). It runs through tests/probe_minigpt.py's `record` (each rank's windows and
+    gradient all-reduces, written to the folder), with --debug (each rank's windows logged,
+    replicas checked in sync), launched from a hostile shell (test_hermetic.py). Returns (what it
+    printed, its checkpoint, the folder of the records)."""
     folder = scratch("ddp_reference")
     cmd = command("tests/probe_minigpt.py", ["record", folder, *SHARDED, "--max-steps", 18,
                                              *EVAL_6, "--debug", "--save", folder / "ddp.pt"],
@@ -437,12 +437,12 @@ def ddp_reference():
 
 @functools.cache
 def one_process_reference():
-    """Chapter 3 in one process (in this one) for 18 steps of SHARDED with --batch-size 12
-    (evaluated every 6): the
-    global batch of ddp_reference (2 processes of 6) in one process, the run that chapters 8 and 9
-    must reproduce. Returns (what it printed, its checkpoint)."""
+    """Chapter 3 in one process (in this one) for 18 steps of SHARDED with --batch-size 12,
+    evaluated every 6: the global batch of ddp_reference (2 processes of 6) in one process, the run
+    that chapters 8 and 9 must reproduce. Returns (what it printed, its checkpoint)."""
     ckpt = scratch("one_process") / "one.pt"
-    out = in_process(GPT, SHARDED + ["--max-steps", 18, "--batch-size", 12, *EVAL_6, "--save", ckpt])
+    out = in_process(GPT, SHARDED + ["--max-steps", 18, "--batch-size", 12, *EVAL_6,
+                                     "--save", ckpt])
     return out, ckpt
 
 

@@ -66,6 +66,19 @@ def free_names(source):
     return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} - bound
 
 
+def run_single(path):
+    """What a page's single-process trainer prints, run here with one thread, as the launched
+    processes run (the same float sums)."""
+    printed, threads = io.StringIO(), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(str(path), run_name="__main__")
+    finally:
+        torch.set_num_threads(threads)
+    return printed.getvalue()
+
+
 def test_each_core_is_one_tagged_function_of_torch_and_the_standard_library():
     found = cores()
     assert sorted(found) == sorted(CORES)
@@ -92,17 +105,11 @@ def test_the_cores_stand_alone_under_torchrun(tmp_path, monkeypatch):
     (tmp_path / "single.py").write_text(single)
     cmd = command(mine / "my_trainer.py", nproc=2)
     launched = start(cmd, mine)  # while the single-process trainer runs here
-    printed, threads = io.StringIO(), torch.get_num_threads()
-    torch.set_num_threads(1)  # as in the launched processes: the same float sums
     monkeypatch.chdir(tmp_path)  # where it saves classifier.pt
-    try:
-        with contextlib.redirect_stdout(printed):
-            runpy.run_path(str(tmp_path / "single.py"), run_name="__main__")
-    finally:
-        torch.set_num_threads(threads)
+    printed = run_single(tmp_path / "single.py")
     out = ok(finish(launched, cmd))
-    numbers = [re.findall(r"loss (\d+\.\d+)", text) for text in (out, printed.getvalue())]
-    assert len(numbers[0]) == 4 and numbers[0] == numbers[1], (out, printed.getvalue())
+    numbers = [re.findall(r"loss (\d+\.\d+)", text) for text in (out, printed)]
+    assert len(numbers[0]) == 4 and numbers[0] == numbers[1], (out, printed)
     assert out.count("saved classifier.pt") == 1 and (mine / "classifier.pt").exists()
     model = runpy.run_path(str(tmp_path / "single.py"))["Classifier"]()
     model.load_state_dict(torch.load(mine / "classifier.pt", weights_only=True))  # no module.
@@ -141,23 +148,13 @@ def test_the_cp_pieces_stand_alone_under_torchrun(tmp_path):
     pieces = cp_pieces()
     fresh = mine[:first] + "\n\n\n".join(pieces[n] for n in CP_PIECES) + "\n\n\n" + mine[last:]
     (tmp_path / "my_lm_cp.py").write_text(fresh)
+    (tmp_path / "my_lm_single.py").write_text(single)
     cmd = command(tmp_path / "my_lm_cp.py", nproc=2)
     launched = start(cmd, tmp_path)
-    printed, threads = io.StringIO(), torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with contextlib.redirect_stdout(printed):
-            runpy.run_path(str(_write(tmp_path / "my_lm_single.py", single)), run_name="__main__")
-    finally:
-        torch.set_num_threads(threads)
+    printed = run_single(tmp_path / "my_lm_single.py")
     out = ok(finish(launched, cmd))
-    numbers = [re.findall(r"loss (\d+\.\d+) \| norm (\d+\.\d+)", text)
-               for text in (out, printed.getvalue())]
-    assert len(numbers[0]) == 4 and numbers[0] == numbers[1], (out, printed.getvalue())
+    found = r"loss (\d+\.\d+) \| norm (\d+\.\d+)"
+    numbers = [re.findall(found, text) for text in (out, printed)]
+    assert len(numbers[0]) == 4 and numbers[0] == numbers[1], (out, printed)
     assert float(numbers[0][-1][0]) < float(numbers[0][0][0]) - 1  # it learns: the control
     assert all(float(norm) > 1 for _, norm in numbers[0])  # clipping binds: the scale matters
-
-
-def _write(path, text):
-    path.write_text(text)
-    return path

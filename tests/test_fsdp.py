@@ -36,8 +36,9 @@ import subprocess
 import pytest
 import torch
 from helpers import logged_val_losses as val_losses
-from helpers import (CONSTANT_LR, EVAL_6, GPT, REPO, SHARDED, TINY_GPT, command, ddp_reference, finish,
-                     hostile_shell, in_process, ok, start, start_two_nodes, summary, trainer)
+from helpers import (CONSTANT_LR, EVAL_6, GPT, REPO, SHARDED, TINY_GPT, command, ddp_reference,
+                     finish, hostile_shell, in_process, ok, start, start_two_nodes, summary,
+                     trainer)
 
 import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
 

@@ -130,7 +130,7 @@ def test_no_long_line_no_wide_function_and_main_before_the_steps():
 SECTIONS = [re.compile(r"^# -+ the distributed lesson: main\(\)"), re.compile(r"^# -+ the model: "),
             re.compile(r"^# -+ beyond the core: "), PLUMBING]
 CORE = ["init_distributed", "make_run", "build_data", "build_model", "resumed_step", "wrap_model",
-        "evaluate", "train_step", "save_checkpoint", "leave_distributed"]  # what main() runs, in order
+        "evaluate", "train_step", "save_checkpoint", "leave_distributed"]  # main()'s, in order
 BEYOND = ["log_windows", "benchmark", "report", "log_peak_gpu_memory"]  # debugging, reports
 
 
@@ -153,8 +153,8 @@ def main_calls(name):
     """The script's own functions main() calls, in the order it first calls them."""
     tree, where = ast.parse((REPO / name).read_text()), top_level(name)
     main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
-    calls = sorted((c.lineno, c.col_offset, c.func.id) for c in ast.walk(main)
-                   if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in where)
+    calls = sorted((c.lineno, c.col_offset, c.func.id) for c in ast.walk(main) if
+                   isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in where)
     return list(dict.fromkeys(name for _, _, name in calls))
 
 
