@@ -23,8 +23,9 @@ Tags: `# CP k` marks each line CP changes in the FSDP trainer, numbered in readi
   CP 2  data and global batch by the dp row: a row's ranks share its sequences
   CP 3  Context: rank i holds chunks i and 2N - 1 - i of each sequence; loss, evaluation on them
   CP 4  GatherContext: all-gather K, V (backward: reduce-scatter); keys up to each chunk's end
-  CP 5  the model takes a context: global positions; attention over gathered keys, lower-right
-  CP 6  its checkpoint and export names: the FSDP trainer's formats
+  CP 5  --cp-rotate ring: K, V passed rank to rank, softmaxes merged by log-sum-exp
+  CP 6  the model takes a context: global positions; attention over gathered keys, lower-right
+  CP 7  its checkpoint and export names: the FSDP trainer's formats
 What CP saves: each rank holds 1/cp of every sequence's activations, its own q, k, v included;
 backward gathers each block's keys and values again, one block at a time. Positions are global.
 Kept from the DDP trainer (chapter 3), where they mark the same lines (8, 10, 15: DDP's wrapper,
@@ -75,7 +76,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # FSDP 3
 from torch.distributed.device_mesh import init_device_mesh  # FSDP 2
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # FSDP 1
 from torch.distributed.tensor import distribute_tensor  # FSDP 2
-from torch.nn.attention.bias import causal_lower_right  # CP 5
+from torch.nn.attention.bias import causal_lower_right  # CP 6
 from torch.utils.checkpoint import checkpoint
 
 
@@ -158,7 +159,7 @@ def make_run(args, device, rank, world_size):
     amp, policy = mixed_precision(args.amp, device)  # FSDP 1
     mesh = grid(args.cp, device, world_size)  # CP 1: (world size / cp) x cp ranks
     context = Context(mesh["cp"].get_group(), mesh.get_local_rank("cp"), args.cp,
-                      args.block_size, device)  # CP 3: plain values, so it copies out whole
+                      args.block_size, device, args.cp_rotate)  # CP 3: plain values
     run = Run(args, device, rank, world_size, is_main, amp, policy, mesh,
               mesh.get_local_rank("dp"), mesh.size(0), context)
     print0(is_main, f"world size {world_size} ({run.dp_size} dp x {args.cp} cp) | device "
@@ -172,7 +173,8 @@ def make_run(args, device, rank, world_size):
 def grid(cp, device, world_size):  # CP 1: a 2-D mesh, rows of cp ranks
     """(world size / cp) x cp ranks: rank r in row r // cp (its replica), column r % cp (its share
     of each sequence). A row is consecutive ranks, one node's GPUs, so the gathers stay on its
-    links. FSDP shards over another mesh: every rank, in one dimension (shard, in build_model)."""
+    links. FSDP shards over both dims flattened into one (shard, in build_model), as torchtitan
+    does; a grid with more dims (chapter 11's pp, tp) flattens the same two (private in 2.14)."""
     if world_size % cp:
         raise InputError(f"--cp {cp} does not divide the world size {world_size}: start a "
                          f"multiple of {cp} processes, or give --cp 1")
@@ -182,9 +184,10 @@ def grid(cp, device, world_size):  # CP 1: a 2-D mesh, rows of cp ranks
 
 class Context:  # CP 3: this rank's share of every sequence, and how its queries see the rest
     """Rank i of a row holds chunks i and 2 cp - 1 - i of 2 cp: one early, one late, equal work.
-    Its attention gathers the row's keys and values; backward keeps none: it gathers again."""
+    Its attention reaches the row's keys and values by an all-gather (backward keeps none: it
+    gathers again), or round a ring (--cp-rotate ring: one peer's at a time)."""
 
-    def __init__(self, group, cp_rank, cp, block_size, device):
+    def __init__(self, group, cp_rank, cp, block_size, device, rotate="allgather"):
         # cp 2, 16 tokens, 4 chunks of 4: rank 0 holds positions 0-3 and 12-15, rank 1 4-7, 8-11.
         # Gathered in rank order the keys stand as 0-3, 12-15, 4-7, 8-11; order [0-3, 8-15, 4-7]
         # (indices into the gathered keys) sorts them to 0-15. ends: rank 0 [4, 16], rank 1 [8, 12]
@@ -193,6 +196,7 @@ class Context:  # CP 3: this rank's share of every sequence, and how its queries
         self.order = torch.cat(every).argsort().to(device)  # CP 4: gathered -> sequence order
         self.ends = [int(chunk[-1]) + 1 for chunk in self.positions.chunk(2)]  # CP 4
         self.masks = [causal_lower_right(len(self.positions) // 2, end) for end in self.ends]
+        self.cp_rank, self.rotate = cp_rank, rotate  # CP 5: the ring's place, or allgather
 
     def share(self, x, y):  # CP 3: this rank's tokens of each sequence, and their targets
         return x[:, self.positions], y[:, self.positions]
@@ -200,6 +204,8 @@ class Context:  # CP 3: this rank's share of every sequence, and how its queries
     def attention(self, q, k, v):  # CP 4: each chunk's queries over every key up to its end
         if self.cp == 1:  # the whole sequence is here: plain causal attention
             return causal_attention(q, k, v)
+        if self.rotate == "ring":  # CP 5: the row's keys come round, one rank's at a time
+            return ring_attention(q, k, v, self)
         return checkpoint(self.gathered_attention, q, k, v, use_reentrant=False)  # recomputed
 
     def gathered_attention(self, q, k, v):  # CP 4: talks: gathers the row's keys and values
@@ -236,6 +242,125 @@ class GatherContext(torch.autograd.Function):  # CP 4: an all-gather that carrie
         mine = parts.new_empty((parts.shape[0] // n, *parts.shape[1:]))  # bf16 would round each
         dist.reduce_scatter_single(mine, parts, group=ctx.group)  # talks: sums, each rank its own
         return mine.to(grad.dtype), None
+
+
+@torch.compiler.disable  # CP 5: its sends and receives run eagerly inside a compiled model
+def ring_attention(q, k, v, context):  # CP 5: talks: --cp-rotate ring
+    return RingAttention.apply(q, k, v, context)
+
+
+class RingAttention(torch.autograd.Function):  # CP 5: keys and values passed round the row
+    """Ring attention: each rank of a row sends its keys and values on to the next (rank i to
+    i + 1) while its queries read the ones it holds, one rank's at a time; the partial softmaxes
+    merge by their log-sum-exps. A rank holds its own K, V and one visitor's, never the whole
+    sequence. Backward passes them round again, each with its gradient, which comes home summed.
+    K, V travel in the compute dtype, their gradients in fp32; the math is plain matmuls in fp32,
+    to show it: torch's CP calls the fused attention kernels' variants that return the LSE."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, context):
+        ctx.context, kv, q32, out = context, torch.stack([k, v]), q.float(), None
+        for step in range(context.cp):  # at step s: the keys of rank r - s of the row
+            arriving = pass_on(kv, context) if step < context.cp - 1 else None  # talks
+            rows, keys, causal = ring_block(context, step)
+            o, lse = block_attention(q32[..., rows, :], *kv[:, ..., keys, :].float(), causal)
+            if out is None:  # step 0, its own keys: every query reads one key or more
+                out, total = o, lse
+            else:  # softmax over both: weigh each part by its share of the sum of exps
+                both = torch.logaddexp(total[..., rows, :], lse)
+                out[..., rows, :] = (out[..., rows, :] * torch.exp(total[..., rows, :] - both)
+                                     + o * torch.exp(lse - both))
+                total[..., rows, :] = both
+            kv = arriving() if arriving else kv  # the next rank's keys, sent while we computed
+        ctx.save_for_backward(q, k, v, out, total)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        context, (q, k, v, out, total) = ctx.context, ctx.saved_tensors
+        kv, q32, grad = torch.stack([k, v]), q.float(), grad.float()
+        delta = (grad * out).sum(-1, keepdim=True)  # softmax backward's row term: dO . O
+        dq, dkv, arriving = torch.zeros_like(out), torch.zeros_like(kv, dtype=torch.float), None
+        for step in range(context.cp):  # the forward's ring again, with gradients
+            next_kv = pass_on(kv, context) if step < context.cp - 1 else None  # talks
+            rows, keys, causal = ring_block(context, step)
+            dq_part, dkv_part = block_gradients(q32[..., rows, :], kv[:, ..., keys, :].float(),
+                                                grad[..., rows, :],
+                                                (total[..., rows, :], delta[..., rows, :]), causal)
+            dq[..., rows, :] += dq_part
+            dkv = arriving() if arriving else dkv  # the sums for these keys, so far (fp32)
+            dkv[:, ..., keys, :] += dkv_part
+            arriving = pass_on(dkv, context)  # talks: on with them; after the last step, home
+            kv = next_kv() if next_kv else kv
+        dkv = arriving()  # my keys' and values' gradients, summed over every rank's queries
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+def ring_block(context, step):  # CP 5: which of my queries read which of the visiting keys
+    """At ring step s rank r holds the keys of rank r - s: its own (causal, as its positions
+    rise), an earlier rank's (all my queries read its early chunk, none its late one), or a later
+    rank's (my late chunk reads both its chunks, my early chunk neither): no mask but the first."""
+    source, half = (context.cp_rank - step) % context.cp, len(context.positions) // 2
+    if source == context.cp_rank:
+        return slice(None), slice(None), True
+    if source < context.cp_rank:
+        return slice(None), slice(None, half), False
+    return slice(half, None), slice(None), False
+
+
+def pass_on(x, context):  # CP 5: talks: x to the next rank of the row, the previous one's here
+    """Starts sending x to rank r + 1 of the row and receiving rank r - 1's; returns a function
+    that waits for both and gives what arrived, so the caller computes in between."""
+    r, n = context.cp_rank, context.cp
+    send, receive, group = x.contiguous(), torch.empty_like(x), context.group
+    works = dist.batch_isend_irecv([  # talks: both started at once, so neither rank waits
+        dist.P2POp(dist.isend, send, group=group, group_peer=(r + 1) % n),  # talks: to r + 1
+        dist.P2POp(dist.irecv, receive, group=group, group_peer=(r - 1) % n)])  # talks: from r - 1
+
+    def arrived():
+        for work in works:
+            work.wait()
+        return receive
+    return arrived
+
+
+def block_attention(q, k, v, causal, tile=256):  # CP 5: one ring step, and its log-sum-exps
+    """softmax(q k^T / sqrt(d)) v over these keys alone, and each query's log-sum-exp of its
+    scores: the weight its outputs get when merged with another step's. Queries in tiles, so the
+    scores held at once are tile x keys per head, not queries x keys (what flash attention does)."""
+    outs, lses = [], []
+    for first in range(0, q.shape[-2], tile):
+        scores = tile_scores(q[..., first:first + tile, :], k, first if causal else None)
+        lses.append(scores.logsumexp(-1, keepdim=True))
+        outs.append(scores.sub_(lses[-1]).exp_() @ v)
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-2)
+
+
+def block_gradients(q, kv, grad, rows_stats, causal, tile=256):  # CP 5: one ring step's backward
+    """Flash attention's backward for one block of keys, tile by tile: the probabilities again
+    from the whole softmax's log-sum-exps, and delta = dO . O, each query's (rows_stats). Returns
+    dQ's part and this block's dK, dV (stacked)."""
+    (k, v), (lse, delta), dq, dkv = kv, rows_stats, [], torch.zeros_like(kv)
+    for first in range(0, q.shape[-2], tile):
+        rows = slice(first, first + tile)
+        scores = tile_scores(q[..., rows, :], k, first if causal else None)
+        p = scores.sub_(lse[..., rows, :]).exp_()  # each query's probabilities, this block's part
+        ds = p * (grad[..., rows, :] @ v.transpose(-2, -1) - delta[..., rows, :])  # dScores
+        ds *= q.shape[-1] ** -0.5  # through the scale, to q and k
+        dq.append(ds @ k)
+        dkv[0] += ds.transpose(-2, -1) @ q[..., rows, :]
+        dkv[1] += p.transpose(-2, -1) @ grad[..., rows, :]
+    return torch.cat(dq, dim=-2), dkv
+
+
+def tile_scores(q, k, first=None):  # CP 5: q k^T / sqrt(d), causal if first is given
+    """The scores of these queries over the keys; where first is given (the rank's own keys, q
+    its tokens from the first-th on, both in order of position), -inf where a key is later."""
+    scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    if first is not None:
+        later = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(first + 1)
+        scores.masked_fill_(later, float("-inf"))
+    return scores
 
 
 @dataclasses.dataclass
@@ -319,7 +444,7 @@ def shard(run, model):  # FSDP 2: every block a group of its own, then the root
     """fully_shard turns each block's parameters into DTensors split across the ranks (dim 0): a
     block's weights are all-gathered just before its forward and its gradients reduce-scattered
     after its backward, so at most a block or two are whole at a time; the root holds the rest."""
-    mesh = init_device_mesh(run.device.type, (run.world_size,))  # on the group's device type
+    mesh = run.mesh["dp", "cp"]._flatten("dp_cp")  # CP 1: all ranks: the grid's dims as one
     reshard = run.args.reshard_after_forward == "yes"
     for i, block in enumerate(model.blocks):  # sharding sends nothing: its hooks gather later
         last = i == len(model.blocks) - 1  # its backward comes first: no gather in between
@@ -544,17 +669,17 @@ def leave_distributed():  # DDP 13: leave the process group on every path, error
 
 
 # --------------------------------------------------------------------------------- the model: a GPT
-def causal_attention(q, k, v, causal=None):  # CP 5: causal: Context's mask, built before compile
+def causal_attention(q, k, v, causal=None):  # CP 6: causal: Context's mask, built before compile
     """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
     attention on GPUs: no causal mask is built). No dropout on the attention weights: on a CPU it
     forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
     bf16 CPU backward kernel is 3x slower than the fp32 one (measured: docs/performance.md)."""
-    # CP 5: q holds the last positions of k's sequence. The lower-right mask aligns the last query
+    # CP 6: q holds the last positions of k's sequence. The lower-right mask aligns the last query
     # with the last key: queries 12-15 over 16 keys, query 12 reads keys 0-12 (is_causal=True
     # would align the first query with the first key: key 0 alone, and train wrong)
     if causal is None and q.shape[-2] != k.shape[-2]:  # as many queries as keys: is_causal
         causal = causal_lower_right(q.shape[-2], k.shape[-2])
-    cpu = q.device.type == "cpu"  # CP 5: one call, one mask, on every device (tested on a CPU)
+    cpu = q.device.type == "cpu"  # CP 6: one call, one mask, on every device (tested on a CPU)
     with torch.autocast("cpu", enabled=False) if cpu else contextlib.nullcontext():
         y = F.scaled_dot_product_attention(*(t.float() if cpu else t for t in (q, k, v)),
                                            attn_mask=causal, is_causal=causal is None)
@@ -568,15 +693,15 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(n_embd, 3 * n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
 
-    def forward(self, x, context=None):  # CP 5: context: this rank's share of the sequence
+    def forward(self, x, context=None):  # CP 6: context: this rank's share of the sequence
         B, T, C = x.shape
         # qkv's outputs come head by head (head 0's q, k, v, then head 1's...): equal parts are
         # whole heads, as a tensor-parallel split by heads needs; -1: the heads this module holds
         qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
         q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
-        if context is None:  # CP 5: the whole sequence is here
+        if context is None:  # CP 6: the whole sequence is here
             y = causal_attention(q, k, v)
-        else:  # CP 5: this rank's queries over the keys and values of every rank of its row
+        else:  # CP 6: this rank's queries over the keys and values of every rank of its row
             y = context.attention(q, k, v)
         return self.proj(y.transpose(1, 2).flatten(2))
 
@@ -592,7 +717,7 @@ class Block(nn.Module):
                                  nn.Linear(4 * n_embd, n_embd))
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x, context=None):  # CP 5
+    def forward(self, x, context=None):  # CP 6
         x = x + self.drop(self.attn(self.ln1(x), context))
         return x + self.drop(self.mlp(self.ln2(x)))
 
@@ -620,18 +745,18 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             p.copy_(initial_value(name, p.shape, seed, len(self.blocks)))
 
-    def forward(self, idx, targets=None, context=None):  # CP 5: context: this rank's share
+    def forward(self, idx, targets=None, context=None):  # CP 6: context: this rank's share
         """Logits (B, T, vocab), and the mean cross-entropy per token if targets are given. With a
         context, idx holds this rank's tokens of each sequence, at context.positions."""
         positions = torch.arange(idx.shape[1], device=idx.device)
-        if context is not None:  # CP 5: the tokens' places in the whole sequence
+        if context is not None:  # CP 6: the tokens' places in the whole sequence
             positions = context.positions
         x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
         for block in self.blocks:
             if self.grad_checkpointing and self.training:  # keep block inputs; recompute the rest
-                x = checkpoint(block, x, context, use_reentrant=False)  # CP 5
+                x = checkpoint(block, x, context, use_reentrant=False)  # CP 6
             else:
-                x = block(x, context)  # CP 5
+                x = block(x, context)  # CP 6
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits, None
@@ -736,6 +861,9 @@ def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
 # ---------------------------------------- guards: each stops one thing going wrong in production
 def avoid_known_failures(args):  # guard: every guard, in one place, before the group is joined
     """Exit code 2 for a launch that could never join a group; a workaround for each known fault."""
+    if torch.__version__ < "2.13":  # CP 4: GatherContext's collectives, from torch 2.13 on
+        sys.stderr.write(f"error: this chapter needs torch 2.13 or newer: {torch.__version__}\n")
+        sys.exit(2)  # as refuse_a_bad_launch: a launch that cannot work (a TorchVersion compares)
     refuse_a_bad_launch(args.device)  # guard: no torchrun, or more processes than GPUs
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     backend = "nccl" if cuda else "gloo"
@@ -865,6 +993,9 @@ def parse_args(argv=None):
     a("--cp", type=positive(int), default=2, metavar="N",  # CP 1
       help="context-parallel ranks per row: consecutive ranks, one node's GPUs; must divide the "
            "world size, and 2 x N must divide --block-size; 1: FSDP alone (default: 2)")
+    a("--cp-rotate", choices=["allgather", "ring"], default="allgather",  # CP 5
+      help="how a rank's queries reach the row's keys and values: allgather: all at once (torch's "
+           "default); ring: passed rank to rank, one rank's at a time (default: allgather)")
     a("--reshard-after-forward", choices=["yes", "no"], default="yes",  # FSDP 2
       help="yes: free each block's gathered weights after its forward (ZeRO-3); no: keep them "
            "until its backward (fewer all-gathers, more memory) (default: yes)")
@@ -876,9 +1007,9 @@ def parse_args(argv=None):
       help="validation sequences per evaluation (default: 128)")
     a("--log-every", type=positive(int), default=10, metavar="N",
       help="steps between log lines (default: 10)")
-    a("--save", default="checkpoints/minigpt_cp", metavar="DIR",  # CP 6
+    a("--save", default="checkpoints/minigpt_cp", metavar="DIR",  # CP 7
       help="checkpoint folder of step-N folders, '' for none (default: %(default)s)")
-    a("--export", default="checkpoints/minigpt_cp.pt", metavar="PATH",  # CP 6
+    a("--export", default="checkpoints/minigpt_cp.pt", metavar="PATH",  # CP 7
       help="the final weights in one file, chapter 3's format, '' for none (default: %(default)s)")
     a("--save-every", type=positive(int, zero_ok=True), default=0, metavar="N",
       help="also save every N steps, 0 = only at the end (default: 0)")
@@ -1254,16 +1385,17 @@ def read_run_state(path, run, data):  # FSDP 3
 
 def split_line(run):  # CP 3: the split, each rank's work, and what a block gathers
     """Each context rank's share of causal attention's (query, key) pairs, with the chunks it holds
-    and with contiguous shares instead, and the keys and values each rank gathers per block and
-    micro-batch in the compute dtype (docs/cp.md)."""
+    and with contiguous shares instead, and the keys and values each rank receives per block and
+    micro-batch in forward, in the compute dtype (docs/cp.md)."""
     args, cp, T = run.args, run.args.cp, run.args.block_size
     pairs = [int((chunk_positions(r, cp, T) + 1).sum()) for r in range(cp)]  # query p reads p + 1
     contiguous = [sum(range(r * T // cp + 1, (r + 1) * T // cp + 1)) for r in range(cp)]
     width = 2 if run.amp in ("bfloat16", "float16") else 4
     gathered = 2 * args.batch_size * T * args.n_embd * width * (cp - 1) / cp  # K and V, not mine
+    how = "gathered" if args.cp_rotate == "allgather" else f"passed in {cp - 1} ring steps"  # CP 5
     return (f"CP split: {2 * cp} chunks of {T // (2 * cp)} tokens, rank i of a row holds chunks i "
             f"and {2 * cp - 1} - i | attention pairs per rank: {percents(pairs)} (contiguous "
-            f"shares would give {percents(contiguous)}) | gathered per block and micro-batch: "
+            f"shares would give {percents(contiguous)}) | {how} per block and micro-batch: "
             f"{gathered / 2**20:.2f} MiB of keys and values")
 
 

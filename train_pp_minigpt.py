@@ -782,6 +782,9 @@ def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
 # ---------------------------------------- guards: each stops one thing going wrong in production
 def avoid_known_failures(args):  # guard: every guard, in one place, before the group is joined
     """Exit code 2 for a launch that could never join a group; a workaround for each known fault."""
+    if torch.__version__ < "2.10":  # PP 1: the schedules' return_outputs, from torch 2.10 on
+        sys.stderr.write(f"error: this chapter needs torch 2.10 or newer: {torch.__version__}\n")
+        sys.exit(2)  # as refuse_a_bad_launch: a launch that cannot work (a TorchVersion compares)
     refuse_a_bad_launch(args.device)  # guard: no torchrun, or more processes than GPUs
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     backend = "nccl" if cuda else "gloo"

@@ -403,6 +403,17 @@ def make_mnist(root, n_train=60, n_val=20):
 
 # --------------------------------------------------------------- shared chapter 2 runs (cached)
 
+def needs_torch(minimum, chapter):
+    """A skip mark for tests of a chapter that needs a newer torch than the course's floor
+    (requirements.txt), where the installed torch is older: the chapter refuses it at start-up."""
+    import torch
+    return pytest.mark.skipif(torch.__version__ < minimum,
+                              reason=f"chapter {chapter} needs torch {minimum} or newer")
+
+
+NEEDS_PP, NEEDS_CP = ("2.10", 9), ("2.13", 10)  # the torch chapters 9 and 10 need, and their number
+
+
 def scratch(name):
     """A fresh folder for this test session's shared runs, removed when the session ends."""
     import atexit

@@ -3,10 +3,14 @@ of docs/cp.md. Launched under torchrun in place of the script; the course never 
 
     torchrun ... tests/probe_cp.py record OUT_DIR [trainer flags]
         each rank writes OUT_DIR/rank{RANK}.json: {"dp_rank", "cp_rank", "positions": the global
-        positions of the tokens it holds, "steps", "peak_saved_bytes": the most bytes of
+        positions of the tokens it holds, "fsdp_dims", "fsdp_ranks": the names and ranks of the
+        mesh FSDP shards its parameters over, "steps", "peak_saved_bytes": the most bytes of
         activations it held for backward at once during a training step (tensors saved by
         autograd, each storage counted once, the weights left out), "gathered_bytes": the bytes
-        of keys and values its all-gathers returned in the first step, "all_gathers": how many}
+        of keys and values its all-gathers returned in the first step, "all_gathers": how many,
+        "passed_bytes" and "passes": the same for --cp-rotate ring's sends to the next rank,
+        "max_rss_bytes": the process's peak resident memory, read when it ends};
+        PROBE_RING_WAITS=1 makes each ring pass complete before the step's attention runs
     torchrun ... tests/probe_cp.py crash STEP:RANK OUT_DIR [trainer flags]
         as record, and that rank SIGKILLs itself when step STEP begins, on the first attempt only
         (TORCHELASTIC_RESTART_COUNT 0), so a restarted job gets past it
@@ -25,17 +29,23 @@ from helpers import Saved, run_as_script, unpack  # noqa: E402
 
 def record(out_dir, crash_at=None):
     import torch
-    saved, seen = Saved(), {"steps": 0, "gathered_bytes": 0, "all_gathers": 0}
+    import resource
+    saved, seen = Saved(), {"steps": 0, "gathered_bytes": 0, "all_gathers": 0,
+                            "passed_bytes": 0, "passes": 0}
     kill_step, kill_rank = crash_at or (None, None)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     kill = first_attempt and int(os.environ["RANK"]) == kill_rank
-    train_step, gather = trainer.train_step, trainer.GatherContext.forward
+    at_once = os.environ.get("PROBE_RING_WAITS") == "1"
+    train_step, gather, pass_on = (trainer.train_step, trainer.GatherContext.forward,
+                                   trainer.pass_on)
 
     def watched_step(run, model, optimizer, windows, step):
         if kill and step + 1 == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)  # a real kill: no cleanup, no goodbye
+        fsdp = next(model.parameters()).device_mesh  # what FSDP shards over
         seen.update(dp_rank=run.dp_rank, cp_rank=run.mesh.get_local_rank("cp"),
-                    positions=run.context.positions.tolist())
+                    positions=run.context.positions.tolist(),
+                    fsdp_dims=list(fsdp.mesh_dim_names), fsdp_ranks=fsdp.mesh.flatten().tolist())
         saved.model, seen["steps"] = model, seen["steps"] + 1
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, unpack):
             return train_step(run, model, optimizer, windows, step)
@@ -47,12 +57,24 @@ def record(out_dir, crash_at=None):
             seen["all_gathers"] += 1
         return out
 
+    def counted_pass(x, context):
+        if seen["steps"] == 1:
+            seen["passed_bytes"] += x.nbytes
+            seen["passes"] += 1
+        arrived = pass_on(x, context)
+        if at_once:  # no overlap: wait for the pass before computing (the step time it hides)
+            got = arrived()
+            return lambda: got
+        return arrived
+
     trainer.train_step, trainer.GatherContext.forward = watched_step, staticmethod(counted_gather)
+    trainer.pass_on = counted_pass
     try:
         run_as_script(trainer)
     finally:
         with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
-            json.dump({**seen, "peak_saved_bytes": saved.peak}, f)
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+            json.dump({**seen, "peak_saved_bytes": saved.peak, "max_rss_bytes": rss}, f)
 
 
 if __name__ == "__main__":

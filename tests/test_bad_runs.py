@@ -21,7 +21,8 @@ import subprocess
 
 import pytest
 import torch
-from helpers import DDP, GPT, SINGLE, SMALL, TINY_GPT, command, in_process, started, trainer
+from helpers import (DDP, GPT, NEEDS_PP, SINGLE, SMALL, TINY_GPT, command, in_process,
+                     needs_torch, started, trainer)
 
 PROBE = "tests/probe_minigpt.py"
 
@@ -102,7 +103,8 @@ def small_disk(tmp_path):
     (GPT, TINY_GPT + ["--max-steps", 1]),
     ("train_fsdp_minigpt.py", TINY_GPT + ["--max-steps", 1, "--export", ""]),
     ("train_tp_minigpt.py", TINY_GPT + ["--max-steps", 1, "--tp", 1, "--export", ""]),
-    ("train_pp_minigpt.py", TINY_GPT + ["--max-steps", 1, "--pp", 1, "--export", ""])])
+    pytest.param("train_pp_minigpt.py", TINY_GPT + ["--max-steps", 1, "--pp", 1, "--export", ""],
+                 marks=needs_torch(*NEEDS_PP))])
 def test_a_real_full_disk_is_named_in_the_users_words(script, args, small_disk):
     save = small_disk / ("ck" if script in ("train_fsdp_minigpt.py", "train_tp_minigpt.py",
                                             "train_pp_minigpt.py") else "ck.pt")

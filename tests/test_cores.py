@@ -13,9 +13,10 @@ into a trainer of one's own as they stand. These tests prove that
    its validation loss, and rank 0 alone saves weights that load into the plain model; started
    without torchrun it stops in one line with exit code 2;
 4. docs/cp_in_your_trainer.md holds chapter 10's pieces (chunk_positions, Context, GatherContext,
-   causal_attention) as the script does, its diff block is the real diff between its two trainers,
-   and copied afresh out of the script, the pieces split a small model's sequences over 2 processes
-   under torchrun with the single-process losses and clipped gradient norms (4 printed decimals).
+   the ring's pieces, causal_attention) as the script does, its diff block is the real diff
+   between its two trainers, and copied afresh out of the script, the pieces split a small model's
+   sequences over 2 processes under torchrun, by the all-gather and by the ring, with the
+   single-process losses and clipped gradient norms (4 printed decimals).
 """
 import ast
 import builtins
@@ -26,7 +27,7 @@ import re
 import runpy
 
 import torch
-from helpers import GPT, REPO, as_script, command, finish, ok, start
+from helpers import GPT, NEEDS_CP, REPO, as_script, command, finish, needs_torch, ok, start
 
 CORES = ["init_distributed", "refuse_a_bad_launch", "safe_debug_level", "accumulate_gradients",
          "mean_loss_over_ranks", "mean_over_ranks", "save_on_rank_0", "leave_distributed"]
@@ -118,15 +119,20 @@ def test_the_cores_stand_alone_under_torchrun(tmp_path, monkeypatch):
         "error: not launched by torchrun: see the commands at the top of this script\n")
 
 
-CP_PIECES = ["chunk_positions", "Context", "GatherContext", "causal_attention"]
+CP_PIECES = ["chunk_positions", "Context", "GatherContext", "ring_attention", "RingAttention",
+             "ring_block", "pass_on", "block_attention", "block_gradients", "tile_scores",
+             "causal_attention"]
 CP_PAGE = REPO / "docs" / "cp_in_your_trainer.md"
 
 
 def cp_pieces():
-    """{name: source} of chapter 10's pieces, cut out of the script by their def or class line."""
+    """{name: source} of chapter 10's pieces, cut out of the script from their first decorator or
+    their def or class line."""
     source = (REPO / "train_cp_minigpt.py").read_text()
     lines = source.splitlines()
-    return {n.name: "\n".join(lines[n.lineno - 1:n.end_lineno]) for n in ast.parse(source).body
+    return {n.name: "\n".join(lines[min([n.lineno, *(d.lineno for d in n.decorator_list)]) - 1:
+                                    n.end_lineno])
+            for n in ast.parse(source).body
             if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in CP_PIECES}
 
 
@@ -141,6 +147,7 @@ def test_the_cp_page_holds_the_scripts_pieces_as_they_stand():
     assert diff.rstrip("\n") == "\n".join(real)
 
 
+@needs_torch(*NEEDS_CP)
 def test_the_cp_pieces_stand_alone_under_torchrun(tmp_path):
     single, mine, _ = re.findall(r"^```(?:python|diff)\n(.*?)^```", CP_PAGE.read_text(),
                                  re.M | re.S)
@@ -149,12 +156,13 @@ def test_the_cp_pieces_stand_alone_under_torchrun(tmp_path):
     fresh = mine[:first] + "\n\n\n".join(pieces[n] for n in CP_PIECES) + "\n\n\n" + mine[last:]
     (tmp_path / "my_lm_cp.py").write_text(fresh)
     (tmp_path / "my_lm_single.py").write_text(single)
-    cmd = command(tmp_path / "my_lm_cp.py", nproc=2)
-    launched = start(cmd, tmp_path)
+    cmds = [command(tmp_path / "my_lm_cp.py", rotate, nproc=2) for rotate in ([], ["ring"])]
+    launched = [start(cmd, tmp_path) for cmd in cmds]
     printed = run_single(tmp_path / "my_lm_single.py")
-    out = ok(finish(launched, cmd))
     found = r"loss (\d+\.\d+) \| norm (\d+\.\d+)"
-    numbers = [re.findall(found, text) for text in (out, printed)]
-    assert len(numbers[0]) == 4 and numbers[0] == numbers[1], (out, printed)
-    assert float(numbers[0][-1][0]) < float(numbers[0][0][0]) - 1  # it learns: the control
-    assert all(float(norm) > 1 for _, norm in numbers[0])  # clipping binds: the scale matters
+    for proc, cmd in zip(launched, cmds):  # the all-gather, then the ring
+        out = ok(finish(proc, cmd))
+        numbers = [re.findall(found, text) for text in (out, printed)]
+        assert len(numbers[0]) == 4 and numbers[0] == numbers[1], (cmd, out, printed)
+        assert float(numbers[0][-1][0]) < float(numbers[0][0][0]) - 1  # it learns: the control
+        assert all(float(norm) > 1 for _, norm in numbers[0])  # clipping binds: the scale matters

@@ -14,8 +14,16 @@ torchrun launches on CPU/gloo. These tests prove:
 2. dp 2 x cp 2 at 4 processes, two nodes of 2 started through chapter 4's launcher, logs the
    losses and gradient norms of 2 DDP processes (1e-5 relative) and their validation losses at
    steps 0 and 6: every rank of a row reads one batch, the rows read what DDP's ranks read, and
-   the validation sums of every rank add up (none is left out);
-3. the split the docs describe: at cp 2 and T 32, context rank 0 holds tokens 0-7 and 24-31 and
+   the validation sums of every rank add up (none is left out); FSDP shards over the grid's dp and
+   cp dims flattened into one ("dp_cp", every rank);
+3. --cp-rotate ring at cp 4 (4 processes) logs one process's losses, gradient norms (1e-5) and
+   validation losses (1e-4); each pass carries one rank's keys and values or their fp32 gradients
+   (3 + 3 + 4 passes per block and micro-batch, counted, no all-gather), and a rank holds for
+   backward chapter 7's activations at T / cp tokens plus each block's fp32 output and
+   log-sum-exps (within 2% of the formula); one ring step's attention and its backward, tile by
+   tile, merged by log-sum-exp, equal causal attention and autograd's gradients in one process
+   (the controls: outputs merged without their weights, tiles that forget their first row);
+4. the split the docs describe: at cp 2 and T 32, context rank 0 holds tokens 0-7 and 24-31 and
    rank 1 tokens 8-23, whatever its row; the split line shows equal attention work (50%, 50%)
    where contiguous halves would give 26% and 74%; at cp 4 the chunks cover each position once
    with equal work; each block's all-gather returns the keys and values of the whole sequence,
@@ -26,15 +34,16 @@ torchrun launches on CPU/gloo. These tests prove:
    gradients are summed in fp32 under bf16 (rounded once); the training loss is the global sum
    over the global count of targets, so shares with unequal targets (a masked prompt) give one
    process's gradient and loss, where the mean of the ranks' means (the control) does not;
-4. checkpoints are chapter 7's: the --cp 2 run resumes chapter 7's checkpoint (step 4), and
+5. checkpoints are chapter 7's: the --cp 2 run resumes chapter 7's checkpoint (step 4), and
    chapter 7 resumes its last (step 14) to step 18 with one process's losses and weights; its
    export samples in chapter 3; a rank SIGKILLed at step 10 under `torchrun --max-restarts=1`
    (the README's restart setting) is restarted and `--resume auto` goes on from step 8 with the
    uninterrupted run's losses (those of item 1); its export holds the weights of its last
    checkpoint, read offline (`dcp_to_torch_save`), exactly (the control: 4 steps on, they differ);
-5. bad input is one line and exit code 2: a --cp that does not divide the world size, a
-   --block-size that 2 x cp does not divide, more chunks than tokens;
-6. benchmark_scaling.py reads its summary: the global batch counts the dp rows, not the ranks.
+6. bad input is one line and exit code 2: a --cp that does not divide the world size, a
+   --block-size that 2 x cp does not divide, more chunks than tokens, a torch older than chapter
+   10's (2.13) or chapter 9's (2.10) calls (the control: their own version passes);
+7. benchmark_scaling.py reads its summary: the global batch counts the dp rows, not the ranks.
 """
 import json
 import types
@@ -45,12 +54,13 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
-from helpers import (EVAL_6, GPT, REPO, SHARDED, as_script, command, ddp_reference, finish,
-                     in_process, ok, one_process_reference, start, start_two_nodes, summary,
-                     trainer)
+from helpers import (EVAL_6, GPT, NEEDS_CP, REPO, SHARDED, as_script, command, ddp_reference,
+                     finish, in_process, needs_torch, ok, one_process_reference, start,
+                     start_two_nodes, summary, trainer)
 
 import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
 
+pytestmark = needs_torch(*NEEDS_CP)
 CP, FSDP = "train_cp_minigpt.py", "train_fsdp_minigpt.py"
 cp = trainer(CP)
 ONE = SHARDED + ["--batch-size", 12]  # chapter 3's one-process global batch: 12 sequences
@@ -60,8 +70,9 @@ ONE = SHARDED + ["--batch-size", 12]  # chapter 3's one-process global batch: 12
 def runs(tmp_path_factory):
     """dp 2 x cp 2 for 10 steps on two nodes of 2 processes (recorded); chapter 7 in process for
     4 steps (its checkpoint: step 4), then --cp 2 from it to step 14, rank 1 killed at step 10 and
-    restarted (recorded; its last checkpoint: step 14); chapter 7 from that to step 18, in
-    process; chapter 3 at 2 processes (ddp_reference) and at 1 (one_process_reference)."""
+    restarted (recorded; its last checkpoint: step 14); --cp 4 --cp-rotate ring for 6 steps
+    (recorded) beside chapter 7 from step 14 to 18, in process; chapter 3 at 2 processes
+    (ddp_reference) and at 1 (one_process_reference)."""
     d = tmp_path_factory.mktemp("cp")
     (d / "grid").mkdir()
     (d / "rec").mkdir()
@@ -77,9 +88,15 @@ def runs(tmp_path_factory):
     proc = start(cmd, REPO, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # pytorch#135712
     r = {"one": one_process_reference(), "ddp": ddp_reference()[0]}  # meanwhile
     r["restarted"] = ok(finish(proc, cmd))
+    (d / "ring").mkdir()
+    ring = command("tests/probe_cp.py", ["record", d / "ring", *ONE, "--cp", 4, "--cp-rotate",
+                                         "ring", "--max-steps", 6, *EVAL_6, "--save", "",
+                                         "--export", ""], nproc=4)
+    proc = start(ring, REPO)
     r["fsdp"] = in_process(FSDP, ONE + ["--max-steps", 18, "--resume", d / "ck", "--save", "",
                                         "--export", d / "f18.pt"])
     r["grid"] = next(out for out in grid() if "world size 4 " in out)  # rank 0's node logs
+    r["ring"] = ok(finish(proc, ring))
     return {**r, "dir": d}
 
 
@@ -95,6 +112,33 @@ def test_cp2_logs_one_processs_losses_gradient_norms_and_validation_losses(runs)
     for step in (6, 12):  # 4 decimals; the control: the loss at 6 is not the loss at 12
         assert val_losses(out)[step] == pytest.approx(val_losses(one)[step], abs=1e-4), step
     assert abs(val_losses(one)[6] - val_losses(one)[12]) > 0.01
+
+
+def test_a_ring_of_4_logs_one_processs_losses_and_passes_one_ranks_keys_at_a_time(runs):
+    """--cp-rotate ring at cp 4: one process's losses, norms and validation losses; each pass
+    carries one rank's keys and values (or their fp32 gradients), never the whole sequence's."""
+    out, (one, _) = runs["ring"], runs["one"]
+    assert "world size 4 (1 dp x 4 cp)" in out and "passed in 3 ring steps per block" in out
+    assert sorted(losses(out)) == list(range(1, 7))
+    for step, loss in losses(out).items():
+        assert loss == pytest.approx(losses(one)[step], rel=1e-5), step
+    for step, norm in grad_norms(out).items():
+        assert norm > 1.0 and norm == pytest.approx(grad_norms(one)[step], rel=1e-5), step
+    assert sorted(val_losses(out)) == [0, 6]
+    for step in (0, 6):
+        assert val_losses(out)[step] == pytest.approx(val_losses(one)[step], abs=1e-4), step
+    one_ranks = 2 * 12 * 8 * 32 * 4  # K and V of a rank: 12 sequences, 8 tokens, width 32, fp32
+    for rank in range(4):
+        seen = json.loads((runs["dir"] / "ring" / f"rank{rank}.json").read_text())
+        # per block (2) and micro-batch (2): 3 passes of K, V forward, 3 in backward and 4 of
+        # their gradients (the last brings them home); no all-gather
+        assert (seen["passes"], seen["all_gathers"]) == (2 * 2 * 10, 0), seen
+        assert seen["passed_bytes"] == 2 * 2 * 10 * one_ranks, seen
+        # held for backward: chapter 7's activations at t = 8 tokens (as in
+        # test_each_rank_holds_an_early_chunk_and_a_late_one), and per block the output in fp32
+        # and a log-sum-exp per query and head: 4 L (t C + t heads) per sequence
+        formula = 12 * 4 * (16 * 2 * 8 * 32 + 2 * 8 * 32 + 8 * 256 + 2 * (8 * 32 + 8 * 2))
+        assert formula <= seen["peak_saved_bytes"] <= 1.02 * formula, seen
 
 
 def test_dp2_x_cp2_on_two_nodes_logs_ddps_losses_and_gradient_norms(runs):
@@ -116,6 +160,7 @@ def test_each_rank_holds_an_early_chunk_and_a_late_one(runs):
     for rank in range(4):
         seen = json.loads((runs["dir"] / "grid" / f"rank{rank}.json").read_text())
         assert (seen["dp_rank"], seen["cp_rank"]) == (rank // 2, rank % 2), seen
+        assert (seen["fsdp_dims"], seen["fsdp_ranks"]) == (["dp_cp"], [0, 1, 2, 3]), seen  # a mesh
         assert seen["positions"] == held[rank % 2], seen
         assert seen["all_gathers"] == 2 * 2 * 2, seen  # 2 blocks x 2 micro-batches, x 2: in
         assert seen["gathered_bytes"] == 8 * whole, seen  # forward, and again in backward
@@ -167,6 +212,37 @@ def test_the_attention_compiles_without_a_graph_break():
     assert breaks(lambda q, k, v: cp.causal_attention(q[..., 12:, :], k, v, late)) == 0
     assert breaks(lambda q, k, v: cp.causal_attention(q, k, v)) == 0
     assert breaks(lambda q, k, v: cp.causal_attention(q[..., 12:, :], k, v)) > 0
+
+
+def test_a_ring_steps_attention_and_backward_are_one_softmaxs_tile_by_tile():
+    """--cp-rotate ring's math in one process: 16 queries over keys in two blocks (the first
+    with the queries' own positions, causal), each step's outputs merged by their log-sum-exps,
+    and each block's backward from the merged output and log-sum-exp, in tiles of 3 queries,
+    equal causal attention and its autograd gradients. The controls: the two steps' outputs
+    averaged without their weights, and tiles that forget where they start in the causal block."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(1, 2, 16, 8, generator=g, dtype=torch.float64)
+                     for _ in range(4))
+    earlier = [torch.randn(1, 2, 16, 8, generator=g, dtype=torch.float64) for _ in range(2)]
+    keys, values = torch.cat([earlier[0], k], -2), torch.cat([earlier[1], v], -2)
+    q_, keys_, values_ = (t.clone().requires_grad_() for t in (q, keys, values))
+    mask = torch.ones(16, 32, dtype=torch.bool).tril(16)  # every earlier key, and up to its own
+    F.scaled_dot_product_attention(q_, keys_, values_, attn_mask=mask).backward(grad)
+    own, lse_own = cp.block_attention(q, k, v, True, tile=3)
+    seen, lse_seen = cp.block_attention(q, *earlier, False, tile=3)
+    total = torch.logaddexp(lse_own, lse_seen)
+    out = own * torch.exp(lse_own - total) + seen * torch.exp(lse_seen - total)
+    whole = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    torch.testing.assert_close(out, whole)
+    assert not torch.allclose((own + seen) / 2, whole, atol=1e-2)  # merged without their weights
+    delta = (grad * out).sum(-1, keepdim=True)
+    dq_own, dkv_own = cp.block_gradients(q, torch.stack([k, v]), grad, (total, delta), True, 3)
+    dq_seen, dkv_seen = cp.block_gradients(q, torch.stack(earlier), grad, (total, delta), False, 3)
+    torch.testing.assert_close(dq_own + dq_seen, q_.grad)
+    torch.testing.assert_close(torch.cat([dkv_seen[0], dkv_own[0]], -2), keys_.grad)
+    torch.testing.assert_close(torch.cat([dkv_seen[1], dkv_own[1]], -2), values_.grad)
+    forgetful = torch.cat([cp.tile_scores(q[..., i:i + 3, :], k, 0) for i in range(0, 16, 3)], -2)
+    assert not torch.equal(forgetful.isinf(), cp.tile_scores(q, k, 0).isinf())
 
 
 def test_key_and_value_gradients_are_summed_in_fp32(monkeypatch):
@@ -268,6 +344,25 @@ def test_a_split_that_does_not_fit_is_one_line(flags, message):
 def test_a_cp_that_does_not_divide_the_world_is_one_line():
     with pytest.raises(cp.InputError, match=r"^--cp 2 does not divide the world size 1: start a"):
         in_process(CP, SHARDED + ["--cp", 2, "--max-steps", 1, "--save", "", "--export", ""])
+
+
+@pytest.mark.parametrize("script,needs", [(CP, "2.13"), ("train_pp_minigpt.py", "2.10")])
+def test_a_torch_older_than_the_chapters_calls_is_one_line(script, needs, monkeypatch, capsys):
+    """Chapters 9 and 10 call what older torches lack; the course's floor (requirements.txt) is
+    the oldest torch where chapters 1-8 pass. A torch just older than the chapter's is refused in
+    one line, exit code 2, before any other guard; the control: at the chapter's own version the
+    next guard speaks (this test process was not started by torchrun)."""
+    from torch.torch_version import TorchVersion
+    module = trainer(script)
+    monkeypatch.delenv("RANK", raising=False)
+    args = module.parse_args(["--device", "cpu"])
+    older = f"2.{int(needs.split('.')[1]) - 1}.1+cu128"
+    for version, said in [(older, f"this chapter needs torch {needs} or newer: {older}"),
+                          (needs + ".0", "not launched by torchrun: see the commands at the top")]:
+        monkeypatch.setattr(module.torch, "__version__", TorchVersion(version))
+        with pytest.raises(SystemExit) as stop:
+            module.avoid_known_failures(args)
+        assert stop.value.code == 2 and capsys.readouterr().err.startswith(f"error: {said}")
 
 
 def test_a_cp_row_across_nodes_is_a_warning():

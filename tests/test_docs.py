@@ -21,7 +21,7 @@ import runpy
 
 import pytest
 
-from helpers import REPO, command, started
+from helpers import NEEDS_CP, NEEDS_PP, REPO, command, needs_torch, started
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "tests" / "README.md"]
 FENCE = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
@@ -47,8 +47,10 @@ def runnable(kind):
     for doc, marker, fails_with, code in blocks():
         launch = LAUNCH.match(code.splitlines()[0]) if marker and marker.startswith("runnable") else None
         if launch and (launch.group("n") is not None) == (kind == "torchrun"):
+            needs = {"pp.md": NEEDS_PP, "cp.md": NEEDS_CP}.get(doc)  # newer than the floor
             out.append(pytest.param(launch.group("name"), launch.group("n"), fails_with, code,
-                                    id=f"{doc}:{launch.group('name')}"))
+                                    id=f"{doc}:{launch.group('name')}",
+                                    marks=[needs_torch(*needs)] if needs else []))
     return out
 
 

@@ -28,7 +28,8 @@ import re
 
 import pytest
 import torch
-from helpers import DDP, GPT, SINGLE, SMALL, TINY_GPT, ok, run, summary, weights
+from helpers import (DDP, GPT, NEEDS_CP, NEEDS_PP, SINGLE, SMALL, TINY_GPT, needs_torch, ok, run,
+                     summary, weights)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU: NCCL, autocast fp16 and inductor on GPUs")
@@ -103,8 +104,10 @@ def test_fsdp_in_bf16_on_nccl_saves_resumes_and_exports(tmp_path):
 
 @pytest.mark.parametrize("script,flag,grid", [
     ("train_tp_minigpt.py", "--tp", f"(1 dp x {NPROC} tp)"),  # its tp group: the GPUs
-    ("train_pp_minigpt.py", "--pp", f"({NPROC} pp x 1 dp)"),  # a stage per GPU
-    ("train_cp_minigpt.py", "--cp", f"(1 dp x {NPROC} cp)")])  # its cp group: the GPUs
+    pytest.param("train_pp_minigpt.py", "--pp", f"({NPROC} pp x 1 dp)",  # a stage per GPU
+                 marks=needs_torch(*NEEDS_PP)),
+    pytest.param("train_cp_minigpt.py", "--cp", f"(1 dp x {NPROC} cp)",  # its cp group: the GPUs
+                 marks=needs_torch(*NEEDS_CP))])
 def test_tp_pp_and_cp_in_bf16_on_nccl_save_resume_and_export(script, flag, grid, tmp_path):
     if not torch.cuda.is_bf16_supported(including_emulation=False):
         pytest.skip("this GPU has no native bf16")

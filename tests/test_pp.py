@@ -39,12 +39,13 @@ import pytest
 import torch
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
-from helpers import (GPT, REPO, SHARDED, TINY_GPT, as_script, command, ddp_reference, finish,
-                     in_process, ok, one_process_reference, start, start_two_nodes, summary,
-                     trainer)
+from helpers import (GPT, NEEDS_PP, REPO, SHARDED, TINY_GPT, as_script, command, ddp_reference,
+                     finish, in_process, needs_torch, ok, one_process_reference, start,
+                     start_two_nodes, summary, trainer)
 
 import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
 
+pytestmark = needs_torch(*NEEDS_PP)
 PP, FSDP = "train_pp_minigpt.py", "train_fsdp_minigpt.py"
 
 
