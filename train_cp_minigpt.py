@@ -40,7 +40,7 @@ no_sync and replica check, which FSDP 4 and 7 replace):
 Kept from the FSDP trainer (chapter 7), where they mark the same lines:
   FSDP 1  bf16 by FSDP's MixedPrecisionPolicy        FSDP 5  every rank runs every forward
   FSDP 2  built on the meta device, then sharded     FSDP 6  the norm: a DTensor, made whole
-  FSDP 3  DCP checkpoints: every rank its shards     FSDP 7  one reduce-scatter per step
+  FSDP 3  DCP checkpoints: every rank its shards     FSDP 7  --grad-sync: sharded, or whole
   FSDP 4  no wrapper: fully_shard hooks the model    FSDP 8  --export: one plain file
 """
 import argparse
@@ -437,6 +437,8 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
                         f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
                         f"context {args.block_size}")
     print0(run.is_main, memory_line(raw_model))  # FSDP 2: what each rank holds
+    if args.grad_accum > 1:
+        print0(run.is_main, accumulation_line(raw_model, args))  # FSDP 2: and while accumulating
     return raw_model, optimizer
 
 
@@ -589,7 +591,7 @@ def train_step(run, model, optimizer, windows, step):
     batches = [on_device(windows.rows(step * args.grad_accum + i), run.device)
                for i in range(args.grad_accum)]
     batches = [run.context.share(x, y) for x, y in batches]  # CP 3: this rank's tokens of each
-    loss = accumulate_gradients(model, batches, run.context)  # FSDP 1: the policy casts
+    loss = accumulate_gradients(model, batches, run.context, args.grad_sync == "every")  # FSDP 1, 7
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, args)
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
@@ -601,15 +603,17 @@ def train_step(run, model, optimizer, windows, step):
     return loss, grad_norm
 
 
-def accumulate_gradients(model, batches, context):  # CP 3: on this rank's tokens
-    """Forward and backward over each micro-batch (inputs, targets): gradients add up in each
-    rank's shards, and FSDP reduce-scatters them once, in the last backward; the loss to average."""
+def accumulate_gradients(model, batches, context, every=True):  # CP 3: this rank's tokens
+    """Forward and backward over each micro-batch (inputs, targets); the loss to average. every:
+    each backward reduce-scatters a group's gradients into the shards, which add up there, so no
+    rank holds a whole gradient past its group's backward; else (--grad-sync last, DDP's no_sync)
+    whole gradients add up on every rank and the last backward reduce-scatters them once."""
     tokens = sum((y != -100).sum() for _, y in batches).double()  # CP 3: -100 is no target
     dist.all_reduce(tokens, op=dist.ReduceOp.SUM)  # talks: the step's targets, on every rank
     scale = dist.get_world_size() / tokens.clamp(min=1)  # CP 3: FSDP averages: a global mean
     total = 0.0
     for i, (x, y) in enumerate(batches):
-        model.set_requires_gradient_sync(i == len(batches) - 1)  # FSDP 7: FSDP's no_sync
+        model.set_requires_gradient_sync(every or i == len(batches) - 1)  # FSDP 7
         logits, _ = model(x, context=context)  # CP 3: a sum, not a mean: shares' targets differ
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum") * scale
         loss.backward()  # CP 4: talks: each block reduce-scatters its keys' and values' gradients
@@ -996,6 +1000,9 @@ def parse_args(argv=None):
     a("--cp-rotate", choices=["allgather", "ring"], default="allgather",  # CP 5
       help="how a rank's queries reach the row's keys and values: allgather: all at once (torch's "
            "default); ring: passed rank to rank, one rank's at a time (default: allgather)")
+    a("--grad-sync", choices=["every", "last"], default="every",  # FSDP 7
+      help="with --grad-accum: every: reduce-scatter each micro-batch's gradients, they stay "
+           "sharded; last: keep them whole and reduce-scatter once (default: every)")
     a("--reshard-after-forward", choices=["yes", "no"], default="yes",  # FSDP 2
       help="yes: free each block's gathered weights after its forward (ZeRO-3); no: keep them "
            "until its backward (fewer all-gathers, more memory) (default: yes)")
@@ -1413,6 +1420,17 @@ def memory_line(model):  # FSDP 2: what each rank holds, against DDP's full copy
             f"{16 * mine / 2**20:.2f} MiB "
             f"({mine:,} of {full:,} parameters; DDP: {16 * full / 2**20:.2f} MiB); every "
             "parameter is sharded, the embeddings too")
+
+
+def accumulation_line(model, args):  # FSDP 2: the gradients held, and reduce-scattered
+    """What a rank holds of the gradients between micro-batches, and the reduce-scatters a step
+    makes (each takes a group's whole fp32 gradient in and gives back its shard)."""
+    whole = 4 * sum(p.numel() for p in model.parameters()) / 2**20  # fp32 gradients, all of them
+    if args.grad_sync == "every":
+        return (f"--grad-sync every: gradients stay sharded between micro-batches; "
+                f"{args.grad_accum} reduce-scatters of the {whole:.2f} MiB of gradients per step")
+    return (f"--grad-sync last: every rank holds the whole gradients, {whole:.2f} MiB, from the "
+            f"first micro-batch to the last; 1 reduce-scatter of them per step")
 
 
 # --------------------------------------------------------------------------- logging and timing

@@ -23,7 +23,7 @@ Tags: `# FSDP k` marks each line FSDP changes in the DDP trainer, numbered in re
   FSDP 4  no wrapper: fully_shard hooks the model's own forward and backward
   FSDP 5  every rank runs every forward (evaluation, sampling): each one all-gathers with all
   FSDP 6  the gradient norm is a DTensor over all shards: full_tensor() makes it one number
-  FSDP 7  set_requires_gradient_sync(last): FSDP's no_sync, one reduce-scatter per step
+  FSDP 7  --grad-sync: reduce-scatter every micro-batch (sharded) or the last (whole)
   FSDP 8  --export: the whole model gathered into one plain file, the DDP trainer's format
 Kept from the DDP trainer (chapter 3), where they mark the same lines (8, 10, 15: DDP's wrapper,
 no_sync and replica check, which FSDP 4 and 7 replace):
@@ -225,6 +225,8 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
                         f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
                         f"context {args.block_size}")
     print0(run.is_main, memory_line(raw_model))  # FSDP 2: what each rank holds
+    if args.grad_accum > 1:
+        print0(run.is_main, accumulation_line(raw_model, args))  # FSDP 2: and while accumulating
     return raw_model, optimizer
 
 
@@ -375,7 +377,7 @@ def train_step(run, model, optimizer, windows, step):
     args = run.args
     batches = [on_device(windows.rows(step * args.grad_accum + i), run.device)
                for i in range(args.grad_accum)]
-    loss = accumulate_gradients(model, batches)  # FSDP 1: the policy casts, no autocast
+    loss = accumulate_gradients(model, batches, args.grad_sync == "every")  # FSDP 1, 7
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, args)
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
@@ -387,12 +389,14 @@ def train_step(run, model, optimizer, windows, step):
     return loss, grad_norm
 
 
-def accumulate_gradients(model, batches):  # FSDP 7: one reduce-scatter per step
-    """Forward and backward over each micro-batch (inputs, targets): gradients add up in each
-    rank's shards, and FSDP reduce-scatters them once, in the last backward; the loss to average."""
+def accumulate_gradients(model, batches, every=True):  # FSDP 7: stay sharded, or not
+    """Forward and backward over each micro-batch (inputs, targets); the loss to average. every:
+    each backward reduce-scatters a group's gradients into the shards, which add up there, so no
+    rank holds a whole gradient past its group's backward; else (--grad-sync last, DDP's no_sync)
+    whole gradients add up on every rank and the last backward reduce-scatters them once."""
     total = 0.0
     for i, (x, y) in enumerate(batches):
-        model.set_requires_gradient_sync(i == len(batches) - 1)  # FSDP 7: FSDP's no_sync
+        model.set_requires_gradient_sync(every or i == len(batches) - 1)  # FSDP 7
         _, loss = model(x, y)
         loss = loss / len(batches)  # micro-batches of equal size: the mean of their means
         loss.backward()  # the last one reduce-scatters: each rank gets its shard's mean gradient
@@ -748,6 +752,9 @@ def parse_args(argv=None):
     a = p.add_argument_group("distributed: timeouts and debugging (chapters 5 and 6)").add_argument
     a("--dist-timeout", type=positive(float), default=300, metavar="S",
       help="seconds a collective waits for a peer before the job fails (default: 300)")
+    a("--grad-sync", choices=["every", "last"], default="every",  # FSDP 7
+      help="with --grad-accum: every: reduce-scatter each micro-batch's gradients, they stay "
+           "sharded; last: keep them whole and reduce-scatter once (default: every)")
     a("--reshard-after-forward", choices=["yes", "no"], default="yes",  # FSDP 2
       help="yes: free each block's gathered weights after its forward (ZeRO-3); no: keep them "
            "until its backward (fewer all-gathers, more memory) (default: yes)")
@@ -1137,6 +1144,17 @@ def memory_line(model):  # FSDP 2: what each rank holds, against DDP's full copy
             f"{16 * mine / 2**20:.2f} MiB "
             f"({mine:,} of {full:,} parameters; DDP: {16 * full / 2**20:.2f} MiB); every "
             "parameter is sharded, the embeddings too")
+
+
+def accumulation_line(model, args):  # FSDP 2: the gradients held, and reduce-scattered
+    """What a rank holds of the gradients between micro-batches, and the reduce-scatters a step
+    makes (each takes a group's whole fp32 gradient in and gives back its shard)."""
+    whole = 4 * sum(p.numel() for p in model.parameters()) / 2**20  # fp32 gradients, all of them
+    if args.grad_sync == "every":
+        return (f"--grad-sync every: gradients stay sharded between micro-batches; "
+                f"{args.grad_accum} reduce-scatters of the {whole:.2f} MiB of gradients per step")
+    return (f"--grad-sync last: every rank holds the whole gradients, {whole:.2f} MiB, from the "
+            f"first micro-batch to the last; 1 reduce-scatter of them per step")
 
 
 # --------------------------------------------------------------------------- logging and timing

@@ -11,7 +11,8 @@ torchrun launches on CPU/gloo. These tests prove:
    rank's keys and values got no gradient from the other rank's queries, where a checkpointed
    block lost its context, or where validation windows were dealt by rank instead of by row or
    their tokens counted twice;
-2. dp 2 x cp 2 at 4 processes, two nodes of 2 started through chapter 4's launcher, logs the
+2. dp 2 x cp 2 at 4 processes, two nodes of 2 started through chapter 4's launcher, with
+   --grad-sync last (FSDP's no_sync: one reduce-scatter per step), logs the
    losses and gradient norms of 2 DDP processes (1e-5 relative) and their validation losses at
    steps 0 and 6: every rank of a row reads one batch, the rows read what DDP's ranks read, and
    the validation sums of every rank add up (none is left out); FSDP shards over the grid's dp and
@@ -68,17 +69,17 @@ ONE = SHARDED + ["--batch-size", 12]  # chapter 3's one-process global batch: 12
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """dp 2 x cp 2 for 10 steps on two nodes of 2 processes (recorded); chapter 7 in process for
-    4 steps (its checkpoint: step 4), then --cp 2 from it to step 14, rank 1 killed at step 10 and
-    restarted (recorded; its last checkpoint: step 14); --cp 4 --cp-rotate ring for 6 steps
-    (recorded) beside chapter 7 from step 14 to 18, in process; chapter 3 at 2 processes
-    (ddp_reference) and at 1 (one_process_reference)."""
+    """dp 2 x cp 2 for 10 steps on two nodes of 2 processes (recorded, --grad-sync last); chapter
+    7 in process for 4 steps (its checkpoint: step 4), then --cp 2 from it to step 14, rank 1
+    killed at step 10 and restarted (recorded; its last checkpoint: step 14); --cp 4 --cp-rotate
+    ring for 6 steps (recorded) beside chapter 7 from step 14 to 18, in process; chapter 3 at 2
+    processes (ddp_reference) and at 1 (one_process_reference)."""
     d = tmp_path_factory.mktemp("cp")
     (d / "grid").mkdir()
     (d / "rec").mkdir()
     grid = start_two_nodes("tests/probe_cp.py", ["record", d / "grid", *SHARDED, "--cp", 2,
                                                  "--max-steps", 10, *EVAL_6, "--save", "",
-                                                 "--export", ""], nproc=2)
+                                                 "--export", "", "--grad-sync", "last"], nproc=2)
     in_process(FSDP, ONE + ["--max-steps", 4, "--save", d / "ck", "--export", ""])
     cmd = command("tests/probe_cp.py", ["crash", "10:1", d / "rec", *ONE, "--cp", 2,
                                         "--max-steps", 14, *EVAL_6, "--grad-checkpointing",

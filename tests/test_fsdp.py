@@ -5,9 +5,12 @@ These tests prove:
    log the losses of 2 DDP processes (1e-5 relative) and their validation losses at steps 0, 6, 12
    and 18 (4 printed decimals), and end with the same weights to float32
    rounding; the exported plain file samples in one process through train_ddp_minigpt.py;
-2. accumulation adds no reduce-scatter: FSDP reduce-scatters once per sharded group per optimizer
-   step, not once per micro-batch, and gathers 4 times per micro-batch of 2 blocks: the root and the
-   last block stay whole from forward to backward (a counting probe);
+2. accumulation stays sharded: with --grad-sync every (the default) FSDP reduce-scatters every
+   sharded group once per micro-batch and holds no whole gradient between micro-batches; with
+   --grad-sync last once per step, holding every parameter's whole fp32 gradient in between (the
+   bytes read from FSDP's state), with the same losses; both print what they hold and send; FSDP
+   gathers 4 times per micro-batch of 2 blocks: the root and the last block stay whole from
+   forward to backward (a counting probe);
 3. memory: each of 2 ranks holds about half the parameters (and so of the gradients and AdamW
    state) that 1 process holds;
 4. checkpoints are shards that resume at another world size: saved at 2 processes (step 14) and
@@ -27,7 +30,7 @@ These tests prove:
    agents on this machine, meeting at 127.0.0.1) with the losses of one node's two DDP processes,
    from a shell that holds a SLURM allocation and debug switches (test_hermetic.py).
 The launches run side by side in one module fixture (`runs`); the counted run of 1-3 is the
-two-node run of 6.
+two-node run of 6; --grad-sync last is a counted run of 4 steps beside it.
 """
 import json
 import re
@@ -63,13 +66,17 @@ def runs(tmp_path_factory):
     (ddp_reference, shared with chapters 3 and 8's tests)."""
     d = tmp_path_factory.mktemp("fsdp")
     (d / "count").mkdir()
+    (d / "last").mkdir()
     cmds = {"restarted": command("tests/probe_fsdp.py",
                                  ["crash", "12:1", *FLAGS, "--max-steps", 14, "--save-every", 10,
                                   "--save", d / "f14", "--resume", "auto", "--export", ""],
                                  nproc=2, torchrun_args=["--max-restarts=1"]),
             "nospace": command("tests/probe_fsdp.py", ["nospace", "2:1", *FLAGS, "--batch-size", 4,
                                                        "--save-every", 2, "--save", d / "full",
-                                                       "--export", "", "--max-steps", 4], nproc=3)}
+                                                       "--export", "", "--max-steps", 4], nproc=3),
+            "last": command("tests/probe_fsdp.py", ["count", d / "last", *FLAGS, "--grad-sync",
+                                                    "last", "--max-steps", 4, "--save", "",
+                                                    "--export", ""], nproc=2)}
     restart_fix = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch/pytorch#135712
     started = {name: start(cmd, REPO, restart_fix if name == "restarted" else None)
                for name, cmd in cmds.items()}
@@ -80,6 +87,7 @@ def runs(tmp_path_factory):
     ddp, ddp_ckpt, _ = ddp_reference()
     r = {name: finish(proc, cmds[name]) for name, proc in started.items()}
     ok(r["restarted"])
+    ok(r["last"])
     outs = nodes()
     logged = [out for out in outs if "world size 2 |" in out]  # rank 0's node logs
     assert len(logged) == 1, outs
@@ -105,11 +113,25 @@ def test_fsdp_computes_what_ddp_computes(runs):
     assert sampled.startswith("def ")
 
 
-def test_accumulation_reduce_scatters_once_per_group_per_step(runs):
+def test_accumulation_stays_sharded_or_with_grad_sync_last_holds_whole_gradients(runs):
+    """--grad-sync every (the default): each micro-batch (2 a step) reduce-scatters every group's
+    gradients and no whole gradient outlives its backward; --grad-sync last: one reduce-scatter
+    per group and step, and between micro-batches every rank holds the whole fp32 gradients of
+    all 34,688 parameters (FSDP's no_sync); the same losses either way."""
+    groups = 2 + 1  # --n-layer 2 blocks, then the root (embeddings, final norm, head)
+    assert "--grad-sync every: gradients stay sharded between micro-batches; 2 reduce-scatters " \
+           "of the 0.13 MiB of gradients per step" in runs["fsdp"].stdout
+    assert "--grad-sync last: every rank holds the whole gradients, 0.13 MiB, from the first " \
+           "micro-batch to the last; 1 reduce-scatter of them per step" in runs["last"].stdout
+    for step, loss in losses(runs["last"].stdout).items():
+        assert loss == pytest.approx(losses(runs["fsdp"].stdout)[step], rel=1e-5), step
     for rank in (0, 1):
+        last = json.loads((runs["dir"] / "last" / f"rank{rank}.json").read_text())
+        assert (last["steps"], last["reduce_scatters"]) == (4, groups * 4), last
+        assert last["whole_grad_bytes"] == 4 * 34_688, last
         seen = json.loads((runs["dir"] / "count" / f"rank{rank}.json").read_text())
-        groups = 2 + 1  # --n-layer 2 blocks, then the root (embeddings, final norm, head)
-        assert seen["steps"] == 18 and seen["reduce_scatters"] == groups * 18, seen
+        assert seen["steps"] == 18 and seen["reduce_scatters"] == groups * 2 * 18, seen
+        assert seen["whole_grad_bytes"] == 0, seen
         # per micro-batch: the root once (whole from its forward to its backward), both blocks
         # before their forward, block 0 again before its backward (the last block stays whole)
         assert seen["all_gathers"] == (1 + 2 + 1) * 2 * 18, seen  # resharding the root and the

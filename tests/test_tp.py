@@ -7,7 +7,8 @@ launches on CPU/gloo. These tests prove:
    two differ); this holds only if the two ranks of a tp group read the same batch (data by dp row,
    not by rank: read by rank, the 4 ranks would read 4 different shares of the windows);
 2. checkpoints reshard across grids: the (dp 2, tp 2) checkpoint resumes at (dp 1, tp 2), two
-   processes that two nodes' agents start through chapter 4's launcher, and at tp 1 (in process),
+   processes that two nodes' agents start through chapter 4's launcher (with --grad-sync last:
+   one reduce-scatter per step, whole gradients in between), and at tp 1 (in process),
    each with the same global batch, and both log the next 8 losses of the uninterrupted DDP run;
    the (dp 1, tp 2) run's 8 losses are also chapter 3's in one process with that global batch;
    its export holds DDP's final weights (1e-4) and samples through train_ddp_minigpt.py;
@@ -37,15 +38,17 @@ FLAGS = SHARDED + ["--max-steps", 18]  # batch 6, 2 accumulation steps, --clip 1
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """TP at dp 2 x tp 2 for 10 steps (its checkpoint: step 10); from that checkpoint to step 18
-    at dp 1 x tp 2 (exported) and at tp 1; chapter 3 at 2 processes (ddp_reference, shared with
-    chapter 7's tests) and at 1 (one_process_reference, shared with chapter 9's), for 18 steps."""
+    at dp 1 x tp 2 (exported, --grad-sync last) and at tp 1; chapter 3 at 2 processes
+    (ddp_reference, shared with chapter 7's tests) and at 1 (one_process_reference, shared with
+    chapter 9's), for 18 steps."""
     d = tmp_path_factory.mktemp("tp")
     ddp, ddp_ckpt, _ = ddp_reference()
     r = {"ddp": ddp, "ddp.pt": ddp_ckpt,
          "grid": ok(run(TP, FLAGS + ["--tp", 2, "--max-steps", 10, *EVAL_6, "--save", d / "ck",
                                      "--export", ""], nproc=4))}
     resume = FLAGS + ["--batch-size", 12, "--resume", d / "ck", "--save", ""]
-    row = start_two_nodes(TP, resume + ["--tp", 2, "--export", d / "tp.pt"])  # while these run:
+    row = start_two_nodes(TP, resume + ["--tp", 2, "--grad-sync", "last",  # FSDP's no_sync
+                                        "--export", d / "tp.pt"])  # while these run:
     r["column"] = in_process(TP, resume + ["--tp", 1, "--export", ""])
     r["one"] = one_process_reference()[0]  # shared with chapter 9's tests
     r["row"] = next(out for out in row() if "world size 2 " in out)  # rank 0's node logs
