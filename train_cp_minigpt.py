@@ -523,7 +523,8 @@ def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
                    optim_state_dict=optim_state)
     if not shards_finite(raw_model):  # talks: every rank gets the same answer
         raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
-    if run.rank < len(state["rng"]):  # the same world size gets its exact dropout streams back
+    saved = state["args"].get("tp", 1), len(state["rng"])  # FSDP 3: a tp row's ranks drew alike
+    if saved == (1, run.world_size):  # the layout that saved them: else the seeds by rank stay
         restore_rng(state["rng"][run.rank], run.device)  # FSDP 3: this rank's streams
 
 

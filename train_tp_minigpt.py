@@ -24,8 +24,10 @@ Tags: `# TP k` marks each line TP changes in the FSDP trainer, numbered in readi
   TP 4  each block split by parallelize_module over the row, then fully_shard over the column
   TP 5  random streams restored only at the same grid: a row's ranks draw alike
   TP 6  the gradient norm per mesh, then combined: clip_grad_norm_ cannot mix two meshes
+  TP 7  --check-sync: a tp row's copies of what TP does not split, compared by hash
 Kept from the DDP trainer (chapter 3), where they mark the same lines (6: dropout by row, TP 2;
-8, 10, 15: DDP's wrapper, no_sync and replica check, which FSDP 4 and 7 replace):
+8, 10, 15: DDP's wrapper, no_sync and replica check, which FSDP 4 and 7 replace; TP 7 checks a
+tp row's copies):
   DDP 1  join the group torchrun started             DDP 9   SUM over ranks, then divide
   DDP 2  one GPU per process, by LOCAL_RANK          DDP 11  every rank's RNG state, saved
   DDP 3  is_main: rank 0 alone logs and saves        DDP 12  rank 0 writes, every rank waits
@@ -46,9 +48,10 @@ import datetime
 import errno
 import gc
 import glob
+import hashlib  # TP 7
 import io  # FSDP 8
 import json
-import logging  # TP 1
+import logging  # TP 4
 import math
 import os
 import pickle
@@ -172,8 +175,9 @@ def grid(tp, device, world_size):  # TP 1: a 2-D mesh, rows of tp ranks
                          f"multiple of {tp} processes, or give --tp 1")
     shape, names = (world_size // tp, tp), ("dp", "tp")
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)  # a group per row, column
-    # DTensor warns when a 2-D redistribution takes two collectives: the norm (a scalar), the export
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    # both dims as one, for DTensor: the norm's sum over every rank in one collective, not one per
+    # dim (torch warns of that); _flatten is private in torch 2.14, as torchtitan uses it
+    mesh["dp", "tp"]._flatten("dp_tp")  # TP 1
     return mesh
 
 
@@ -273,9 +277,10 @@ def shard(run, model):  # TP 4: each block split across its row's tp ranks, then
 
 
 def block_plan():  # TP 4: Megatron's split of a block, 2 all-reduces in forward, 2 in backward
-    """Column-wise: q, k, v (whole heads, as GPT.qkv orders its outputs) and the MLP's first
-    matrix, each rank its share of the outputs, from the whole input. Row-wise: attn.proj and the
-    MLP's second matrix take those shares and give partial sums, which one all-reduce adds up."""
+    """Column-wise: q, k, v (whole heads, as GPT.qkv orders its outputs: head by head; nanoGPT's
+    q|k|v order would hand rank 0 every q and trains wrong, silently) and the MLP's first matrix,
+    each rank its share of the outputs, from the whole input. Row-wise: attn.proj and the MLP's
+    second matrix take those shares and give partial sums, which one all-reduce adds up."""
     return {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
             "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
 
@@ -423,6 +428,8 @@ def train_step(run, model, optimizer, windows, step):
     stop_if_diverged(run, step, loss, grad_norm)
     optimizer.step()  # FSDP 1
     optimizer.zero_grad(set_to_none=True)
+    if args.check_sync:  # TP 7: debugging: the copies of a row's ranks, compared every step
+        check_replicas_in_sync(run, model, f"step {step + 1}")  # talks: a tp row's hashes
     return loss, grad_norm
 
 
@@ -643,6 +650,25 @@ def benchmark(run, model, optimizer, windows):
     print0(run.is_main, summary_line(result))
 
 
+def check_replicas_in_sync(run, model, when):  # TP 7: --check-sync, a tp row's copies
+    """A collective in each tp row: raise OutOfSync (exit code 3) if the copies its ranks hold of
+    what TP does not split (embeddings, head, norms, the row-wise layers' biases) differ, by a
+    hash of each rank's FSDP shards of them (a row's ranks hold the same dp slices)."""
+    tp = run.mesh["tp"]
+
+    def copied(p):  # on the dp mesh alone, or replicated along "tp"
+        names = p.device_mesh.mesh_dim_names or ()
+        return "tp" not in names or p.placements[names.index("tp")].is_replicate()
+    weights = b"".join(p.to_local().detach().cpu().numpy().tobytes()
+                       for p in model.parameters() if copied(p))
+    digests = [None] * tp.size()
+    dist.all_gather_object(digests, hashlib.sha256(weights).hexdigest()[:12],  # talks: the row's
+                           group=tp.get_group())
+    if len(set(digests)) > 1:  # every rank of the row sees the same digests: all of them stop
+        raise OutOfSync(f"--check-sync: the tp row of rank {run.rank} holds copies that differ "
+                        f"after {when}: {digests}")
+
+
 def report(run, raw_model, data, val_loss, meter):
     """The done line, the summary line, and a taste of what it learned, printed by rank 0; on GPUs
     first every rank's peak memory (a collective)."""
@@ -668,7 +694,13 @@ def export(run, raw_model, data):  # FSDP 8: one plain file, as one process save
     if not shards_finite(raw_model):  # talks: every rank gets the same answer
         raise SaveFailed(f"not exporting {run.args.export}: the weights are not finite")
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0
-    weights = get_model_state_dict(raw_model, options=options)  # empty on the other ranks
+    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")  # TP 4: it warns
+    level = redistribute.level  # that each block matrix's gather takes two all-gathers, one per
+    redistribute.setLevel(logging.ERROR)  # dim: true, and once, here; silenced for this call only
+    try:
+        weights = get_model_state_dict(raw_model, options=options)  # empty on the other ranks
+    finally:
+        redistribute.setLevel(level)
     save_on_rank_0(lambda: write_export(run, weights, data), run.is_main)  # talks
 
 
@@ -824,6 +856,9 @@ def parse_args(argv=None):
     a("--reshard-after-forward", choices=["yes", "no"], default="yes",  # FSDP 2
       help="yes: free each block's gathered weights after its forward (ZeRO-3); no: keep them "
            "until its backward (fewer all-gathers, more memory) (default: yes)")
+    a("--check-sync", action="store_true",  # TP 7
+      help="after every step, compare the copies a tp row's ranks hold of what TP does not "
+           "split, by a hash; copies that differ stop the run (exit code 3)")
     a("--debug", action="store_true", help="TORCH_DISTRIBUTED_DEBUG and each rank's data windows")
     a = p.add_argument_group("evaluation, logging, checkpoints").add_argument
     a("--eval-every", type=positive(int), default=100, metavar="N",
@@ -1215,15 +1250,16 @@ def memory_line(model):  # FSDP 2: what each rank holds, against DDP's full copy
 
 def traffic_line(run):  # TP 3: what each rank sends for TP in one optimizer step
     """TP's all-reduces per optimizer step, sent by each rank: 4 per block and micro-batch of
-    the activations (B, T, C) in the compute dtype; a ring all-reduce sends 2 (tp - 1) / tp of
-    a tensor. Evaluation and --grad-checkpointing's recomputed forwards come on top."""
+    the activations (B, T, C) in the compute dtype, 6 with --grad-checkpointing (backward runs
+    each block's forward again); a ring all-reduce sends 2 (tp - 1) / tp of a tensor."""
     args, tp = run.args, run.args.tp
     if tp == 1:
         return "TP traffic per rank: none (--tp 1: chapter 7's FSDP alone)"
     width = 2 if run.amp in ("bfloat16", "float16") else 4
     tensor = args.batch_size * args.block_size * args.n_embd * width
-    sent = 4 * args.n_layer * args.grad_accum * tensor * 2 * (tp - 1) / tp
-    return (f"TP traffic per rank: {4 * args.n_layer * args.grad_accum} all-reduces of "
+    count = (6 if args.grad_checkpointing else 4) * args.n_layer * args.grad_accum
+    sent = count * tensor * 2 * (tp - 1) / tp
+    return (f"TP traffic per rank: {count} all-reduces of "
             f"{tensor / 2**20:.2f} MiB per step, {sent / 2**20:.2f} MiB sent (tp {tp})")
 
 
@@ -1411,6 +1447,11 @@ class Stop(Exception):
 class InputError(Stop):
     """Bad input from the user: a flag, a file, a checkpoint."""
     code = 2
+
+
+class OutOfSync(Stop):  # TP 7
+    """--check-sync found a tp row whose copies of a replicated parameter differ."""
+    code = 3
 
 
 class Diverged(Stop):

@@ -22,7 +22,8 @@ These tests prove:
    code 5), leaves no half-written step, and the previous step resumes; at one process FSDP, built on the meta
    device, ends with chapter 3's weights, and saves and exports them after an evaluation with
    --reshard-after-forward no; a worker killed at step 12 under `torchrun --max-restarts=1` is restarted with its peer and
-   `--resume auto` goes on from step 10 with the uninterrupted run's losses;
+   `--resume auto` goes on from step 10 with the uninterrupted run's losses; random streams come
+   back only at the world size that saved them and without tp (a tp row's ranks draw alike);
 5. bad input is one line and exit code 2: a DDP checkpoint file given to --resume, --amp fp16,
    a wrong --reshard-after-forward;
 6. benchmark_scaling.py reads its summary (tokens per step over the ranks; the launches through
@@ -35,6 +36,7 @@ two-node run of 6; --grad-sync last is a counted run of 4 steps beside it.
 import json
 import re
 import subprocess
+import types
 
 import pytest
 import torch
@@ -136,6 +138,27 @@ def test_accumulation_stays_sharded_or_with_grad_sync_last_holds_whole_gradients
         # before their forward, block 0 again before its backward (the last block stays whole)
         assert seen["all_gathers"] == (1 + 2 + 1) * 2 * 18, seen  # resharding the root and the
         # last block after their forward, as torch does when told to, would make it 6, not 4
+
+
+def test_random_streams_come_back_only_at_the_layout_that_saved_them(monkeypatch):
+    """A checkpoint's RNG states are restored rank by rank only if it was saved at this world size
+    without tensor parallelism: a tp row's ranks draw the same dropout masks (chapter 8), so
+    restored here they would give two data-parallel ranks one stream; otherwise each rank keeps
+    its seed by rank. The control: the same world size without tp restores them."""
+    restored = []
+    for name in ("get_state_dict", "set_state_dict"):
+        monkeypatch.setattr(fsdp, name, lambda *a, **k: ({}, {}))
+    monkeypatch.setattr(fsdp.dcp, "load", lambda *a, **k: None)
+    monkeypatch.setattr(fsdp, "shards_finite", lambda model: True)
+    monkeypatch.setattr(fsdp, "restore_rng", lambda saved, device: restored.append(saved))
+    run = types.SimpleNamespace(rank=1, world_size=2, device=torch.device("cpu"))
+    for args, expected in [({"tp": 2}, []), ({}, ["rank 1's"]), ({"tp": 1}, ["rank 1's"])]:
+        restored.clear()
+        fsdp.load_shards("ck", {"args": args, "rng": ["rank 0's", "rank 1's"]}, run, None, None)
+        assert restored == expected, args
+    restored.clear()
+    fsdp.load_shards("ck", {"args": {}, "rng": ["0", "1", "2"]}, run, None, None)  # 3 ranks
+    assert restored == []
 
 
 def test_each_of_two_ranks_holds_half_the_parameters(runs):

@@ -14,18 +14,22 @@ launches on CPU/gloo. These tests prove:
    its export holds DDP's final weights (1e-4) and samples through train_ddp_minigpt.py;
 3. what each rank holds and sends: at dp 2 x tp 2 a rank holds a quarter of each block's
    matrices and half of the rest; the TP traffic line counts 4 all-reduces per block and
-   micro-batch;
+   micro-batch, 6 with --grad-checkpointing (the recomputed forward);
 4. bad input is one line and exit code 2: a --tp that does not divide the world size or --n-head;
+   --check-sync (on in the dp 2 x tp 2 run) stops a tp row whose copies of a replicated parameter
+   differ with one line per rank and exit code 3 (a probe nudges one rank's copy);
 5. benchmark_scaling.py reads its summary: the global batch counts the dp rows, not the ranks.
 """
 import re
+import types
 
 import pytest
 import torch
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
-from helpers import (EVAL_6, GPT, SHARDED, TINY_GPT, ddp_reference, in_process, ok,
-                     one_process_reference, run, start_two_nodes, summary, trainer)
+from helpers import (EVAL_6, GPT, REPO, SHARDED, TINY_GPT, command, ddp_reference, finish,
+                     in_process, ok, one_process_reference, run, start, start_two_nodes, summary,
+                     trainer)
 
 import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
 
@@ -42,10 +46,14 @@ def runs(tmp_path_factory):
     (ddp_reference, shared with chapter 7's tests) and at 1 (one_process_reference, shared with
     chapter 9's), for 18 steps."""
     d = tmp_path_factory.mktemp("tp")
+    drift = command("tests/probe_tp.py", ["drift", "2:1", *TINY_GPT, "--tp", 2, "--check-sync",
+                                          "--max-steps", 4, "--save", "", "--export", ""], nproc=2)
+    drifting = start(drift, REPO)
     ddp, ddp_ckpt, _ = ddp_reference()
     r = {"ddp": ddp, "ddp.pt": ddp_ckpt,
          "grid": ok(run(TP, FLAGS + ["--tp", 2, "--max-steps", 10, *EVAL_6, "--save", d / "ck",
-                                     "--export", ""], nproc=4))}
+                                     "--export", "", "--check-sync"], nproc=4)),
+         "drift": finish(drifting, drift)}
     resume = FLAGS + ["--batch-size", 12, "--resume", d / "ck", "--save", ""]
     row = start_two_nodes(TP, resume + ["--tp", 2, "--grad-sync", "last",  # FSDP's no_sync
                                         "--export", d / "tp.pt"])  # while these run:
@@ -53,6 +61,20 @@ def runs(tmp_path_factory):
     r["one"] = one_process_reference()[0]  # shared with chapter 9's tests
     r["row"] = next(out for out in row() if "world size 2 " in out)  # rank 0's node logs
     return {**r, "dir": d}
+
+
+def test_check_sync_stops_a_tp_row_whose_copies_drift_apart(runs):
+    """--check-sync compares, after every step, the copies a tp row holds of what TP does not split:
+    at dp 2 x tp 2 (the grid run) they stay equal and the run ends well; the control, rank 1 of a
+    tp 2 row nudging its copy of the final norm's weight before step 2 (tests/probe_tp.py), stops
+    the run after step 2 with one line and exit code 3, where the loss alone looks normal."""
+    drift = runs["drift"]
+    assert "done | val loss" in runs["grid"]
+    assert drift.returncode != 0 and "step 1/4 | loss" in drift.stdout
+    assert "step 2/4 | loss" not in drift.stdout  # stopped before step 2's log line
+    said = [f"error: --check-sync: the tp row of rank {rank} holds copies that differ after "
+            "step 2: [" in drift.stderr for rank in (0, 1)]  # both see it; torchrun may stop
+    assert any(said) and "exitcode  : 3" in drift.stderr, drift.stderr  # one before it prints
 
 
 def test_dp2_x_tp2_computes_what_ddp_computes(runs):
@@ -105,6 +127,10 @@ def test_each_rank_holds_its_share_and_the_traffic_line_counts_the_all_reduces(r
     tensor = 6 * 32 * 32 * 4 / 2**20  # batch x context x width, fp32
     assert (f"TP traffic per rank: 16 all-reduces of {tensor:.2f} MiB per step, "
             f"{16 * tensor:.2f} MiB sent (tp 2)") in runs["grid"]  # 2 blocks x 2 micro x 4
+    recomputed = types.SimpleNamespace(args=tp.parse_args(SHARDED + ["--tp", "2",  # forward
+                                                                   "--grad-checkpointing"]),
+                                       amp="off")  # again in backward: 2 all-reduces more
+    assert tp.traffic_line(recomputed).startswith("TP traffic per rank: 24 all-reduces of ")
 
 
 def test_a_tp_that_does_not_divide_is_one_line(capsys):
