@@ -244,7 +244,7 @@ class GatherContext(torch.autograd.Function):  # CP 4: an all-gather that carrie
         return mine.to(grad.dtype), None
 
 
-@torch.compiler.disable  # CP 5: its sends and receives run eagerly inside a compiled model
+@torch.compiler.disable  # CP 5: kept out of compiled graphs: its sends run eagerly, as written
 def ring_attention(q, k, v, context):  # CP 5: talks: --cp-rotate ring
     return RingAttention.apply(q, k, v, context)
 
@@ -252,10 +252,10 @@ def ring_attention(q, k, v, context):  # CP 5: talks: --cp-rotate ring
 class RingAttention(torch.autograd.Function):  # CP 5: keys and values passed round the row
     """Ring attention: each rank of a row sends its keys and values on to the next (rank i to
     i + 1) while its queries read the ones it holds, one rank's at a time; the partial softmaxes
-    merge by their log-sum-exps. A rank holds its own K, V and one visitor's, never the whole
-    sequence. Backward passes them round again, each with its gradient, which comes home summed.
-    K, V travel in the compute dtype, their gradients in fp32; the math is plain matmuls in fp32,
-    to show it: torch's CP calls the fused attention kernels' variants that return the LSE."""
+    merge by their log-sum-exps. A rank holds its K, V and two visitors' (leaving, arriving), never
+    the sequence's. Backward passes them round again with their gradients, which come home summed.
+    K, V travel in the compute dtype, dK, dV in fp32; the math is plain matmuls in fp32, to show
+    it: torch's CP calls the fused attention kernels' variants that return the LSE."""
 
     @staticmethod
     def forward(ctx, q, k, v, context):
@@ -271,7 +271,7 @@ class RingAttention(torch.autograd.Function):  # CP 5: keys and values passed ro
                 out[..., rows, :] = (out[..., rows, :] * torch.exp(total[..., rows, :] - both)
                                      + o * torch.exp(lse - both))
                 total[..., rows, :] = both
-            kv = arriving() if arriving else kv  # the next rank's keys, sent while we computed
+            kv = arriving() if arriving else kv  # rank r - s - 1's keys, sent while we computed
         ctx.save_for_backward(q, k, v, out, total)
         return out.to(q.dtype)
 
@@ -284,9 +284,9 @@ class RingAttention(torch.autograd.Function):  # CP 5: keys and values passed ro
         for step in range(context.cp):  # the forward's ring again, with gradients
             next_kv = pass_on(kv, context) if step < context.cp - 1 else None  # talks
             rows, keys, causal = ring_block(context, step)
+            stats = total[..., rows, :], delta[..., rows, :]  # each query's lse and dO . O
             dq_part, dkv_part = block_gradients(q32[..., rows, :], kv[:, ..., keys, :].float(),
-                                                grad[..., rows, :],
-                                                (total[..., rows, :], delta[..., rows, :]), causal)
+                                                grad[..., rows, :], stats, causal)
             dq[..., rows, :] += dq_part
             dkv = arriving() if arriving else dkv  # the sums for these keys, so far (fp32)
             dkv[:, ..., keys, :] += dkv_part
@@ -336,11 +336,11 @@ def block_attention(q, k, v, causal, tile=256):  # CP 5: one ring step, and its 
     return torch.cat(outs, dim=-2), torch.cat(lses, dim=-2)
 
 
-def block_gradients(q, kv, grad, rows_stats, causal, tile=256):  # CP 5: one ring step's backward
+def block_gradients(q, kv, grad, lse_delta, causal, tile=256):  # CP 5: one ring step's backward
     """Flash attention's backward for one block of keys, tile by tile: the probabilities again
-    from the whole softmax's log-sum-exps, and delta = dO . O, each query's (rows_stats). Returns
+    from the whole softmax's log-sum-exps, and delta = dO . O, each query's (lse_delta). Returns
     dQ's part and this block's dK, dV (stacked)."""
-    (k, v), (lse, delta), dq, dkv = kv, rows_stats, [], torch.zeros_like(kv)
+    (k, v), (lse, delta), dq, dkv = kv, lse_delta, [], torch.zeros_like(kv)
     for first in range(0, q.shape[-2], tile):
         rows = slice(first, first + tile)
         scores = tile_scores(q[..., rows, :], k, first if causal else None)
@@ -886,7 +886,7 @@ def avoid_cp_across_nodes(cp, per_node):  # guard: a cp row whose gathers cross 
     """A warning if a row of cp consecutive ranks may span nodes of per_node processes."""
     if per_node % cp:
         return (f"warning: --cp {cp} with {per_node} processes per node: a cp row spans nodes, "
-                "and its all-gathers of keys and values cross the network")
+                "and its keys and values (gathered, or passed round a ring) cross the network")
 
 
 def refuse_a_bad_launch(device_name):  # guard: a process that could never join a group

@@ -19,7 +19,8 @@ torchrun launches on CPU/gloo. These tests prove:
    cp dims flattened into one ("dp_cp", every rank);
 3. --cp-rotate ring at cp 4 (4 processes) logs one process's losses, gradient norms (1e-5) and
    validation losses (1e-4); each pass carries one rank's keys and values or their fp32 gradients
-   (3 + 3 + 4 passes per block and micro-batch, counted, no all-gather), and a rank holds for
+   (3 + 3 + 4 passes per block and micro-batch, counted, no all-gather; under bf16 K, V travel in
+   bf16 and their gradients in fp32, the bytes counted), and a rank holds for
    backward chapter 7's activations at T / cp tokens plus each block's fp32 output and
    log-sum-exps (within 2% of the formula); one ring step's attention and its backward, tile by
    tile, merged by log-sum-exp, equal causal attention and autograd's gradients in one process
@@ -72,8 +73,9 @@ def runs(tmp_path_factory):
     """dp 2 x cp 2 for 10 steps on two nodes of 2 processes (recorded, --grad-sync last); chapter
     7 in process for 4 steps (its checkpoint: step 4), then --cp 2 from it to step 14, rank 1
     killed at step 10 and restarted (recorded; its last checkpoint: step 14); --cp 4 --cp-rotate
-    ring for 6 steps (recorded) beside chapter 7 from step 14 to 18, in process; chapter 3 at 2
-    processes (ddp_reference) and at 1 (one_process_reference)."""
+    ring for 6 steps and a ring of 2 under bf16 for 2 (both recorded) beside chapter 7 from step
+    14 to 18, in process; chapter 3 at 2 processes (ddp_reference) and at 1
+    (one_process_reference)."""
     d = tmp_path_factory.mktemp("cp")
     (d / "grid").mkdir()
     (d / "rec").mkdir()
@@ -94,10 +96,16 @@ def runs(tmp_path_factory):
                                          "ring", "--max-steps", 6, *EVAL_6, "--save", "",
                                          "--export", ""], nproc=4)
     proc = start(ring, REPO)
+    (d / "ring16").mkdir()
+    ring16 = command("tests/probe_cp.py", ["record", d / "ring16", *ONE, "--cp", 2, "--cp-rotate",
+                                           "ring", "--amp", "bf16", "--max-steps", 2, "--save", "",
+                                           "--export", ""], nproc=2)
+    proc16 = start(ring16, REPO)
     r["fsdp"] = in_process(FSDP, ONE + ["--max-steps", 18, "--resume", d / "ck", "--save", "",
                                         "--export", d / "f18.pt"])
     r["grid"] = next(out for out in grid() if "world size 4 " in out)  # rank 0's node logs
     r["ring"] = ok(finish(proc, ring))
+    r["ring16"] = ok(finish(proc16, ring16))
     return {**r, "dir": d}
 
 
@@ -140,6 +148,22 @@ def test_a_ring_of_4_logs_one_processs_losses_and_passes_one_ranks_keys_at_a_tim
         # and a log-sum-exp per query and head: 4 L (t C + t heads) per sequence
         formula = 12 * 4 * (16 * 2 * 8 * 32 + 2 * 8 * 32 + 8 * 256 + 2 * (8 * 32 + 8 * 2))
         assert formula <= seen["peak_saved_bytes"] <= 1.02 * formula, seen
+
+
+def test_a_ring_under_bf16_sends_keys_in_bf16_and_their_gradients_in_fp32(runs):
+    """--amp bf16 (FSDP's policy: bf16 compute) at cp 2: the ring runs, its outputs cast back to
+    the compute dtype, with losses near one process's fp32 ones; the bytes it sends are K, V in
+    bf16 and dK, dV in fp32 (all in bf16, or all in fp32, would count other bytes)."""
+    out, (one, _) = runs["ring16"], runs["one"]
+    for step, loss in losses(out).items():  # bf16 against fp32: close, not equal
+        assert loss == pytest.approx(losses(one)[step], rel=2e-2), step
+    unit = 2 * 12 * 16 * 32  # K and V of a rank: 12 sequences, 16 tokens, width 32 (values)
+    for rank in range(2):
+        seen = json.loads((runs["dir"] / "ring16" / f"rank{rank}.json").read_text())
+        # per block (2) and micro-batch (2): K, V once forward and once backward, in bf16, and
+        # their gradients twice (to the next rank, then home), in fp32
+        assert seen["passes"] == 2 * 2 * 4, seen
+        assert seen["passed_bytes"] == 2 * 2 * (2 * unit * 2 + 2 * unit * 4), seen
 
 
 def test_dp2_x_cp2_on_two_nodes_logs_ddps_losses_and_gradient_norms(runs):

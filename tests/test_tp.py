@@ -15,10 +15,12 @@ launches on CPU/gloo. These tests prove:
 3. what each rank holds and sends: at dp 2 x tp 2 a rank holds a quarter of each block's
    matrices and half of the rest; the TP traffic line counts 4 all-reduces per block and
    micro-batch, 6 with --grad-checkpointing (the recomputed forward);
-4. bad input is one line and exit code 2: a --tp that does not divide the world size or --n-head;
+4. with --dropout 0.1 and 13 validation windows (one row padded), dp 2 x tp 2 logs 2 DDP
+   processes' losses and validation losses: a row draws its DDP rank's masks;
+5. bad input is one line and exit code 2: a --tp that does not divide the world size or --n-head;
    --check-sync (on in the dp 2 x tp 2 run) stops a tp row whose copies of a replicated parameter
    differ with one line per rank and exit code 3 (a probe nudges one rank's copy);
-5. benchmark_scaling.py reads its summary: the global batch counts the dp rows, not the ranks.
+6. benchmark_scaling.py reads its summary: the global batch counts the dp rows, not the ranks.
 """
 import re
 import types
@@ -49,11 +51,17 @@ def runs(tmp_path_factory):
     drift = command("tests/probe_tp.py", ["drift", "2:1", *TINY_GPT, "--tp", 2, "--check-sync",
                                           "--max-steps", 4, "--save", "", "--export", ""], nproc=2)
     drifting = start(drift, REPO)
+    noisy = SHARDED + ["--dropout", 0.1, "--eval-windows", 13, "--max-steps", 4, "--eval-every", 4,
+                       "--save", ""]  # 13 windows: rows of 7 and 6, one padded
+    dropped = {"tp": command(TP, noisy + ["--tp", 2, "--export", ""], nproc=4),
+               "ddp": command(GPT, noisy, nproc=2)}
+    dropping = {name: start(cmd, REPO) for name, cmd in dropped.items()}
     ddp, ddp_ckpt, _ = ddp_reference()
     r = {"ddp": ddp, "ddp.pt": ddp_ckpt,
          "grid": ok(run(TP, FLAGS + ["--tp", 2, "--max-steps", 10, *EVAL_6, "--save", d / "ck",
                                      "--export", "", "--check-sync"], nproc=4)),
          "drift": finish(drifting, drift)}
+    r.update({f"{name} dropout": ok(finish(proc, dropped[name])) for name, proc in dropping.items()})
     resume = FLAGS + ["--batch-size", 12, "--resume", d / "ck", "--save", ""]
     row = start_two_nodes(TP, resume + ["--tp", 2, "--grad-sync", "last",  # FSDP's no_sync
                                         "--export", d / "tp.pt"])  # while these run:
@@ -75,6 +83,20 @@ def test_check_sync_stops_a_tp_row_whose_copies_drift_apart(runs):
     said = [f"error: --check-sync: the tp row of rank {rank} holds copies that differ after "
             "step 2: [" in drift.stderr for rank in (0, 1)]  # both see it; torchrun may stop
     assert any(said) and "exitcode  : 3" in drift.stderr, drift.stderr  # one before it prints
+
+
+def test_with_dropout_and_a_padded_evaluation_dp2_x_tp2_logs_ddps_numbers(runs):
+    """--dropout 0.1: a row's ranks draw DDP's rank's masks (seeded by row, the same on every rank
+    of the row), so dp 2 x tp 2 logs 2 DDP processes' losses; 13 validation windows on 2 rows (7
+    and 6: one padded, counted as 0) give DDP's validation losses. The control: they change."""
+    tp_out, ddp = runs["tp dropout"], runs["ddp dropout"]
+    assert sorted(losses(tp_out)) == [1, 2, 3, 4]
+    for step, loss in losses(tp_out).items():
+        assert loss == pytest.approx(losses(ddp)[step], rel=1e-5), step
+    assert sorted(val_losses(tp_out)) == sorted(val_losses(ddp)) == [0, 4]
+    for step in (0, 4):
+        assert val_losses(tp_out)[step] == pytest.approx(val_losses(ddp)[step], abs=1e-4), step
+    assert abs(val_losses(ddp)[0] - val_losses(ddp)[4]) > 0.01
 
 
 def test_dp2_x_tp2_computes_what_ddp_computes(runs):
