@@ -1,7 +1,9 @@
-"""Runs train_tp_minigpt.py's real main() with one rank's copy of a replicated parameter nudged, for
-the test that --check-sync catches a tp row whose copies drift apart. Launched under torchrun in
-place of the script; the course never imports it:
+"""Runs train_tp_minigpt.py's real main() watched, for the tests. Launched under torchrun in place
+of the script; the course never imports it:
 
+    torchrun ... tests/probe_tp.py record OUT_DIR [trainer flags]
+        each rank writes OUT_DIR/rank{RANK}.json at its first step: {"tp_group", "dp_group": the
+        global ranks of the tp row and the dp column it belongs to}
     torchrun ... tests/probe_tp.py drift STEP:RANK [trainer flags]
         before step STEP, that rank adds 1e-3 to its shard of the final norm's weight (a
         parameter TP does not split: every rank of a tp row holds a copy), as a rank-seeded
@@ -15,6 +17,22 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_tp_minigpt as trainer  # noqa: E402
 from helpers import run_as_script  # noqa: E402
+
+
+def record(out_dir):
+    import json
+    train_step = trainer.train_step
+
+    def recorded_step(run, model, optimizer, windows, step):
+        if step == 0 or not os.path.exists(os.path.join(out_dir, f"rank{run.rank}.json")):
+            groups = {f"{dim}_group": sorted(trainer.dist.get_process_group_ranks(
+                run.mesh[dim].get_group())) for dim in ("tp", "dp")}
+            with open(os.path.join(out_dir, f"rank{run.rank}.json"), "w") as f:
+                json.dump(groups, f)
+        return train_step(run, model, optimizer, windows, step)
+
+    trainer.train_step = recorded_step
+    run_as_script(trainer)
 
 
 def drift(at):
@@ -33,7 +51,6 @@ def drift(at):
 
 
 if __name__ == "__main__":
-    at, rest = sys.argv[2], sys.argv[3:]
-    assert sys.argv[1] == "drift", sys.argv[1]
+    mode, arg, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
     sys.argv = [trainer.__file__] + rest
-    drift(at)
+    {"record": record, "drift": drift}[mode](arg)

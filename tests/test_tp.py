@@ -12,8 +12,9 @@ launches on CPU/gloo. These tests prove:
    each with the same global batch, and both log the next 8 losses of the uninterrupted DDP run;
    the (dp 1, tp 2) run's 8 losses are also chapter 3's in one process with that global batch;
    its export holds DDP's final weights (1e-4) and samples through train_ddp_minigpt.py;
-3. what each rank holds and sends: at dp 2 x tp 2 a rank holds a quarter of each block's
-   matrices and half of the rest; the TP traffic line counts 4 all-reduces per block and
+3. what each rank holds and sends: a tp row is consecutive ranks, a dp column every tp-th
+   (each rank's groups recorded by tests/probe_tp.py); at dp 2 x tp 2 a rank holds a quarter of
+   each block's matrices and half of the rest; the TP traffic line counts 4 all-reduces per block and
    micro-batch, 6 with --grad-checkpointing (the recomputed forward);
 4. with --dropout 0.1 and 13 validation windows (one row padded), dp 2 x tp 2 logs 2 DDP
    processes' losses and validation losses: a row draws its DDP rank's masks;
@@ -22,6 +23,7 @@ launches on CPU/gloo. These tests prove:
    differ with one line per rank and exit code 3 (a probe nudges one rank's copy);
 6. benchmark_scaling.py reads its summary: the global batch counts the dp rows, not the ranks.
 """
+import json
 import re
 import types
 
@@ -58,10 +60,11 @@ def runs(tmp_path_factory):
     dropping = {name: start(cmd, REPO) for name, cmd in dropped.items()}
     ddp, ddp_ckpt, _ = ddp_reference()
     r = {"ddp": ddp, "ddp.pt": ddp_ckpt,
-         "grid": ok(run(TP, FLAGS + ["--tp", 2, "--max-steps", 10, *EVAL_6, "--save", d / "ck",
-                                     "--export", "", "--check-sync"], nproc=4)),
+         "grid": ok(run("tests/probe_tp.py", ["record", d, *FLAGS, "--tp", 2, "--max-steps", 10,
+                                              *EVAL_6, "--save", d / "ck", "--export", "",
+                                              "--check-sync"], nproc=4)),
          "drift": finish(drifting, drift)}
-    r.update({f"{name} dropout": ok(finish(proc, dropped[name])) for name, proc in dropping.items()})
+    r.update({f"{n} dropout": ok(finish(proc, dropped[n])) for n, proc in dropping.items()})
     resume = FLAGS + ["--batch-size", 12, "--resume", d / "ck", "--save", ""]
     row = start_two_nodes(TP, resume + ["--tp", 2, "--grad-sync", "last",  # FSDP's no_sync
                                         "--export", d / "tp.pt"])  # while these run:
@@ -97,6 +100,15 @@ def test_with_dropout_and_a_padded_evaluation_dp2_x_tp2_logs_ddps_numbers(runs):
     for step in (0, 4):
         assert val_losses(tp_out)[step] == pytest.approx(val_losses(ddp)[step], abs=1e-4), step
     assert abs(val_losses(ddp)[0] - val_losses(ddp)[4]) > 0.01
+
+
+def test_a_tp_row_is_consecutive_ranks_and_a_dp_column_every_tp_th(runs):
+    """At dp 2 x tp 2 rank r sits in tp row r // 2 (ranks 0, 1 or 2, 3: one node's GPUs, whose
+    links carry TP's all-reduces) and dp column r % 2 (ranks 0, 2 or 1, 3), as the mesh says."""
+    for rank in range(4):
+        seen = json.loads((runs["dir"] / f"rank{rank}.json").read_text())
+        row, column = rank // 2, rank % 2
+        assert seen == {"tp_group": [2 * row, 2 * row + 1], "dp_group": [column, column + 2]}, seen
 
 
 def test_dp2_x_tp2_computes_what_ddp_computes(runs):
