@@ -1428,10 +1428,10 @@ def accumulation_line(model, args):  # FSDP 2: the gradients held, and reduce-sc
     makes (each takes a group's whole fp32 gradient in and gives back its shard)."""
     whole = 4 * sum(p.numel() for p in model.parameters()) / 2**20  # fp32 gradients, all of them
     if args.grad_sync == "every":
-        return (f"--grad-sync every: gradients stay sharded between micro-batches; "
-                f"{args.grad_accum} reduce-scatters of the {whole:.2f} MiB of gradients per step")
+        return (f"--grad-sync every: gradients stay sharded between micro-batches; the {whole:.2f} "
+                f"MiB of them reduce-scattered {args.grad_accum} times per step, group by group")
     return (f"--grad-sync last: every rank holds the whole gradients, {whole:.2f} MiB, from the "
-            f"first micro-batch to the last; 1 reduce-scatter of them per step")
+            f"first micro-batch to the last; reduce-scattered once per step")
 
 
 # --------------------------------------------------------------------------- logging and timing

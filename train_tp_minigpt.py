@@ -443,7 +443,7 @@ def accumulate_gradients(model, batches, every=True):  # FSDP 7: stay sharded, o
         model.set_requires_gradient_sync(every or i == len(batches) - 1)  # FSDP 7
         _, loss = model(x, y)
         loss = loss / len(batches)  # micro-batches of equal size: the mean of their means
-        loss.backward()  # the last one reduce-scatters: each rank gets its shard's mean gradient
+        loss.backward()  # reduce-scatters (last: only the last one): each rank its shard's mean
         total += loss.detach()
     return total
 
@@ -1268,10 +1268,10 @@ def accumulation_line(model, args):  # FSDP 2: the gradients held, and reduce-sc
     makes (each takes a group's whole fp32 gradient in and gives back its shard)."""
     whole = 4 * sum(p.numel() for p in model.parameters()) / 2**20  # fp32 gradients, all of them
     if args.grad_sync == "every":
-        return (f"--grad-sync every: gradients stay sharded between micro-batches; "
-                f"{args.grad_accum} reduce-scatters of the {whole:.2f} MiB of gradients per step")
+        return (f"--grad-sync every: gradients stay sharded between micro-batches; the {whole:.2f} "
+                f"MiB of them reduce-scattered {args.grad_accum} times per step, group by group")
     return (f"--grad-sync last: every rank holds the whole gradients, {whole:.2f} MiB, from the "
-            f"first micro-batch to the last; 1 reduce-scatter of them per step")
+            f"first micro-batch to the last; reduce-scattered once per step")
 
 
 # --------------------------------------------------------------------------- logging and timing

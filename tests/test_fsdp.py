@@ -121,10 +121,10 @@ def test_accumulation_stays_sharded_or_with_grad_sync_last_holds_whole_gradients
     per group and step, and between micro-batches every rank holds the whole fp32 gradients of
     all 34,688 parameters (FSDP's no_sync); the same losses either way."""
     groups = 2 + 1  # --n-layer 2 blocks, then the root (embeddings, final norm, head)
-    assert "--grad-sync every: gradients stay sharded between micro-batches; 2 reduce-scatters " \
-           "of the 0.13 MiB of gradients per step" in runs["fsdp"].stdout
+    assert "--grad-sync every: gradients stay sharded between micro-batches; the 0.13 MiB of " \
+           "them reduce-scattered 2 times per step, group by group" in runs["fsdp"].stdout
     assert "--grad-sync last: every rank holds the whole gradients, 0.13 MiB, from the first " \
-           "micro-batch to the last; 1 reduce-scatter of them per step" in runs["last"].stdout
+           "micro-batch to the last; reduce-scattered once per step" in runs["last"].stdout
     for step, loss in losses(runs["last"].stdout).items():
         assert loss == pytest.approx(losses(runs["fsdp"].stdout)[step], rel=1e-5), step
     for rank in (0, 1):
