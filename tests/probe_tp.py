@@ -3,7 +3,9 @@ of the script; the course never imports it:
 
     torchrun ... tests/probe_tp.py record OUT_DIR [trainer flags]
         each rank writes OUT_DIR/rank{RANK}.json at its first step: {"tp_group", "dp_group": the
-        global ranks of the tp row and the dp column it belongs to}
+        global ranks of the tp row and the dp column it belongs to}, and after the closing sample
+        OUT_DIR/sample{RANK}.json: the token ids it drew (every rank samples: each forward is a
+        collective of its tp row)
     torchrun ... tests/probe_tp.py drift STEP:RANK [trainer flags]
         before step STEP, that rank adds 1e-3 to its shard of the final norm's weight (a
         parameter TP does not split: every rank of a tp row holds a copy), as a rank-seeded
@@ -31,7 +33,15 @@ def record(out_dir):
                 json.dump(groups, f)
         return train_step(run, model, optimizer, windows, step)
 
-    trainer.train_step = recorded_step
+    generate = trainer.GPT.generate
+
+    def recorded_generate(model, *args):
+        out = generate(model, *args)
+        with open(os.path.join(out_dir, f"sample{os.environ['RANK']}.json"), "w") as f:
+            json.dump(out[0].tolist(), f)
+        return out
+
+    trainer.train_step, trainer.GPT.generate = recorded_step, recorded_generate
     run_as_script(trainer)
 
 

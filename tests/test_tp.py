@@ -13,7 +13,8 @@ launches on CPU/gloo. These tests prove:
    the (dp 1, tp 2) run's 8 losses are also chapter 3's in one process with that global batch;
    its export holds DDP's final weights (1e-4) and samples through train_ddp_minigpt.py;
 3. what each rank holds and sends: a tp row is consecutive ranks, a dp column every tp-th
-   (each rank's groups recorded by tests/probe_tp.py); at dp 2 x tp 2 a rank holds a quarter of
+   (each rank's groups recorded by tests/probe_tp.py), and a row's ranks draw the same closing
+   sample (every rank samples: each token's forward is the row's collective); at dp 2 x tp 2 a rank holds a quarter of
    each block's matrices and half of the rest; the TP traffic line counts 4 all-reduces per block and
    micro-batch, 6 with --grad-checkpointing (the recomputed forward);
 4. with --dropout 0.1 and 13 validation windows (one row padded), dp 2 x tp 2 logs 2 DDP
@@ -62,7 +63,7 @@ def runs(tmp_path_factory):
     r = {"ddp": ddp, "ddp.pt": ddp_ckpt,
          "grid": ok(run("tests/probe_tp.py", ["record", d, *FLAGS, "--tp", 2, "--max-steps", 10,
                                               *EVAL_6, "--save", d / "ck", "--export", "",
-                                              "--check-sync"], nproc=4)),
+                                              "--check-sync", "--max-new-tokens", 12], nproc=4)),
          "drift": finish(drifting, drift)}
     r.update({f"{n} dropout": ok(finish(proc, dropped[n])) for n, proc in dropping.items()})
     resume = FLAGS + ["--batch-size", 12, "--resume", d / "ck", "--save", ""]
@@ -102,13 +103,17 @@ def test_with_dropout_and_a_padded_evaluation_dp2_x_tp2_logs_ddps_numbers(runs):
     assert abs(val_losses(ddp)[0] - val_losses(ddp)[4]) > 0.01
 
 
-def test_a_tp_row_is_consecutive_ranks_and_a_dp_column_every_tp_th(runs):
+def test_a_tp_row_is_consecutive_ranks_and_draws_one_sample(runs):
     """At dp 2 x tp 2 rank r sits in tp row r // 2 (ranks 0, 1 or 2, 3: one node's GPUs, whose
-    links carry TP's all-reduces) and dp column r % 2 (ranks 0, 2 or 1, 3), as the mesh says."""
+    links carry TP's all-reduces) and dp column r % 2 (ranks 0, 2 or 1, 3), as the mesh says; the
+    closing sample, drawn on every rank, is the same 12 tokens on both ranks of a row."""
     for rank in range(4):
         seen = json.loads((runs["dir"] / f"rank{rank}.json").read_text())
         row, column = rank // 2, rank % 2
         assert seen == {"tp_group": [2 * row, 2 * row + 1], "dp_group": [column, column + 2]}, seen
+    samples = [json.loads((runs["dir"] / f"sample{rank}.json").read_text()) for rank in range(4)]
+    assert samples[0] == samples[1] and samples[2] == samples[3]  # a row draws one sample:
+    assert len(samples[0]) == 1 + 12  # each token's forward needs both its ranks' inputs alike
 
 
 def test_dp2_x_tp2_computes_what_ddp_computes(runs):
