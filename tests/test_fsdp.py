@@ -10,7 +10,7 @@ These tests prove:
    --grad-sync last once per step, holding every parameter's whole fp32 gradient in between (the
    bytes read from FSDP's state), with the same losses; both print what they hold and send; FSDP
    gathers 4 times per micro-batch of 2 blocks: the root and the last block stay whole from
-   forward to backward (a counting probe);
+   forward to backward (a counting probe), 3 times with --reshard-after-forward no;
 3. memory: each of 2 ranks holds about half the parameters (and so of the gradients and AdamW
    state) that 1 process holds;
 4. checkpoints are shards that resume at another world size: saved at 2 processes (step 14) and
@@ -77,7 +77,8 @@ def runs(tmp_path_factory):
                                                        "--save-every", 2, "--save", d / "full",
                                                        "--export", "", "--max-steps", 4], nproc=3),
             "last": command("tests/probe_fsdp.py", ["count", d / "last", *FLAGS, "--grad-sync",
-                                                    "last", "--max-steps", 4, "--save", "",
+                                                    "last", "--reshard-after-forward", "no",
+                                                    "--max-steps", 4, "--save", "",
                                                     "--export", ""], nproc=2)}
     restart_fix = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch/pytorch#135712
     started = {name: start(cmd, REPO, restart_fix if name == "restarted" else None)
@@ -119,7 +120,9 @@ def test_accumulation_stays_sharded_or_with_grad_sync_last_holds_whole_gradients
     """--grad-sync every (the default): each micro-batch (2 a step) reduce-scatters every group's
     gradients and no whole gradient outlives its backward; --grad-sync last: one reduce-scatter
     per group and step, and between micro-batches every rank holds the whole fp32 gradients of
-    all 34,688 parameters (FSDP's no_sync); the same losses either way."""
+    all 34,688 parameters (FSDP's no_sync); the same losses either way. The --grad-sync last run
+    also keeps gathered weights (--reshard-after-forward no): 3 all-gathers per micro-batch, not
+    4."""
     groups = 2 + 1  # --n-layer 2 blocks, then the root (embeddings, final norm, head)
     assert "--grad-sync every: gradients stay sharded between micro-batches; the 0.13 MiB of " \
            "them reduce-scattered 2 times per step, group by group" in runs["fsdp"].stdout
@@ -131,6 +134,9 @@ def test_accumulation_stays_sharded_or_with_grad_sync_last_holds_whole_gradients
         last = json.loads((runs["dir"] / "last" / f"rank{rank}.json").read_text())
         assert (last["steps"], last["reduce_scatters"]) == (4, groups * 4), last
         assert last["whole_grad_bytes"] == 4 * 34_688, last
+        # --reshard-after-forward no (this run too): the blocks stay whole from their forward to
+        # their backward, so a micro-batch gathers each group once: the root and 2 blocks
+        assert last["all_gathers"] == (1 + 2) * 2 * 4, last
         seen = json.loads((runs["dir"] / "count" / f"rank{rank}.json").read_text())
         assert seen["steps"] == 18 and seen["reduce_scatters"] == groups * 2 * 18, seen
         assert seen["whole_grad_bytes"] == 0, seen
