@@ -26,10 +26,11 @@ def record(out_dir):
     train_step = trainer.train_step
 
     def recorded_step(run, model, optimizer, windows, step):
-        if step == 0 or not os.path.exists(os.path.join(out_dir, f"rank{run.rank}.json")):
+        path = os.path.join(out_dir, f"rank{run.rank}.json")
+        if not os.path.exists(path):  # the first step this process takes
             groups = {f"{dim}_group": sorted(trainer.dist.get_process_group_ranks(
                 run.mesh[dim].get_group())) for dim in ("tp", "dp")}
-            with open(os.path.join(out_dir, f"rank{run.rank}.json"), "w") as f:
+            with open(path, "w") as f:
                 json.dump(groups, f)
         return train_step(run, model, optimizer, windows, step)
 

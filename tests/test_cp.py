@@ -155,6 +155,7 @@ def test_a_ring_under_bf16_sends_keys_in_bf16_and_their_gradients_in_fp32(runs):
     the compute dtype, with losses near one process's fp32 ones; the bytes it sends are K, V in
     bf16 and dK, dV in fp32 (all in bf16, or all in fp32, would count other bytes)."""
     out, (one, _) = runs["ring16"], runs["one"]
+    assert sorted(losses(out)) == [1, 2]
     for step, loss in losses(out).items():  # bf16 against fp32: close, not equal
         assert loss == pytest.approx(losses(one)[step], rel=2e-2), step
     unit = 2 * 12 * 16 * 32  # K and V of a rank: 12 sequences, 16 tokens, width 32 (values)

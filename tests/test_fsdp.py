@@ -128,6 +128,7 @@ def test_accumulation_stays_sharded_or_with_grad_sync_last_holds_whole_gradients
            "them reduce-scattered 2 times per step, group by group" in runs["fsdp"].stdout
     assert "--grad-sync last: every rank holds the whole gradients, 0.13 MiB, from the first " \
            "micro-batch to the last; reduce-scattered once per step" in runs["last"].stdout
+    assert sorted(losses(runs["last"].stdout)) == [1, 2, 3, 4]
     for step, loss in losses(runs["last"].stdout).items():
         assert loss == pytest.approx(losses(runs["fsdp"].stdout)[step], rel=1e-5), step
     for rank in (0, 1):
