@@ -20,13 +20,16 @@ the line that ends `the plumbing`; below it, guards, flags, data, files, logging
 Tags: `# TP k` marks each line TP changes in the FSDP trainer, numbered in reading order:
   TP 1  --tp N: a (world / N, N) mesh ("dp", "tp"); a row is consecutive ranks, one node
   TP 2  data, global batch and dropout by the dp row: a row's ranks hold parts of one replica
-  TP 3  the bytes each rank sends: 4 all-reduces per block and micro-batch
-  TP 4  each block split by parallelize_module over the row, then fully_shard over the column
+        (sequence parallel: dropout by rank, each rank drops out its own part of the sequence)
+  TP 3  the bytes each rank sends: per block and micro-batch, 4 all-reduces' worth
+  TP 4  parallelize_module over the row: each block split, the embedding, head and (sequence
+        parallel, the default) the residual stream too; then fully_shard over the column
   TP 5  random streams restored only at the same grid: a row's ranks draw alike
-  TP 6  the gradient norm per mesh, then combined: clip_grad_norm_ cannot mix two meshes
-  TP 7  --check-sync: a tp row's copies of what TP does not split, compared by hash
+  TP 6  loss parallel: the loss from a row's shares of the vocabulary, forward and backward
+  TP 7  the gradient norm per mesh, then combined: clip_grad_norm_ cannot mix two meshes
+  TP 8  --check-sync: a tp row's copies of what TP does not split, compared by hash
 Kept from the DDP trainer (chapter 3), where they mark the same lines (6: dropout by row, TP 2;
-8, 10, 15: DDP's wrapper, no_sync and replica check, which FSDP 4 and 7 replace; TP 7 checks a
+8, 10, 15: DDP's wrapper, no_sync and replica check, which FSDP 4 and 7 replace; TP 8 checks a
 tp row's copies):
   DDP 1  join the group torchrun started             DDP 9   SUM over ranks, then divide
   DDP 2  one GPU per process, by LOCAL_RANK          DDP 11  every rank's RNG state, saved
@@ -48,7 +51,7 @@ import datetime
 import errno
 import gc
 import glob
-import hashlib  # TP 7
+import hashlib  # TP 8
 import io  # FSDP 8
 import json
 import logging  # TP 4
@@ -75,8 +78,11 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # FSDP 3
 from torch.distributed.device_mesh import init_device_mesh  # FSDP 2
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # FSDP 1
 from torch.distributed.tensor import distribute_tensor  # FSDP 2
+from torch.distributed.tensor import DTensor, Replicate, Shard  # TP 4
 from torch.distributed.tensor.parallel import (ColwiseParallel,  # TP 4
-                                               RowwiseParallel, parallelize_module)
+                                               PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, loss_parallel,
+                                               parallelize_module)
 from torch.utils.checkpoint import checkpoint
 
 
@@ -250,7 +256,7 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
     init_shards(raw_model, args.seed)  # FSDP 2: one process's initial weights
     raw_model.grad_checkpointing = args.grad_checkpointing
     optimizer = make_optimizer(raw_model, args, run.device)
-    torch.manual_seed(args.seed + run.dp_rank)  # TP 2: a row draws the same dropout masks
+    torch.manual_seed(args.seed + dropout_stream(run))  # TP 2: by row, or by rank where split
     print0(run.is_main, f"model {sum(p.numel() for p in raw_model.parameters()):,} parameters | "
                         f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
                         f"context {args.block_size}")
@@ -262,27 +268,55 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
 
 
 def shard(run, model):  # TP 4: each block split across its row's tp ranks, then FSDP by column
-    """parallelize_module splits each block's four matrices across the tp ranks of a row (DTensors
-    on the tp mesh); then fully_shard shards every parameter over the rows (dp), as FSDP alone:
-    a block's matrices end up on the 2-D mesh, the embeddings, norms and head on the dp mesh."""
-    mesh = run.mesh["dp"]  # TP 4: FSDP shards over the rows, within each column
+    """parallelize_module splits each block's four matrices, and the tied embedding and head by
+    vocabulary, across the tp ranks of a row (DTensors on the tp mesh); then fully_shard shards
+    every parameter over the rows (dp), as FSDP alone: what TP split ends up on the 2-D mesh."""
+    mesh, sp = run.mesh["dp"], run.args.sequence_parallel == "on"  # TP 4: FSDP over the rows
     reshard = run.args.reshard_after_forward == "yes"
     for i, block in enumerate(model.blocks):  # sharding sends nothing: its hooks gather later
         if run.args.tp > 1:  # TP 4: --tp 1 is FSDP alone
-            parallelize_module(block, run.mesh["tp"], block_plan())  # all-reduces in its forward
+            parallelize_module(block, run.mesh["tp"], block_plan(sp))  # collectives in forward
         last = i == len(model.blocks) - 1  # its backward comes first: no gather in between
         fully_shard(block, mesh=mesh, mp_policy=run.policy,
                     reshard_after_forward=reshard and not last)  # hooks
+    if run.args.tp > 1:  # TP 4: the ends of the model, split by vocabulary (and sequence)
+        parallelize_module(model, run.mesh["tp"], ends_plan(sp))  # collectives in forward
+        model.head.weight = model.tok_emb.weight  # one matrix again: each split it by rows alike
     fully_shard(model, mesh=mesh, mp_policy=run.policy)  # the root: whole from forward to backward
 
 
-def block_plan():  # TP 4: Megatron's split of a block, 2 all-reduces in forward, 2 in backward
+def block_plan(sp):  # TP 4: Megatron's split of a block, then its sequence parallelism
     """Column-wise: q, k, v (whole heads, as GPT.qkv orders its outputs: head by head; nanoGPT's
     q|k|v order would hand rank 0 every q and trains wrong, silently) and the MLP's first matrix,
     each rank its share of the outputs, from the whole input. Row-wise: attn.proj and the MLP's
-    second matrix take those shares and give partial sums, which one all-reduce adds up."""
-    return {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
-            "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+    second matrix take those shares and give partial sums, which one all-reduce adds up. sp:
+    that all-reduce becomes a reduce-scatter, each rank the sum for its part of the sequence,
+    which the norms and dropout work on alone; an all-gather makes it whole for the next split."""
+    if not sp:
+        return {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+    whole = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return {"ln1": SequenceParallel(), "attn": whole, "attn.qkv": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),  # each rank its tokens' sum
+            "ln2": SequenceParallel(), "mlp": whole, "mlp.0": ColwiseParallel(),
+            "mlp.2": RowwiseParallel(output_layouts=Shard(1))}
+
+
+def ends_plan(sp):  # TP 4: the embedding and head split by vocabulary, the loss computed so
+    """The tied embedding and head, each rank a share of the vocabulary's rows: the embedding
+    looks up the tokens in its share (a sum over the row finds each), the head gives each rank its
+    share of every logit, kept split (a DTensor) for the loss. sp: the embedding's sum goes
+    straight to each rank's part of the sequence; the positions are sliced alike (sending
+    nothing)."""
+    stream = Shard(1) if sp else Replicate()  # (B, T, C): by sequence, or whole on every rank
+    plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+            "head": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1),
+                                    use_local_output=False)}  # the logits: split by vocabulary
+    if sp:
+        plan["pos_emb"] = PrepareModuleOutput(output_layouts=Replicate(),
+                                              desired_output_layouts=Shard(0))  # (T, C): my part
+        plan["ln_f"] = SequenceParallel()
+    return plan
 
 
 @torch.no_grad()
@@ -292,6 +326,14 @@ def init_shards(model, seed):  # FSDP 2: one whole parameter at a time, each ran
     for name, p in model.named_parameters():
         full = initial_value(name, p.shape, seed, len(model.blocks)).to(p.device)
         p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))  # mine
+
+
+def dropout_stream(run):  # TP 2: which ranks draw the same dropout masks
+    """This rank's offset to the dropout seed. Where the activations dropout acts on are whole on
+    every rank of a row (--sequence-parallel off), the row draws alike (its DDP rank's masks), or
+    its copies drift apart; sequence parallel, each rank drops out its own part of the sequence:
+    by rank, or a row's parts would share one mask."""
+    return run.rank if run.args.sequence_parallel == "on" else run.dp_rank
 
 
 def resumed_step(run, raw_model, optimizer, data):
@@ -353,8 +395,9 @@ def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
                    optim_state_dict=optim_state)
     if not shards_finite(raw_model):  # talks: every rank gets the same answer
         raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
-    saved = state["args"].get("tp"), len(state["rng"])  # TP 5: the grid that saved it
-    if saved == (run.args.tp, run.world_size):  # else the seeds by row stay: a row draws alike
+    saved = state["args"]  # TP 5: streams only at the layout that saved them; else the seeds
+    if (saved.get("tp"), saved.get("sequence_parallel"), len(state["rng"])) == (
+            run.args.tp, run.args.sequence_parallel, run.world_size):
         restore_rng(state["rng"][run.rank], run.device)  # FSDP 3: this rank's streams
 
 
@@ -369,8 +412,9 @@ def shards_finite(model):  # FSDP 3
 def wrap_model(run, raw_model):  # FSDP 4: no wrapper: the sharded model trains itself
     """The model that trains: the sharded raw_model, compiled with --compile. Two handles to one
     set of shards: `raw_model` (saved, exported) and `model`, the same or its compiled form."""
-    if run.args.compile:
-        return torch.compile(raw_model, backend=run.args.compile_backend)
+    if run.args.compile:  # TP 4: block by block, as torchtitan: torch 2.14 cannot compile the
+        for block in raw_model.blocks:  # vocabulary-split embedding (pytorch#160697)
+            block.compile(backend=run.args.compile_backend)
     return raw_model
 
 
@@ -406,7 +450,9 @@ def mean_loss_over_ranks(model, batches):  # FSDP 1: no autocast; DDP 9: sum, di
     totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
     for x, y in batches:
         logits, _ = model(x)  # FSDP 1
-        totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
+        with loss_parallel():  # TP 6: from each rank's share of the logits
+            loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
+        totals[0] += local(loss)  # TP 6
         totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # TP 2: a row's sums tp times, its counts too
     free_gathered_weights(model)  # FSDP 5: forwards without a backward leave them
@@ -423,12 +469,12 @@ def train_step(run, model, optimizer, windows, step):
     loss = accumulate_gradients(model, batches, args.grad_sync == "every")  # FSDP 1, 7
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, args)
-    grad_norm = clip_gradients(model, args.clip or float("inf"))  # TP 6: over both meshes
+    grad_norm = clip_gradients(model, args.clip or float("inf"))  # TP 7: over both meshes
     loss = mean_over_ranks(loss)  # DDP 9: every rank gets the same mean, so the same verdict
     stop_if_diverged(run, step, loss, grad_norm)
     optimizer.step()  # FSDP 1
     optimizer.zero_grad(set_to_none=True)
-    if args.check_sync:  # TP 7: debugging: the copies of a row's ranks, compared every step
+    if args.check_sync:  # TP 8: debugging: the copies of a row's ranks, compared every step
         check_replicas_in_sync(run, model, f"step {step + 1}")  # talks: a tp row's hashes
     return loss, grad_norm
 
@@ -441,14 +487,19 @@ def accumulate_gradients(model, batches, every=True):  # FSDP 7: stay sharded, o
     total = 0.0
     for i, (x, y) in enumerate(batches):
         model.set_requires_gradient_sync(every or i == len(batches) - 1)  # FSDP 7
-        _, loss = model(x, y)
-        loss = loss / len(batches)  # micro-batches of equal size: the mean of their means
-        loss.backward()  # reduce-scatters (last: only the last one): each rank its shard's mean
-        total += loss.detach()
+        with loss_parallel():  # TP 6: the loss from a row's vocabulary shares; its backward too
+            _, loss = model(x, y)
+            loss = loss / len(batches)  # micro-batches of equal size: the mean of their means
+            loss.backward()  # reduce-scatters (last: only the last one): my shard's mean
+        total += local(loss.detach())  # TP 6
     return total
 
 
-def clip_gradients(model, max_norm):  # TP 6: DTensors on two meshes
+def local(loss):  # TP 6: loss_parallel's loss, the same on each rank of a row, as a tensor
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+def clip_gradients(model, max_norm):  # TP 7: DTensors on two meshes
     """clip_grad_norm_ for a model whose parameters live on two meshes (it cannot stack norms from
     both): the norm of each mesh's gradients, over all its ranks (full_tensor), then of those.
     Returns the norm before clipping, the same on every rank."""
@@ -650,7 +701,7 @@ def benchmark(run, model, optimizer, windows):
     print0(run.is_main, summary_line(result))
 
 
-def check_replicas_in_sync(run, model, when):  # TP 7: --check-sync, a tp row's copies
+def check_replicas_in_sync(run, model, when):  # TP 8: --check-sync, a tp row's copies
     """A collective in each tp row: raise OutOfSync (exit code 3) if the copies its ranks hold of
     what TP does not split (embeddings, head, norms, the row-wise layers' biases) differ, by a
     hash of each rank's FSDP shards of them (a row's ranks hold the same dp slices)."""
@@ -685,8 +736,28 @@ def report(run, raw_model, data, val_loss, meter):
         raw_model.eval()
         start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
         first, args = torch.tensor([[start]], device=run.device), run.args
-        out = raw_model.generate(first, args.max_new_tokens, args.temperature, args.top_k)
+        torch.manual_seed(args.seed + run.dp_rank)  # TP 2: a row draws one sample, in step
+        out = generate_in_row(raw_model, first, args)  # TP 6: talks: every forward, the row's
         print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 5
+
+
+@torch.no_grad()  # TP 6: GPT.generate, for logits split by vocabulary
+def generate_in_row(model, idx, args):  # TP 6
+    """A collective of each tp row: GPT.generate for the split model, every rank of a row drawing
+    the same tokens. Each forward reads the whole context, padded (sequence parallel splits it in
+    tp equal parts; causal, no position reads the padding after it), and gives each rank its share
+    of the vocabulary's logits, gathered for the draw."""
+    for _ in range(args.max_new_tokens):
+        window = idx[:, -model.block_size:]
+        logits, _ = model(F.pad(window, (0, model.block_size - window.shape[1])))  # talks
+        logits = logits[:, window.shape[1] - 1] / args.temperature  # the last token's
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()  # talks: the row's shares of the vocabulary
+        if args.top_k:
+            kth = torch.topk(logits, min(args.top_k, logits.shape[-1])).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        idx = torch.cat([idx, torch.multinomial(logits.softmax(-1), 1)], dim=1)
+    return idx
 
 
 def export(run, raw_model, data):  # FSDP 8: one plain file, as one process saves it
@@ -856,7 +927,9 @@ def parse_args(argv=None):
     a("--reshard-after-forward", choices=["yes", "no"], default="yes",  # FSDP 2
       help="yes: free each block's gathered weights after its forward (ZeRO-3); no: keep them "
            "until its backward (fewer all-gathers, more memory) (default: yes)")
-    a("--check-sync", action="store_true",  # TP 7
+    a("--sequence-parallel", choices=["on", "off"], default="on",  # TP 4
+      help="split the norms' and dropout's activations by sequence in a tp row (default: on)")
+    a("--check-sync", action="store_true",  # TP 8
       help="after every step, compare the copies a tp row's ranks hold of what TP does not "
            "split, by a hash; copies that differ stop the run (exit code 3)")
     a("--debug", action="store_true", help="TORCH_DISTRIBUTED_DEBUG and each rank's data windows")
@@ -896,6 +969,9 @@ def parse_args(argv=None):
         p.error(f"--n-head {args.n_head} must divide --n-embd {args.n_embd}")
     if args.n_head % args.tp:  # TP 1: every tp rank holds whole heads
         p.error(f"--tp {args.tp} must divide --n-head {args.n_head}: each rank holds whole heads")
+    if args.sequence_parallel == "on" and args.block_size % args.tp:  # TP 4: equal parts
+        p.error(f"--sequence-parallel on splits the context in --tp parts: --tp {args.tp} must "
+                f"divide --block-size {args.block_size} (or give --sequence-parallel off)")
     if not 0 <= args.dropout < 1 or not 0 < args.val_fraction < 1:
         p.error("--dropout must be in [0, 1) and --val-fraction in (0, 1)")
     if args.sample and not args.ckpt:
@@ -1249,18 +1325,29 @@ def memory_line(model):  # FSDP 2: what each rank holds, against DDP's full copy
 
 
 def traffic_line(run):  # TP 3: what each rank sends for TP in one optimizer step
-    """TP's all-reduces per optimizer step, sent by each rank: 4 per block and micro-batch of
-    the activations (B, T, C) in the compute dtype, 6 with --grad-checkpointing (backward runs
-    each block's forward again); a ring all-reduce sends 2 (tp - 1) / tp of a tensor."""
+    """TP's collectives of the activations (B, T, C), in the compute dtype, per optimizer step (as
+    counted in tests/test_tp.py). Per block and micro-batch 2 all-reduces in forward, 2 in backward;
+    sequence parallel, each is an all-gather and a reduce-scatter (an all-reduce's halves: each
+    sends (tp - 1) / tp of the tensor). The embedding and head add 2 per micro-batch. With
+    --grad-checkpointing backward runs each block's forward again as far as it needs: through the
+    attention's reduction, and the MLP's if dropout's mask after it is drawn again (1 or 2
+    all-reduces more; sequence parallel, 2 all-gathers and 1 or 2 reduce-scatters)."""
     args, tp = run.args, run.args.tp
     if tp == 1:
         return "TP traffic per rank: none (--tp 1: chapter 7's FSDP alone)"
     width = 2 if run.amp in ("bfloat16", "float16") else 4
     tensor = args.batch_size * args.block_size * args.n_embd * width
-    count = (6 if args.grad_checkpointing else 4) * args.n_layer * args.grad_accum
-    sent = count * tensor * 2 * (tp - 1) / tp
-    return (f"TP traffic per rank: {count} all-reduces of "
-            f"{tensor / 2**20:.2f} MiB per step, {sent / 2**20:.2f} MiB sent (tp {tp})")
+    again = args.n_layer * args.grad_accum if args.grad_checkpointing else 0  # recomputed
+    reduced = again * (2 if args.dropout else 1)  # forwards, and the reductions they run again
+    each = (4 * args.n_layer + 2) * args.grad_accum  # per step, sequence parallel or not
+    if args.sequence_parallel == "on":
+        gathers, scatters = each + 2 * again, each + reduced
+        what, halves = f"{gathers} all-gathers and {scatters} reduce-scatters", gathers + scatters
+    else:
+        what, halves = f"{each + reduced} all-reduces", 2 * (each + reduced)
+    sent = halves * tensor * (tp - 1) / tp
+    return (f"TP traffic per rank: {what} of {tensor / 2**20:.2f} MiB per step, "
+            f"{sent / 2**20:.2f} MiB sent (tp {tp}, sequence parallel {args.sequence_parallel})")
 
 
 def accumulation_line(model, args):  # FSDP 2: the gradients held, and reduce-scattered
@@ -1449,7 +1536,7 @@ class InputError(Stop):
     code = 2
 
 
-class OutOfSync(Stop):  # TP 7
+class OutOfSync(Stop):  # TP 8
     """--check-sync found a tp row whose copies of a replicated parameter differ."""
     code = 3
 

@@ -290,7 +290,7 @@ class Saved:
         self.model, self.counts, self.live, self.peak, self.first = None, {}, 0, 0, None
 
     def pack(self, tensor):
-        storage = tensor.untyped_storage()
+        storage = getattr(tensor, "_local_tensor", tensor).untyped_storage()  # a DTensor's own
         key = storage.data_ptr()
         weights = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr()
                    for p in self.model.parameters()}

@@ -1,15 +1,19 @@
-"""Runs train_tp_minigpt.py's real main() watched, for the tests. Launched under torchrun in place
-of the script; the course never imports it:
+"""Runs train_tp_minigpt.py's real main() watched, for the tests and docs/tp.md's measurements.
+Launched under torchrun in place of the script; the course never imports it:
 
     torchrun ... tests/probe_tp.py record OUT_DIR [trainer flags]
-        each rank writes OUT_DIR/rank{RANK}.json at its first step: {"tp_group", "dp_group": the
-        global ranks of the tp row and the dp column it belongs to}, and after the closing sample
-        OUT_DIR/sample{RANK}.json: the token ids it drew (every rank samples: each forward is a
-        collective of its tp row)
-    torchrun ... tests/probe_tp.py drift STEP:RANK [trainer flags]
-        before step STEP, that rank adds 1e-3 to its shard of the final norm's weight (a
-        parameter TP does not split: every rank of a tp row holds a copy), as a rank-seeded
-        dropout or a wrong random stream would make it drift
+        each rank writes OUT_DIR/rank{RANK}.json at the end of its first step: {"tp_group",
+        "dp_group": the global ranks of the tp row and the dp column it belongs to,
+        "collectives": [name, elements of its input] of each functional collective (DTensor's)
+        in that step, "peak_saved_bytes": the most bytes of activations it held for backward at
+        once in that step (tensors saved by autograd, each storage counted once, the weights left
+        out), "dropout_mask": a hash of its first dropout mask (the embeddings')}; after the
+        closing sample OUT_DIR/sample{RANK}.json: the token ids it drew (every rank samples: each
+        forward is a collective of its tp row)
+    torchrun ... tests/probe_tp.py drift STEP:RANK OUT_DIR [trainer flags]
+        as record, and before step STEP that rank adds 1e-3 to its shard of the final norm's
+        weight (a parameter TP does not split: every rank of a tp row holds a copy), as a wrong
+        dropout seed or random stream would make it drift
 
 Errors end the probe as they end the script (helpers.run_as_script).
 """
@@ -18,23 +22,47 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_tp_minigpt as trainer  # noqa: E402
-from helpers import run_as_script  # noqa: E402
+from helpers import Saved, run_as_script, unpack  # noqa: E402
 
 
-def record(out_dir):
+def record(out_dir, drift_at=None):
+    import hashlib
     import json
-    train_step = trainer.train_step
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    saved, seen, train_step = Saved(), {}, trainer.train_step
+    drift_step, drift_rank = drift_at or (None, None)
+
+    class Collectives(TorchDispatchMode):  # what DTensor sends: its functional collectives
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "_c10d_functional" and func.__name__.split(".")[0] in (
+                    "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
+                seen["collectives"].append([func.__name__.split(".")[0], args[0].numel()])
+            return func(*args, **(kwargs or {}))
+
+    def mask_hash(module, inputs, output):
+        if module.training and "dropout_mask" not in seen:
+            mask = (output == 0).cpu().numpy().tobytes()
+            seen["dropout_mask"] = hashlib.sha256(mask).hexdigest()[:12]
 
     def recorded_step(run, model, optimizer, windows, step):
+        if run.rank == drift_rank and step + 1 == drift_step:
+            with torch.no_grad():
+                model.ln_f.weight.to_local().add_(1e-3)  # this rank's copy, no other's
         path = os.path.join(out_dir, f"rank{run.rank}.json")
-        if not os.path.exists(path):  # the first step this process takes
-            groups = {f"{dim}_group": sorted(trainer.dist.get_process_group_ranks(
-                run.mesh[dim].get_group())) for dim in ("tp", "dp")}
-            with open(path, "w") as f:
-                json.dump(groups, f)
-        return train_step(run, model, optimizer, windows, step)
+        if os.path.exists(path):  # after the first step this process takes
+            return train_step(run, model, optimizer, windows, step)
+        seen.update({f"{dim}_group": sorted(trainer.dist.get_process_group_ranks(
+            run.mesh[dim].get_group())) for dim in ("tp", "dp")}, collectives=[])
+        saved.model, hook = model, model.drop.register_forward_hook(mask_hash)
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, unpack), Collectives():
+            out = train_step(run, model, optimizer, windows, step)
+        hook.remove()
+        with open(path, "w") as f:
+            json.dump({**seen, "peak_saved_bytes": saved.peak}, f)
+        return out
 
-    generate = trainer.GPT.generate
+    generate = trainer.generate_in_row
 
     def recorded_generate(model, *args):
         out = generate(model, *args)
@@ -42,26 +70,14 @@ def record(out_dir):
             json.dump(out[0].tolist(), f)
         return out
 
-    trainer.train_step, trainer.GPT.generate = recorded_step, recorded_generate
-    run_as_script(trainer)
-
-
-def drift(at):
-    import torch
-    step_at, rank = map(int, at.split(":"))
-    mine, train_step = int(os.environ["RANK"]) == rank, trainer.train_step
-
-    def drifting_step(run, model, optimizer, windows, step):
-        if mine and step + 1 == step_at:
-            with torch.no_grad():
-                model.ln_f.weight.to_local().add_(1e-3)  # this rank's copy, no other's
-        return train_step(run, model, optimizer, windows, step)
-
-    trainer.train_step = drifting_step
+    trainer.train_step, trainer.generate_in_row = recorded_step, recorded_generate
     run_as_script(trainer)
 
 
 if __name__ == "__main__":
-    mode, arg, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
+    if sys.argv[1] == "record":
+        out, drift_at, rest = sys.argv[2], None, sys.argv[3:]
+    else:
+        drift_at, out, rest = tuple(map(int, sys.argv[2].split(":"))), sys.argv[3], sys.argv[4:]
     sys.argv = [trainer.__file__] + rest
-    {"record": record, "drift": drift}[mode](arg)
+    record(out, drift_at)

@@ -7,7 +7,8 @@ These tests prove that, for each of the five scripts,
    directly nor through a function of the script that does (followed transitively): the lesson
    section alone shows every way the processes depend on each other. Only the script's entry
    point, `if __name__ == "__main__":`, calls main() and leave_distributed() from below. Settings
-   classes that talk to no one (MixedPrecisionPolicy, StateDictOptions, the TP styles, a
+   classes that talk to no one (MixedPrecisionPolicy, StateDictOptions, the TP styles and
+   placements, a
    PipelineStage and its schedule until they step) and DebugLevel's values are not calls into the
    process group;
 2. every call that talks to other processes, in the steps of the lesson section, says why on its
@@ -32,6 +33,7 @@ PLUMBING = re.compile(r"^# =+ the plumbing$")
 TALKS_TO_NO_ONE = {  # calls into torch.distributed that send nothing: queries and settings
     "get_rank", "get_world_size", "is_initialized", "get_debug_level", "set_debug_level",
     "MixedPrecisionPolicy", "StateDictOptions", "ColwiseParallel", "RowwiseParallel",
+    "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "Shard", "Replicate",
     "get_group", "get_local_rank",
     "PipelineStage", "Schedule1F1B", "ScheduleGPipe"}  # built idle: schedule.step() sends
 DTENSOR_COLLECTIVES = {"full_tensor", "redistribute"}  # methods that gather or reshard

@@ -2,28 +2,35 @@
 launches on CPU/gloo. These tests prove:
 
 1. the same math as DDP: at the same seed, data and flags (2 accumulation steps, gradient norms
-   above --clip, so clipping binds), dp 2 x tp 2 at 4 processes logs the losses and gradient norms of 2 DDP processes (1e-5
+   above --clip, so clipping binds), dp 2 x tp 2 at 4 processes with sequence parallelism and
+   loss parallel (the defaults) logs the losses and gradient norms of 2 DDP processes (1e-5
    relative) and their validation losses at steps 0 and 6 (4 printed decimals; the control: those
    two differ); this holds only if the two ranks of a tp group read the same batch (data by dp row,
    not by rank: read by rank, the 4 ranks would read 4 different shares of the windows);
-2. checkpoints reshard across grids: the (dp 2, tp 2) checkpoint resumes at (dp 1, tp 2), two
-   processes that two nodes' agents start through chapter 4's launcher (with --grad-sync last:
-   one reduce-scatter per step, whole gradients in between), and at tp 1 (in process),
-   each with the same global batch, and both log the next 8 losses of the uninterrupted DDP run;
-   the (dp 1, tp 2) run's 8 losses are also chapter 3's in one process with that global batch;
-   its export holds DDP's final weights (1e-4) and samples through train_ddp_minigpt.py;
+2. checkpoints reshard across grids: the (dp 2, tp 2) checkpoint resumes at (dp 1, tp 2) without
+   sequence parallelism, compiled block by block, two processes that two nodes' agents start
+   through chapter 4's launcher (with --grad-sync last: one reduce-scatter per step, whole
+   gradients in between), and at tp 1
+   (in process), each with the same global batch, and both log the next 8 losses of the
+   uninterrupted DDP run; the (dp 1, tp 2) run's 8 losses are also chapter 3's in one process with
+   that global batch; its export holds DDP's final weights (1e-4) and samples through
+   train_ddp_minigpt.py;
 3. what each rank holds and sends: a tp row is consecutive ranks, a dp column every tp-th
    (each rank's groups recorded by tests/probe_tp.py), and a row's ranks draw the same closing
-   sample (every rank samples: each token's forward is the row's collective); at dp 2 x tp 2 a rank holds a quarter of
-   each block's matrices and half of the rest; the TP traffic line counts 4 all-reduces per block and
-   micro-batch, 6 with --grad-checkpointing (the recomputed forward);
-4. with --dropout 0.1 and 13 validation windows (one row padded), dp 2 x tp 2 logs 2 DDP
-   processes' losses and validation losses: a row draws its DDP rank's masks;
-5. bad input is one line and exit code 2: a --tp that does not divide the world size or --n-head;
-   --check-sync (on in the dp 2 x tp 2 run) stops a tp row whose copies of a replicated parameter
-   differ with one line per rank and exit code 3 (a probe nudges one rank's copy);
+   sample (every rank samples: each token's forward is the row's collective); at dp 2 x tp 2 a
+   rank holds a quarter of what TP splits and half of the rest; the TP traffic line's counts are
+   the activations' collectives the probe saw DTensor make in a step, with and without sequence
+   parallelism and under --grad-checkpointing;
+4. with --dropout 0.1 and 13 validation windows (one row padded), dp 2 x tp 2 without sequence
+   parallelism logs 2 DDP processes' losses and validation losses: a row draws its DDP rank's
+   masks; with it, each rank draws its own (its own tokens);
+5. bad input is one line and exit code 2: a --tp that does not divide the world size, --n-head
+   or (sequence parallel) --block-size; --check-sync (on in the dp 2 x tp 2 run) stops a tp row
+   whose copies of a replicated parameter differ with one line per rank and exit code 3 (a probe
+   nudges one rank's copy);
 6. benchmark_scaling.py reads its summary: the global batch counts the dp rows, not the ranks.
 """
+import collections
 import json
 import re
 import types
@@ -47,27 +54,35 @@ FLAGS = SHARDED + ["--max-steps", 18]  # batch 6, 2 accumulation steps, --clip 1
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """TP at dp 2 x tp 2 for 10 steps (its checkpoint: step 10); from that checkpoint to step 18
-    at dp 1 x tp 2 (exported, --grad-sync last) and at tp 1; chapter 3 at 2 processes
-    (ddp_reference, shared with chapter 7's tests) and at 1 (one_process_reference, shared with
-    chapter 9's), for 18 steps."""
+    at dp 1 x tp 2 (exported, --grad-sync last, no sequence parallelism, compiled) and at tp 1;
+    chapter 3 at 2 processes (ddp_reference, shared with chapter 7's tests) and at 1
+    (one_process_reference, shared with chapter 9's), for 18 steps; beside them the drift probe
+    and the dropout runs."""
     d = tmp_path_factory.mktemp("tp")
-    drift = command("tests/probe_tp.py", ["drift", "2:1", *TINY_GPT, "--tp", 2, "--check-sync",
+    for sub in ("drift", "dropout"):
+        (d / sub).mkdir()
+    drift = command("tests/probe_tp.py", ["drift", "2:1", d / "drift", *TINY_GPT, "--tp", 2,
+                                          "--check-sync", "--dropout", 0.1, "--grad-checkpointing",
                                           "--max-steps", 4, "--save", "", "--export", ""], nproc=2)
     drifting = start(drift, REPO)
     noisy = SHARDED + ["--dropout", 0.1, "--eval-windows", 13, "--max-steps", 4, "--eval-every", 4,
                        "--save", ""]  # 13 windows: rows of 7 and 6, one padded
-    dropped = {"tp": command(TP, noisy + ["--tp", 2, "--export", ""], nproc=4),
-               "ddp": command(GPT, noisy, nproc=2)}
-    dropping = {name: start(cmd, REPO) for name, cmd in dropped.items()}
+    beside = {"tp dropout": command("tests/probe_tp.py", [
+                  "record", d / "dropout", *noisy, "--tp", 2, "--sequence-parallel", "off",
+                  "--export", ""], nproc=4),
+              "ddp dropout": command(GPT, noisy, nproc=2)}
+    started = {name: start(cmd, REPO) for name, cmd in beside.items()}
     ddp, ddp_ckpt, _ = ddp_reference()
     r = {"ddp": ddp, "ddp.pt": ddp_ckpt,
          "grid": ok(run("tests/probe_tp.py", ["record", d, *FLAGS, "--tp", 2, "--max-steps", 10,
                                               *EVAL_6, "--save", d / "ck", "--export", "",
                                               "--check-sync", "--max-new-tokens", 12], nproc=4)),
          "drift": finish(drifting, drift)}
-    r.update({f"{n} dropout": ok(finish(proc, dropped[n])) for n, proc in dropping.items()})
+    r.update({name: ok(finish(proc, beside[name])) for name, proc in started.items()})
     resume = FLAGS + ["--batch-size", 12, "--resume", d / "ck", "--save", ""]
     row = start_two_nodes(TP, resume + ["--tp", 2, "--grad-sync", "last",  # FSDP's no_sync
+                                        "--sequence-parallel", "off",  # all-reduces, as Megatron
+                                        "--compile", "--compile-backend", "aot_eager",  # no C++
                                         "--export", d / "tp.pt"])  # while these run:
     r["column"] = in_process(TP, resume + ["--tp", 1, "--export", ""])
     r["one"] = one_process_reference()[0]  # shared with chapter 9's tests
@@ -90,9 +105,13 @@ def test_check_sync_stops_a_tp_row_whose_copies_drift_apart(runs):
 
 
 def test_with_dropout_and_a_padded_evaluation_dp2_x_tp2_logs_ddps_numbers(runs):
-    """--dropout 0.1: a row's ranks draw DDP's rank's masks (seeded by row, the same on every rank
-    of the row), so dp 2 x tp 2 logs 2 DDP processes' losses; 13 validation windows on 2 rows (7
-    and 6: one padded, counted as 0) give DDP's validation losses. The control: they change."""
+    """--dropout 0.1, --sequence-parallel off (dropout acts where a row's ranks hold the same whole
+    activations): a row's ranks draw DDP's rank's masks (seeded by row: the first masks of a row
+    hash alike, of two rows not), so dp 2 x tp 2 logs 2 DDP processes' losses; 13 validation
+    windows on 2 rows (7 and 6: one padded, counted as 0) give DDP's validation losses. The
+    control: they change."""
+    masks = [rank_record(runs["dir"] / "dropout", rank)["dropout_mask"] for rank in range(4)]
+    assert masks[0] == masks[1] and masks[2] == masks[3] and masks[0] != masks[2]
     tp_out, ddp = runs["tp dropout"], runs["ddp dropout"]
     assert sorted(losses(tp_out)) == [1, 2, 3, 4]
     for step, loss in losses(tp_out).items():
@@ -103,14 +122,30 @@ def test_with_dropout_and_a_padded_evaluation_dp2_x_tp2_logs_ddps_numbers(runs):
     assert abs(val_losses(ddp)[0] - val_losses(ddp)[4]) > 0.01
 
 
+def test_sequence_parallel_drops_out_each_ranks_tokens_with_its_own_masks(runs):
+    """--sequence-parallel on (the default): dropout acts on each rank's own part of the sequence,
+    so each rank draws its own masks (seeded by rank): in the tp 2 run with --dropout 0.1 (the
+    drift run), the row's two ranks' first masks differ, where seeded by row they would repeat one
+    mask on both halves of the sequence (the control: a row's masks alike, the test above)."""
+    masks = [rank_record(runs["dir"] / "drift", rank)["dropout_mask"] for rank in (0, 1)]
+    assert masks[0] != masks[1]
+    assert "sequence parallel on)" in runs["drift"].stdout
+
+
+def rank_record(out_dir, rank):
+    """What tests/probe_tp.py recorded of a rank's first step."""
+    return json.loads((out_dir / f"rank{rank}.json").read_text())
+
+
 def test_a_tp_row_is_consecutive_ranks_and_draws_one_sample(runs):
     """At dp 2 x tp 2 rank r sits in tp row r // 2 (ranks 0, 1 or 2, 3: one node's GPUs, whose
     links carry TP's all-reduces) and dp column r % 2 (ranks 0, 2 or 1, 3), as the mesh says; the
     closing sample, drawn on every rank, is the same 12 tokens on both ranks of a row."""
     for rank in range(4):
-        seen = json.loads((runs["dir"] / f"rank{rank}.json").read_text())
+        seen = rank_record(runs["dir"], rank)
         row, column = rank // 2, rank % 2
-        assert seen == {"tp_group": [2 * row, 2 * row + 1], "dp_group": [column, column + 2]}, seen
+        assert seen["tp_group"] == [2 * row, 2 * row + 1], seen
+        assert seen["dp_group"] == [column, column + 2], seen
     samples = [json.loads((runs["dir"] / f"sample{rank}.json").read_text()) for rank in range(4)]
     assert samples[0] == samples[1] and samples[2] == samples[3]  # a row draws one sample:
     assert len(samples[0]) == 1 + 12  # each token's forward needs both its ranks' inputs alike
@@ -131,6 +166,10 @@ def test_dp2_x_tp2_computes_what_ddp_computes(runs):
 
 
 def test_the_grid_checkpoint_resumes_at_dp1_x_tp2_and_at_tp1(runs):
+    """Resumed at dp 1 x tp 2 (two nodes, no sequence parallelism, --grad-sync last, compiled
+    block by block: torch 2.14 cannot compile the vocabulary-split embedding, and the whole model
+    fails in AOTAutograd, the stage the aot_eager backend used here runs without inductor's C++
+    build) and at tp 1, each logs DDP's and one process's next 8 losses (1e-4)."""
     ddp, one = losses(runs["ddp"]), losses(runs["one"])
     assert "TP traffic per rank: none (--tp 1: chapter 7's FSDP alone)" in runs["column"]
     for out, grid in ((runs["row"], "1 dp x 2 tp"), (runs["column"], "1 dp x 1 tp")):
@@ -154,32 +193,60 @@ def test_the_export_holds_ddps_weights_and_samples_in_chapter_3(runs):
     assert sampled.startswith("def ") and len(sampled) > 10
 
 
-def test_each_rank_holds_its_share_and_the_traffic_line_counts_the_all_reduces(runs):
+def test_each_rank_holds_its_share(runs):
+    """At dp 2 x tp 2 a rank holds a quarter of what TP splits (each block's matrices, the
+    column-wise layers' biases, the tied embedding and head, split by vocabulary) and half of the
+    rest (FSDP's share)."""
     model = trainer(GPT).GPT(256, 32, 2, 2, 32, 0.0)
-    blocks = sum(p.numel() for name, p in model.named_parameters()
-                 if re.search(r"\.(qkv|proj|mlp\.[02])\.weight$", name))
-    split_biases = sum(p.numel() for name, p in model.named_parameters()
-                       if re.search(r"\.(qkv|mlp\.0)\.bias$", name))  # column-wise: split too
+    split = sum(p.numel() for name, p in model.named_parameters()
+                if re.search(r"\.(qkv|proj|mlp\.[02])\.weight$|\.(qkv|mlp\.0)\.bias$|^tok_emb",
+                             name))
     total = sum(p.numel() for p in model.parameters())
-    mine = (blocks + split_biases) // 4 + (total - blocks - split_biases) // 2
+    mine = split // 4 + (total - split) // 2
     assert f"({mine:,} of {total:,} parameters; DDP:" in runs["grid"]
-    tensor = 6 * 32 * 32 * 4 / 2**20  # batch x context x width, fp32
-    assert (f"TP traffic per rank: 16 all-reduces of {tensor:.2f} MiB per step, "
-            f"{16 * tensor:.2f} MiB sent (tp 2)") in runs["grid"]  # 2 blocks x 2 micro x 4
-    recomputed = types.SimpleNamespace(args=tp.parse_args(SHARDED + ["--tp", "2",  # forward
-                                                                   "--grad-checkpointing"]),
-                                       amp="off")  # again in backward: 2 all-reduces more
+
+
+@pytest.mark.parametrize("name, flags", [("grid", "sequence parallel, 2 micro-batches"),
+                                         ("drift", "sequence parallel, checkpointing"),
+                                         ("dropout", "all-reduces, 2 micro-batches")])
+def test_the_traffic_line_counts_the_collectives_a_step_makes(runs, name, flags):
+    """The TP traffic line's counts are those of the activations' collectives that DTensor made
+    in a rank's first step (tests/probe_tp.py), at batch x context x width elements (tp 2: an
+    all-gather's input is half), in three runs: with sequence parallelism (all-gathers and
+    reduce-scatters), also under --grad-checkpointing (backward's recompute), and without it
+    (all-reduces): 20 and 20, 14 and 14, 20 (a formula off by one term fails two of them)."""
+    out = {"grid": runs["grid"], "drift": runs["drift"].stdout, "dropout": runs["tp dropout"]}[name]
+    batch = 16 if name == "drift" else 6  # TINY_GPT's default, SHARDED's
+    tensor = batch * 32 * 32  # batch x context x width
+    seen = rank_record(runs["dir"] / ("" if name == "grid" else name), 0)["collectives"]
+    counted = collections.Counter(op for op, size in seen if size in (tensor, tensor // 2))
+    line = re.search(r"TP traffic per rank: (?:(\d+) all-gathers and (\d+) reduce-scatters|"
+                     r"(\d+) all-reduces) of ([\d.]+) MiB", out)
+    gathers, scatters, reduces, mib = line.groups()
+    logged = ({"all_reduce": int(reduces)} if reduces else
+              {"all_gather_into_tensor": int(gathers), "reduce_scatter_tensor": int(scatters)})
+    assert counted == logged, (flags, counted, logged)
+    assert float(mib) == round(tensor * 4 / 2**20, 2)  # fp32
+    recomputed = types.SimpleNamespace(args=tp.parse_args(SHARDED + [  # off, checkpointing:
+        "--tp", "2", "--grad-checkpointing", "--sequence-parallel", "off"]), amp="off")  # 1 more
     assert tp.traffic_line(recomputed).startswith("TP traffic per rank: 24 all-reduces of ")
 
 
 def test_a_tp_that_does_not_divide_is_one_line(capsys):
-    with pytest.raises(tp.InputError, match=r"^--tp 2 does not divide the world size 1: start a multiple"):
+    with pytest.raises(tp.InputError,
+                       match=r"^--tp 2 does not divide the world size 1: start a multiple"):
         in_process(TP, TINY_GPT + ["--tp", 2, "--max-steps", 1, "--save", "", "--export", ""])
     with pytest.raises(SystemExit) as exit_:
         tp.parse_args(["--tp", "3"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1
     assert "--tp 3 must divide --n-head 4: each rank holds whole heads" in err
+    with pytest.raises(SystemExit) as exit_:
+        tp.parse_args(["--tp", "4", "--block-size", "30"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert "--tp 4 must divide --block-size 30 (or give --sequence-parallel off)" in err
+    tp.parse_args(["--tp", "4", "--block-size", "30", "--sequence-parallel", "off"])  # control
 
 
 def test_benchmark_scaling_reads_the_tp_trainers_summary(runs):
