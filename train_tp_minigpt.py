@@ -809,7 +809,7 @@ def avoid_tp_across_nodes(tp, per_node):  # guard: a tp row whose all-reduces cr
     """A warning if a row of tp consecutive ranks may span nodes of per_node processes."""
     if per_node % tp:
         return (f"warning: --tp {tp} with {per_node} processes per node: a tp row spans nodes, "
-                "and its 4 all-reduces per block and micro-batch cross the network")
+                "and its collectives of every block and micro-batch cross the network")
 
 
 def refuse_a_bad_launch(device_name):  # guard: a process that could never join a group

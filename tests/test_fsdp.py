@@ -4,7 +4,8 @@ These tests prove:
 1. the same math as DDP: at the same seed, data and flags (2 accumulation steps), 2 FSDP processes
    log the losses of 2 DDP processes (1e-5 relative) and their validation losses at steps 0, 6, 12
    and 18 (4 printed decimals), and end with the same weights to float32
-   rounding; the exported plain file samples in one process through train_ddp_minigpt.py;
+   rounding; the exported plain file samples in one process through train_ddp_minigpt.py; a
+   padded evaluation (13 windows on 2 ranks: one padded batch) gives one process's loss;
 2. accumulation stays sharded: with --grad-sync every (the default) FSDP reduce-scatters every
    sharded group once per micro-batch and holds no whole gradient between micro-batches; with
    --grad-sync last once per step, holding every parameter's whole fp32 gradient in between (the
@@ -79,6 +80,7 @@ def runs(tmp_path_factory):
             "last": command("tests/probe_fsdp.py", ["count", d / "last", *FLAGS, "--grad-sync",
                                                     "last", "--reshard-after-forward", "no",
                                                     "--max-steps", 4, "--save", "",
+                                                    "--eval-windows", 13,  # a padded batch
                                                     "--export", ""], nproc=2)}
     restart_fix = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch/pytorch#135712
     started = {name: start(cmd, REPO, restart_fix if name == "restarted" else None)
@@ -114,6 +116,14 @@ def test_fsdp_computes_what_ddp_computes(runs):
     sampled = in_process(GPT, ["--sample", "--ckpt", runs["dir"] / "f18.pt", "--prompt", "def ",
                                "--max-new-tokens", 20, "--device", "cpu"])
     assert sampled.startswith("def ")
+
+
+def test_a_padded_evaluation_counts_each_window_once(runs):
+    """13 validation windows on 2 ranks, 7 and 6: with batch 6 rank 0 runs 2 batches and rank 1
+    one and a padded one (every rank must run each forward: its targets -100, no token). The
+    step-0 validation loss is one process's over the same 13 windows (4 decimals)."""
+    one = in_process(GPT, [*FLAGS, "--max-steps", 1, "--eval-windows", 13, "--save", ""])
+    assert val_losses(runs["last"].stdout)[0] == pytest.approx(val_losses(one)[0], abs=1e-4)
 
 
 def test_accumulation_stays_sharded_or_with_grad_sync_last_holds_whole_gradients(runs):

@@ -5,7 +5,8 @@ CPU/gloo), with a small model on the default corpus. These tests prove:
    each rank's first windows, whole lines in rank order); with --grad-accum 2 DDP all-reduces the
    gradients once per optimizer step (a counting comm hook), not once per micro-batch;
 2. 2 processes x batch 6 x 2 accumulation steps give the weights of 1 process x batch 24 in one
-   micro-batch (accumulation with no_sync is exact), and the validation loss falls;
+   micro-batch (accumulation with no_sync is exact), and the validation loss falls, equal to
+   one process's at steps 0 and 18 (evaluation sums, then divides once);
    1 and 2 read the shared 2-process reference run (helpers.ddp_reference: 18 steps, recorded by
    a probe, --debug, launched from a hostile shell), which chapters 7 and 8 reproduce;
 3. a worker that dies at step 6 under `torchrun --max-restarts=1` (killed by a probe in tests/,
@@ -80,6 +81,8 @@ def test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact(tmp_p
               for o in (out, single)]
     assert sorted(logged[0]) == list(range(1, 19))
     assert logged[0] == pytest.approx(logged[1], rel=1e-5)  # every step's loss
+    assert sorted(val_losses(single)) == [0, 18]  # evaluation: one process's, to 4 decimals
+    assert all(val_losses(single)[s] == pytest.approx(losses[s], abs=1e-4) for s in (0, 18))
     a, b = weights(ckpt), weights(tmp_path / "one.pt")
     for key in a:  # 18 steps of AdamW carry the order of float sums to ~3e-5: chapter 7's 1e-4
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-4, msg=key)

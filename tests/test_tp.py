@@ -63,7 +63,8 @@ def runs(tmp_path_factory):
         (d / sub).mkdir()
     drift = command("tests/probe_tp.py", ["drift", "2:1", d / "drift", *TINY_GPT, "--tp", 2,
                                           "--check-sync", "--dropout", 0.1, "--grad-checkpointing",
-                                          "--max-steps", 4, "--save", "", "--export", ""], nproc=2)
+                                          "--max-steps", 4, "--save", d / "sp", "--save-every", 1,
+                                          "--export", ""], nproc=2)  # saves step 1, then drifts
     drifting = start(drift, REPO)
     noisy = SHARDED + ["--dropout", 0.1, "--eval-windows", 13, "--max-steps", 4, "--eval-every", 4,
                        "--save", ""]  # 13 windows: rows of 7 and 6, one padded
@@ -73,11 +74,16 @@ def runs(tmp_path_factory):
               "ddp dropout": command(GPT, noisy, nproc=2)}
     started = {name: start(cmd, REPO) for name, cmd in beside.items()}
     ddp, ddp_ckpt, _ = ddp_reference()
-    r = {"ddp": ddp, "ddp.pt": ddp_ckpt,
+    r = {"drift": finish(drifting, drift)}
+    switch = command(TP, [*TINY_GPT, "--tp", 2, "--check-sync", "--dropout", 0.1,
+                          "--sequence-parallel", "off", "--resume", d / "sp", "--max-steps", 3,
+                          "--save", "", "--export", ""], nproc=2)
+    switched = start(switch, REPO)
+    r.update({"ddp": ddp, "ddp.pt": ddp_ckpt,
          "grid": ok(run("tests/probe_tp.py", ["record", d, *FLAGS, "--tp", 2, "--max-steps", 10,
                                               *EVAL_6, "--save", d / "ck", "--export", "",
-                                              "--check-sync", "--max-new-tokens", 12], nproc=4)),
-         "drift": finish(drifting, drift)}
+                                              "--check-sync", "--max-new-tokens", 12], nproc=4))})
+    r["switched"] = ok(finish(switched, switch))
     r.update({name: ok(finish(proc, beside[name])) for name, proc in started.items()})
     resume = FLAGS + ["--batch-size", 12, "--resume", d / "ck", "--save", ""]
     row = start_two_nodes(TP, resume + ["--tp", 2, "--grad-sync", "last",  # FSDP's no_sync
@@ -193,6 +199,31 @@ def test_the_export_holds_ddps_weights_and_samples_in_chapter_3(runs):
     assert sampled.startswith("def ") and len(sampled) > 10
 
 
+def test_a_switch_of_sequence_parallelism_on_resume_keeps_the_copies_equal(runs):
+    """Saved with sequence parallelism and dropout (each rank its own stream), resumed without it
+    (a row must draw alike): the saved streams are not restored, the row's fresh seeds stay, and
+    --check-sync finds its copies equal after every step. The control: restored, they drift."""
+    out = runs["switched"]
+    assert "resumed from" in out and "step 3/3 | loss" in out and "done | val loss" in out
+
+
+def test_sampling_pads_on_the_right_and_draws_what_one_process_draws(runs):
+    """generate_in_row pads the context to its full length on the right, where a causal model's
+    last token never reads it: on the exported weights, greedy (top-k 1), it draws GPT.generate's
+    20 tokens; padded on the left, the positions move and the tokens change."""
+    exported = torch.load(runs["dir"] / "tp.pt", map_location="cpu", weights_only=True)
+    model = tp.GPT(**exported["config"])
+    model.load_state_dict(exported["model"])
+    model.eval()
+    prompt = torch.tensor([list(b"def main(")])
+    args = types.SimpleNamespace(max_new_tokens=20, temperature=1.0, top_k=1)
+    expected = model.generate(prompt, 20, 1.0, 1)
+    assert torch.equal(tp.generate_in_row(model, prompt, args), expected)
+    window = prompt.shape[1]  # the control: the same context padded on the left
+    left = torch.nn.functional.pad(prompt, (model.block_size - window, 0))
+    assert not torch.allclose(model(left)[0][0, -1], model(prompt)[0][0, -1], atol=1e-3)
+
+
 def test_each_rank_holds_its_share(runs):
     """At dp 2 x tp 2 a rank holds a quarter of what TP splits (each block's matrices, the
     column-wise layers' biases, the tied embedding and head, split by vocabulary) and half of the
@@ -230,6 +261,8 @@ def test_the_traffic_line_counts_the_collectives_a_step_makes(runs, name, flags)
     recomputed = types.SimpleNamespace(args=tp.parse_args(SHARDED + [  # off, checkpointing:
         "--tp", "2", "--grad-checkpointing", "--sequence-parallel", "off"]), amp="off")  # 1 more
     assert tp.traffic_line(recomputed).startswith("TP traffic per rank: 24 all-reduces of ")
+    recomputed.args.dropout = 0.1  # the MLP's reduction too: dropout's mask after it is drawn again
+    assert tp.traffic_line(recomputed).startswith("TP traffic per rank: 28 all-reduces of ")
 
 
 def test_a_tp_that_does_not_divide_is_one_line(capsys):

@@ -1,0 +1,701 @@
+"""The mistakes learners make, runnable: each is the line(s) a learner plausibly writes in place of
+the course's, applied to a temporary copy of the repository; the mistaken script runs once, tiny,
+to measure its symptom, and the tests named to catch it run against it. Not part of
+`python -m pytest` (it takes tens of minutes); tests/test_mistakes.py checks, fast, that every
+entry still applies to its script.
+
+    python tests/mistakes.py                       # every mistake, chapter by chapter
+    python tests/mistakes.py 8                     # chapter 8's
+    python tests/mistakes.py tp-retie-forgotten    # one, by name
+    python tests/mistakes.py --list                # the catalogue, nothing run
+    python tests/mistakes.py --markdown docs/mistakes.md   # also write the table there
+
+It prints one row per mistake: its name, the symptom measured (the last loss, validation loss or
+accuracy against the course's run of the same command, an error line, or a hang stopped by the
+timeout), and the first test that failed, or "survived". It exits 1 if any mistake survives, and
+2 if a patch no longer applies to its script (the catalogue must follow the scripts).
+"""
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPT_FLAGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
+             "--batch-size", "6", "--grad-accum", "2", "--max-steps", "6", "--eval-every", "6",
+             "--eval-windows", "13", "--log-every", "1", "--save", "", "--max-new-tokens", "1"]
+CLASSIFIER_FLAGS = ["--train-samples", "512", "--val-samples", "101", "--seed", "3",
+                    "--epochs", "2", "--batch-size", "16", "--save", ""]
+SYMPTOM_RUNS = {  # script: (processes, flags) of the tiny run that measures a symptom
+    "train_ddp_basic.py": (2, CLASSIFIER_FLAGS),
+    "train_ddp_minigpt.py": (2, GPT_FLAGS + ["--dropout", "0.1"]),
+    "train_fsdp_minigpt.py": (2, GPT_FLAGS + ["--export", ""]),
+    "train_tp_minigpt.py": (4, GPT_FLAGS + ["--tp", "2", "--export", ""]),
+    "train_pp_minigpt.py": (2, GPT_FLAGS + ["--pp", "2", "--export", ""]),
+    "train_cp_minigpt.py": (2, GPT_FLAGS + ["--cp", "2", "--export", ""]),
+}
+
+
+@dataclasses.dataclass
+class Mistake:
+    name: str
+    chapter: int
+    script: str
+    patch: list  # [(the course's text, the learner's)]: each course text found exactly once
+    writes: str  # what the learner writes, in words
+    avoids: str  # the course's line or idea that avoids it
+    catches: list  # the tests that must fail: pytest node ids
+    flags: list = dataclasses.field(default_factory=list)  # more flags for the symptom run
+    command: list = None  # a symptom run of its own: a plain command, its output compared
+    pick: str = None  # in that output, the text to show beside the course's (a regex's match)
+
+
+C2, C3 = "train_ddp_basic.py", "train_ddp_minigpt.py"
+C7, C8, C9, C10 = ("train_fsdp_minigpt.py", "train_tp_minigpt.py", "train_pp_minigpt.py",
+                   "train_cp_minigpt.py")
+T_CLS = "tests/test_classifier.py::"
+T_GPT, T_FSDP, T_TP = "tests/test_minigpt.py::", "tests/test_fsdp.py::", "tests/test_tp.py::"
+T_PP, T_CP = "tests/test_pp.py::", "tests/test_cp.py::"
+T_LAUNCH, T_FAULTS = "tests/test_launcher.py::", "tests/test_faults.py::"
+T_PATHS, T_BENCH = "tests/test_cluster_paths.py::", "tests/test_benchmark.py::"
+LAUNCHER, BENCH = "launch_multinode_ddp.sh", "benchmark_scaling.py"
+PRINTED = ["bash", LAUNCHER, "--nnodes", "2", "--nproc-per-node", "8", "--master-addr", "10.0.0.1",
+           "--master-port", "29500", "train_ddp_basic.py"]
+SCALED = [sys.executable, BENCH, "--device", "cpu", "--nproc", "1", "2", "--", "--epochs", "1",
+          "--train-samples", "256", "--val-samples", "32"]
+WINDOWS_BY_RANK = (  # the windows of a row (or column) dealt by global rank instead
+    "    windows = Windows(train, args.block_size, args.batch_size, run.dp_rank, run.dp_size,",
+    "    windows = Windows(train, args.block_size, args.batch_size, run.rank, run.world_size,")
+SAMPLER = "    sampler = DistributedSampler(train_set, seed=args.seed)  # DDP 4: each rank its own share\n"
+SET_EPOCH = "        sampler.set_epoch(epoch)  # DDP 6: a new order each epoch, the same on every rank\n"
+DDP_EQUAL = T_CLS + "test_ddp_two_processes_equal_one_process_with_twice_the_batch"
+VAL_EQUAL = (T_CLS + "test_val_metrics_identical_at_world_size_1_2_and_3_and_checkpoints_"
+             "cross_load")
+
+CATALOGUE = [
+    # chapter 2: DDP, the classifier
+    Mistake("ddp-no-distributed-sampler", 2, C2,
+            [(SAMPLER, ""), (SET_EPOCH, ""),
+             ("DataLoader(train_set, args.batch_size, sampler=sampler, **workers)",
+              "DataLoader(train_set, args.batch_size, shuffle=True, **workers)")],
+            "shuffle=True instead of a DistributedSampler: every rank trains on every sample",
+            "DistributedSampler(train_set, seed=args.seed)  # DDP 4", [DDP_EQUAL]),
+    Mistake("ddp-no-set-epoch", 2, C2, [(SET_EPOCH, "")],
+            "no sampler.set_epoch(epoch): every epoch repeats the first one's order",
+            "sampler.set_epoch(epoch)  # DDP 6", [DDP_EQUAL]),
+    Mistake("ddp-sampler-seeded-by-rank", 2, C2,
+            [(SAMPLER, SAMPLER.replace("seed=args.seed)", "seed=args.seed + rank)"))],
+            "DistributedSampler(..., seed=args.seed + rank): the ranks' shares overlap",
+            "one seed for every rank: one order, each rank its own slice", [DDP_EQUAL]),
+    Mistake("ddp-validation-sampler-pads", 2, C2,
+            [("    val_set = Subset(val_set, range(rank, len(val_set), world_size))  # disjoint: "
+              "no padding\n", ""),
+             ("val_loader = DataLoader(val_set, args.batch_size, **workers)",
+              "val_loader = DataLoader(val_set, args.batch_size, "
+              "sampler=DistributedSampler(val_set, shuffle=False), **workers)")],
+            "a DistributedSampler for validation: it pads with repeats, counted twice",
+            "Subset(val_set, range(rank, len(val_set), world_size))  # disjoint", [VAL_EQUAL]),
+    Mistake("ddp-metrics-not-reduced", 2, C2,
+            [("    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # DDP 7\n", "")],
+            "validation metrics not all-reduced: rank 0 reports its own half",
+            "dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # DDP 7", [VAL_EQUAL]),
+    Mistake("ddp-reduce-op-avg", 2, C2,
+            [("    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # DDP 7\n",
+              "    dist.all_reduce(totals, op=dist.ReduceOp.AVG)  # DDP 7\n")],
+            "ReduceOp.AVG on the sums and counts: the mean survives, the counts are divided by N",
+            "SUM, then divide  # DDP 7", [VAL_EQUAL]),
+    Mistake("ddp-module-prefix-saved", 2, C2,
+            [("save_checkpoint(path, model.module, optimizer, epoch, args)",
+              "save_checkpoint(path, model, optimizer, epoch, args)")],
+            "the DDP wrapper's state_dict saved: every key starts with module.",
+            "save_checkpoint(path, model.module, ...)  # DDP 8",
+            [T_CLS + "test_readme_demo_learns_logs_once_and_saves_once"]),
+
+    # chapter 3: the GPT under DDP
+    Mistake("gpt-forward-outside-no-sync", 3, C3,
+            [("        with contextlib.nullcontext() if last else model.no_sync():\n"
+              "            with autocast:\n                _, loss = model(x, y)\n",
+              "        with autocast:\n            _, loss = model(x, y)\n"
+              "        with contextlib.nullcontext() if last else model.no_sync():\n")],
+            "the forward outside no_sync(), only the backward inside: DDP all-reduces anyway",
+            "forward and backward inside no_sync()  # DDP 10",
+            [T_GPT + "test_no_sync_holds_the_forward_too_or_every_micro_batch_all_reduces"]),
+    Mistake("gpt-loss-not-divided", 3, C3,
+            [("            loss = loss / len(batches)  # micro-batches of equal size: the mean "
+              "of their means\n", "")],
+            "each micro-batch's loss not divided by --grad-accum: K times the gradient",
+            "loss = loss / len(batches)",
+            [T_GPT + "test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact"]),
+    Mistake("gpt-dropout-same-on-every-rank", 3, C3,
+            [("torch.manual_seed(args.seed + run.rank)  # DDP 6",
+              "torch.manual_seed(args.seed)  # DDP 6")],
+            "one dropout seed for every rank: the replicas drop the same units",
+            "torch.manual_seed(args.seed + run.rank)  # DDP 6",
+            [T_TP + "test_with_dropout_and_a_padded_evaluation_dp2_x_tp2_logs_ddps_numbers"]),
+    Mistake("gpt-every-rank-same-windows", 3, C3,
+            [("return (offset + order * (self.block + 1))[self.rank::self.world].numpy()",
+              "return (offset + order * (self.block + 1))[:count // self.world].numpy()")],
+            "no share per rank: every rank reads the same windows",
+            "[self.rank::self.world]  # DDP 4",
+            [T_GPT + "test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact"]),
+    Mistake("gpt-order-seeded-by-rank", 3, C3,
+            [("g = torch.Generator().manual_seed(self.seed + epoch)  # DDP 5",
+              "g = torch.Generator().manual_seed(self.seed + epoch + self.rank)  # DDP 5")],
+            "the window order seeded by rank: the ranks' slices overlap",
+            "seeded by epoch, not by rank  # DDP 5",
+            [T_GPT + "test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact"]),
+    Mistake("gpt-validation-counts-tokens-once-per-rank", 3, C3,
+            [("    return (totals[0] / totals[1]).item()\n\n\ndef train_step",
+              "    return (totals[0] / totals[1] / dist.get_world_size()).item()\n\n\n"
+              "def train_step")],
+            "the summed loss divided by the world size again: a mean of means, off by N",
+            "sum on every rank, then divide once  # DDP 9",
+            [T_GPT + "test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact"]),
+
+    # chapter 4: many nodes, the launcher
+    Mistake("launch-standalone-on-each-node", 4, LAUNCHER,
+            [("       \"--rdzv-backend=c10d\" \"--rdzv-endpoint=$addr:$port\" \"--rdzv-id=$rdzv_id\"\n",
+              "       \"--standalone\"\n")],
+            "--standalone on every node: each node starts a job of its own",
+            "--rdzv-backend=c10d --rdzv-endpoint=ADDR:PORT --rdzv-id=ID, the same everywhere",
+            [T_LAUNCH + "test_prints_one_identical_c10d_command_per_node"], command=PRINTED),
+    Mistake("launch-rdzv-id-per-node", 4, LAUNCHER,
+            [("rdzv_id=${rdzv_id:-ddp-$addr-$port}", "rdzv_id=${rdzv_id:-ddp-$(hostname)-$$}")],
+            "a rendezvous id made on each node (its host, its process): the nodes never meet",
+            "one --rdzv-id for the job, the same on every node",
+            [T_LAUNCH + "test_two_nodes_on_one_machine_train_like_one_node_with_two_processes"],
+            command=PRINTED),
+    Mistake("launch-join-timeout-dropped", 4, LAUNCHER,
+            [(' "--rdzv-conf=join_timeout=$join_timeout"', "")],
+            "no join timeout: a node whose peer never comes waits torchrun's default 600 s",
+            "--rdzv-conf=join_timeout=N",
+            [T_LAUNCH + "test_prints_one_identical_c10d_command_per_node"], command=PRINTED),
+    Mistake("launch-slurm-job-nodes", 4, LAUNCHER,
+            [("nnodes=${nnodes:-${SLURM_STEP_NUM_NODES:-${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-}}}}",
+              "nnodes=${nnodes:-${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-}}}")],
+            "the allocation's node count for a step that runs on part of it",
+            "SLURM_STEP_NUM_NODES first",
+            [T_LAUNCH + "test_an_srun_step_on_part_of_the_allocation_uses_the_steps_nodes"],
+            command=["env", "SLURM_JOB_ID=7", "SLURM_JOB_NUM_NODES=4", "SLURM_STEP_NUM_NODES=2",
+                     "bash", LAUNCHER, "--nproc-per-node", "8", "--master-addr", "10.0.0.1",
+                     "train_ddp_basic.py"]),
+    Mistake("launch-node-rank-unchecked", 4, LAUNCHER,
+            [("  (( 10#$node_rank < 10#$nnodes )) || die \"--node-rank must be 0..$((nnodes - 1)) "
+              "for --nnodes $nnodes, got '$node_rank'\"\n", "")],
+            "--node-rank taken as given: node 2 of 2 waits for a job it can never join",
+            "--node-rank checked against --nnodes: one line, exit 2",
+            [T_LAUNCH + "test_each_bad_input_exits_2_with_one_line"],
+            command=PRINTED[:-1] + ["--node-rank", "2", "--run", "train_ddp_basic.py"]),
+    Mistake("launch-no-exec", 4, LAUNCHER,
+            [('  exec "${cmd[@]}"\n', '  "${cmd[@]}"\n')],
+            "torchrun run as a child of the script: a signal to the script never reaches it",
+            'exec "${cmd[@]}": the script becomes torchrun',
+            [T_LAUNCH + "test_slurm_gives_nodes_rank_and_head_node_and_run_execs"],
+            command=PRINTED),
+
+    # chapter 5: faults
+    Mistake("fault-every-rank-looks-for-the-checkpoint", 5, C3,
+            [("    dist.broadcast_object_list(found, src=0)  # DDP 7: rank 0 decides for every rank\n",
+              "")],
+            "each rank looks for --resume auto's file itself: ranks that see different files "
+            "disagree", "rank 0 looks, broadcast_object_list tells every rank  # DDP 7",
+            [T_PATHS + "test_the_lm_resumes_only_when_rank_0_finds_the_checkpoint_and_every_rank_"
+             "follows"]),
+    Mistake("fault-checkpoint-written-in-place", 5, C3,
+            [('    tmp = f"{path}.tmp{os.getpid()}"', "    tmp = path")],
+            "torch.save straight to the checkpoint's name: a failed write destroys the last good one",
+            "a temp file, fsync, os.replace",
+            [T_FAULTS + "test_a_failed_checkpoint_write_leaves_the_previous_file_whole"]),
+    Mistake("fault-resumed-one-step-late", 5, C3,
+            [('    return state["step"]\n\n\n', '    return state["step"] + 1\n\n\n')],
+            "resume at the step after the saved one: a step skipped",
+            "the saved step is the number of steps done",
+            [T_GPT + "test_a_crashed_worker_is_restarted_and_resumes_exactly"]),
+    Mistake("fault-rank-0s-random-stream-everywhere", 5, C3,
+            [('        torch.set_rng_state(state["rng"][run.rank]["cpu"])',
+              '        torch.set_rng_state(state["rng"][0]["cpu"])')],
+            "every rank restores rank 0's random stream: the replicas drop the same units",
+            "each rank its own stream back  # DDP 11",
+            [T_GPT + "test_a_crashed_worker_is_restarted_and_resumes_exactly"]),
+    Mistake("fault-divergence-checked-after-the-step", 5, C3,
+            [("    stop_if_diverged(run, step, loss, grad_norm)\n    run.scaler.step(optimizer)\n",
+              "    run.scaler.step(optimizer)\n    stop_if_diverged(run, step, loss, grad_norm)\n")],
+            "the non-finite check after optimizer.step(): the bad step is already in the weights",
+            "stop_if_diverged before the step",
+            ["tests/test_bad_runs.py::test_the_lm_stops_at_a_non_finite_step_and_keeps_the_last_"
+             "good_checkpoint"]),
+    Mistake("fault-restore-any-world-size", 5, C3,
+            [("    if run.rank < len(state[\"rng\"]):  # the same world size",
+              "    if True:  # the same world size"),
+             ('        torch.set_rng_state(state["rng"][run.rank]["cpu"])',
+              '        torch.set_rng_state(state["rng"][run.rank % len(state["rng"])]["cpu"])')],
+            "a random stream restored at any world size: two ranks get one stream",
+            "streams back only at the world size that saved them",
+            [T_FSDP + "test_random_streams_come_back_only_at_the_layout_that_saved_them"]),
+
+    # chapter 6: speed and debugging
+    Mistake("bench-efficiency-is-speedup", 6, BENCH,
+            [('        row["efficiency"] = round(row["speedup"] / row["ideal"], 3)',
+              '        row["efficiency"] = round(row["speedup"], 3)')],
+            "efficiency reported as the speedup, not the speedup over linear scaling",
+            "efficiency = speedup / (N / N0)",
+            [T_BENCH + "test_weak_scaling_table_chart_json_and_svg_agree"], command=SCALED,
+            pick=r"^ +2 \|.*\| +(\d+%) \|"),
+    Mistake("bench-busbw-as-algbw", 6, BENCH,
+            [('BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n,',
+              'BUSBW_FACTOR = {"all_reduce": lambda n: 1.0,')],
+            "an all-reduce's bus bandwidth taken as its algorithm bandwidth",
+            "busbw = algbw x 2 (N - 1) / N (nccl-tests)",
+            [T_BENCH + "test_collectives_report_correct_results_and_nccl_tests_bandwidths"],
+            command=[sys.executable, BENCH, "--collectives", "--device", "cpu", "--nproc", "2",
+                     "--max-bytes", "4K", "--iters", "5"]),
+    Mistake("bench-strong-batch-not-split", 6, BENCH,
+            [('        extra += ["--batch-size", str(strong // nproc)]',
+              '        extra += ["--batch-size", str(strong)]')],
+            "strong scaling with the whole global batch on every process",
+            "--strong GLOBAL: GLOBAL / N per process",
+            [T_BENCH + "test_strong_scaling_splits_the_global_batch_and_refuses_uneven_splits"],
+            command=SCALED[:2] + ["--strong", "64"] + SCALED[2:],
+            pick=r"^ +2 \| +(\d+) \|"),
+    Mistake("debug-check-sync-compares-nothing", 6, C3,
+            [("    dist.all_gather_object(digests, hashlib.sha256(weights).hexdigest()[:12])  "
+              "# every rank's\n",
+              "    digests = [hashlib.sha256(weights).hexdigest()[:12]] * len(digests)\n")],
+            "each rank checks its own hash against itself: drift never seen",
+            "all_gather_object of every rank's hash  # DDP 15",
+            ["tests/test_debugging.py::test_check_sync_stops_a_desynchronised_replica_before_it_"
+             "saves"]),
+    Mistake("debug-step-time-counts-evaluation", 6, C3,
+            [("        meter.stop_clock()  # evaluation and checkpoints are not training time\n", ""),
+             ("        meter.start_clock()\n", "")],
+            "the step time measured around evaluation and saves too",
+            "meter.stop_clock() before evaluating, start_clock() after",
+            [T_PATHS + "test_logged_step_time_leaves_out_evaluation"]),
+    Mistake("bench-median-with-warm-up", 6, C3,
+            [("pace_keys(statistics.median(times[5:]), tokens_per_step(run))",
+              "pace_keys(statistics.median(times), tokens_per_step(run))")],
+            "--benchmark's median over the warm-up steps too (compile, first allocations)",
+            "5 warm-up steps, then the timed ones",
+            [T_GPT + "test_bf16_on_cpu_compile_free_keys_and_sampling_without_torchrun"],
+            ["--benchmark", "--max-steps", "3"]),
+
+    # chapter 7: FSDP
+    Mistake("fsdp-optimizer-before-shard", 7, C7,
+            [("    shard(run, raw_model)  # FSDP 2: before the optimizer, which must see the shards\n",
+              ""),
+             ("    raw_model.to_empty(device=run.device)  # FSDP 2: this rank's shards, not yet "
+              "filled\n",
+              "    optimizer = make_optimizer(raw_model, args, run.device)\n"
+              "    shard(run, raw_model)\n"
+              "    raw_model.to_empty(device=run.device)  # FSDP 2: this rank's shards, not yet "
+              "filled\n"),
+             ("    raw_model.grad_checkpointing = args.grad_checkpointing\n"
+              "    optimizer = make_optimizer(raw_model, args, run.device)\n",
+              "    raw_model.grad_checkpointing = args.grad_checkpointing\n")],
+            "the optimizer made before fully_shard: it holds the unsharded parameters",
+            "shard(run, raw_model) before make_optimizer  # FSDP 2",
+            [T_FSDP + "test_fsdp_computes_what_ddp_computes"]),
+    Mistake("fsdp-weights-never-filled", 7, C7,
+            [("    init_shards(raw_model, args.seed)  # FSDP 2: one process's initial weights\n",
+              "")],
+            "to_empty() and no fill: the shards hold whatever memory held",
+            "init_shards(raw_model, args.seed)  # FSDP 2",
+            [T_FSDP + "test_fsdp_computes_what_ddp_computes"]),
+    Mistake("fsdp-no-sync-while-accumulating", 7, C7,
+            [("model.set_requires_gradient_sync(every or i == len(batches) - 1)",
+              "model.set_requires_gradient_sync(i == len(batches) - 1)")],
+            "DDP's no_sync habit: gradient sync off until the last micro-batch, whole gradients",
+            "set_requires_gradient_sync(True) each micro-batch  # FSDP 7",
+            [T_FSDP + "test_accumulation_stays_sharded_or_with_grad_sync_last_holds_whole_"
+             "gradients"]),
+    Mistake("fsdp-padding-counted", 7, C7,
+            [("        totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token\n",
+              "        totals[1] += y.numel()\n")],
+            "the validation padding's targets counted as tokens",
+            "totals[1] += (y != -100).sum()  # FSDP 5",
+            [T_FSDP + "test_a_padded_evaluation_counts_each_window_once"]),
+    Mistake("fsdp-rng-restored-at-any-layout", 7, C7,
+            [("    if saved == (1, run.world_size):  # the layout that saved them: else the seeds by "
+              "rank stay\n        restore_rng(state[\"rng\"][run.rank], run.device)",
+              "    if True:\n        restore_rng(state[\"rng\"][run.rank % len(state[\"rng\"])], "
+              "run.device)")],
+            "every rank restores a saved random stream, whatever layout saved it",
+            "restore only at the layout that saved them  # FSDP 3",
+            [T_FSDP + "test_random_streams_come_back_only_at_the_layout_that_saved_them"]),
+    Mistake("fsdp-root-resharded", 7, C7,
+            [("    fully_shard(model, mesh=mesh, mp_policy=run.policy)  # the root",
+              "    fully_shard(model, mesh=mesh, mp_policy=run.policy,\n"
+              "                reshard_after_forward=True)  # the root")],
+            "reshard_after_forward=True passed to the root: gathered again at once",
+            "the root left to torch's choice: whole from forward to backward",
+            [T_FSDP + "test_accumulation_stays_sharded_or_with_grad_sync_last_holds_whole_"
+             "gradients"]),
+
+    # chapter 8: TP
+    Mistake("tp-data-by-rank", 8, C8,
+            [WINDOWS_BY_RANK],
+            "the windows dealt by rank: a row's two halves of a layer read different sequences",
+            "Windows(..., run.dp_rank, run.dp_size, ...)  # TP 2",
+            [T_TP + "test_dp2_x_tp2_computes_what_ddp_computes"]),
+    Mistake("tp-retie-forgotten", 8, C8,
+            [("        model.head.weight = model.tok_emb.weight  # one matrix again: each split "
+              "it by rows alike\n", "")],
+            "no re-tie after parallelize_module: the head and embedding train apart",
+            "model.head.weight = model.tok_emb.weight  # TP 4",
+            [T_TP + "test_dp2_x_tp2_computes_what_ddp_computes"]),
+    Mistake("tp-dropout-by-row-under-sp", 8, C8,
+            [("    return run.rank if run.args.sequence_parallel == \"on\" else run.dp_rank",
+              "    return run.dp_rank")],
+            "dropout seeded by row under sequence parallelism: both halves of a sequence share "
+            "one mask", "dropout_stream: by rank where the sequence is split  # TP 2",
+            [T_TP + "test_sequence_parallel_drops_out_each_ranks_tokens_with_its_own_masks"],
+            ["--dropout", "0.1"]),
+    Mistake("tp-mesh-dims-swapped", 8, C8,
+            [("    shape, names = (world_size // tp, tp), (\"dp\", \"tp\")",
+              "    shape, names = (tp, world_size // tp), (\"tp\", \"dp\")")],
+            "the mesh's dims swapped: a tp row is every other rank, across nodes",
+            "(world // tp, tp), (\"dp\", \"tp\"): tp innermost  # TP 1",
+            [T_TP + "test_a_tp_row_is_consecutive_ranks_and_draws_one_sample"]),
+    Mistake("tp-sp-reduction-left-whole", 8, C8,
+            [("            \"attn.proj\": RowwiseParallel(output_layouts=Shard(1)),",
+              "            \"attn.proj\": RowwiseParallel(),")],
+            "sequence parallel, but attn.proj still all-reduces: its output whole, not split",
+            "RowwiseParallel(output_layouts=Shard(1))  # TP 4",
+            [T_TP + "test_dp2_x_tp2_computes_what_ddp_computes"]),
+    Mistake("tp-nanogpt-qkv-layout", 8, C8,
+            [("        qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)\n"
+              "        q, k, v = qkv.permute(3, 0, 2, 1, 4)",
+              "        qkv = self.qkv(x).view(B, T, 3, -1, C // self.n_head)\n"
+              "        q, k, v = qkv.permute(2, 0, 3, 1, 4)")],
+            "nanoGPT's q|k|v layout: split in two, rank 0 holds every q",
+            "qkv's outputs head by head  # the model's comment",
+            [T_TP + "test_dp2_x_tp2_computes_what_ddp_computes",  # the loss moves too little:
+             T_TP + "test_the_export_holds_ddps_weights_and_samples_in_chapter_3"]),  # weights
+
+    Mistake("tp-streams-restored-across-sp", 8, C8,
+            [("    if (saved.get(\"tp\"), saved.get(\"sequence_parallel\"), len(state[\"rng\"])) == (\n"
+              "            run.args.tp, run.args.sequence_parallel, run.world_size):",
+              "    if (saved.get(\"tp\"), len(state[\"rng\"])) == (run.args.tp, run.world_size):")],
+            "random streams restored whatever --sequence-parallel saved them: a row's ranks, "
+            "now needing one stream, get two", "the layout that saved them, SP included  # TP 5",
+            [T_TP + "test_a_switch_of_sequence_parallelism_on_resume_keeps_the_copies_equal"]),
+    Mistake("tp-sample-padded-on-the-left", 8, C8,
+            [("        logits, _ = model(F.pad(window, (0, model.block_size - window.shape[1])))",
+              "        logits, _ = model(F.pad(window, (model.block_size - window.shape[1], 0)))"),
+             ("        logits = logits[:, window.shape[1] - 1] / args.temperature",
+              "        logits = logits[:, -1] / args.temperature")],
+            "the sampling context padded on the left: every position moves",
+            "padded on the right, read at the last real token  # TP 6",
+            [T_TP + "test_sampling_pads_on_the_right_and_draws_what_one_process_draws"]),
+
+    # chapter 9: PP
+    Mistake("pp-every-stage-scores-validation", 9, C9,
+            [("        if logits is None:  # PP 7: only the last stage scores; the others add 0\n"
+              "            continue\n", "        if logits is None:\n"
+              "            logits = torch.zeros(*y.shape, 256, device=y.device)\n")],
+            "every stage adds a validation loss and count, not the last alone",
+            "only the last stage scores; the others add 0  # PP 7",
+            [T_PP + "test_pp2_at_2_processes_computes_what_one_process_computes"]),
+    Mistake("pp-loss-not-scaled-by-stages", 9, C9,
+            [("    loss = mean_over_ranks(loss) * args.pp  # PP 1",
+              "    loss = mean_over_ranks(loss)  # PP 1")],
+            "the logged loss averaged over every rank, the stages that add 0 included",
+            "mean_over_ranks(loss) * args.pp  # PP 1",
+            [T_PP + "test_pp2_at_2_processes_computes_what_one_process_computes"]),
+    Mistake("pp-tied-gradients-not-summed", 9, C9,
+            [("    sum_tied_gradients(run, model)  # PP 4\n", "")],
+            "the tied embedding and head's two copies each step on their own gradient",
+            "sum_tied_gradients(run, model)  # PP 4",
+            [T_PP + "test_the_tied_copies_stay_equal_and_the_export_is_chapter_3s_model"]),
+    Mistake("pp-data-by-rank", 9, C9,
+            [WINDOWS_BY_RANK],
+            "the windows dealt by rank: the stages of one column read different batches",
+            "Windows(..., run.dp_rank, run.dp_size, ...)  # PP 3",
+            [T_PP + "test_dp2_x_pp2_at_4_processes_computes_what_ddp_computes"]),
+    Mistake("pp-norm-of-one-stage", 9, C9,
+            [("    dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=run.mesh.get_group(\"pp\"))  "
+              "# all stages\n", "")],
+            "each stage clips by its own gradient norm, not the whole model's",
+            "the squared norms summed over the stages  # PP 8",
+            [T_PP + "test_pp2_at_2_processes_computes_what_one_process_computes"]),
+    Mistake("pp-blocks-cut-unevenly", 9, C9,
+            [("    return range(first, first + size + (stage < extra))",
+              "    return range(first, first + size + (stage == 0) * extra)")],
+            "the blocks pp does not divide all go to stage 0: stages overlap",
+            "stage_blocks: contiguous, as even as can be  # PP 5",
+            [T_PP + "test_the_stages_cut_the_blocks_once_in_order"]),
+
+    # chapter 10: CP
+    Mistake("cp-positions-local", 10, C10,
+            [("        if context is not None:  # CP 6: the tokens' places in the whole sequence\n"
+              "            positions = context.positions\n", "")],
+            "positions counted from 0 on every rank: each chunk embedded as the sequence's start",
+            "positions = context.positions  # CP 6",
+            [T_CP + "test_cp2_logs_one_processs_losses_gradient_norms_and_validation_losses"]),
+    Mistake("cp-contiguous-chunks", 10, C10,
+            [("    chunks = (cp_rank, 2 * cp - 1 - cp_rank)",
+              "    chunks = (2 * cp_rank, 2 * cp_rank + 1)")],
+            "contiguous shares: rank 0 the first half, rank 1 the second (unequal work)",
+            "chunks i and 2 cp - 1 - i  # CP 3",
+            [T_CP + "test_each_rank_holds_an_early_chunk_and_a_late_one"]),
+    Mistake("cp-gather-backward-without-reduce-scatter", 10, C10,
+            [("        dist.reduce_scatter_single(mine, parts, group=ctx.group)  # talks: sums, "
+              "each rank its own\n",
+              "        mine = parts.chunk(n)[dist.get_rank(ctx.group)].clone()\n")],
+            "the all-gather's backward keeps its own slice: other ranks' queries' gradients lost",
+            "GatherContext.backward: a reduce-scatter  # CP 4",
+            [T_CP + "test_cp2_logs_one_processs_losses_gradient_norms_and_validation_losses"]),
+    Mistake("cp-validation-counted-per-rank", 10, C10,
+            [("        totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token\n"
+              "    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # CP 3",
+              "        totals[1] += (y != -100).sum() * context.cp\n"
+              "    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # CP 3")],
+            "validation tokens counted as if each rank held whole sequences",
+            "each token on one rank: counted once  # CP 3",
+            [T_CP + "test_cp2_logs_one_processs_losses_gradient_norms_and_validation_losses"]),
+    Mistake("cp-rows-by-global-rank", 10, C10,
+            [WINDOWS_BY_RANK],
+            "the windows dealt by rank: a row's ranks hold chunks of different sequences",
+            "Windows(..., run.dp_rank, run.dp_size, ...)  # CP 2",
+            [T_CP + "test_dp2_x_cp2_on_two_nodes_logs_ddps_losses_and_gradient_norms"]),
+    Mistake("cp-loss-mean-per-rank", 10, C10,
+            [("        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), "
+              "reduction=\"sum\") * scale",
+              "        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / "
+              "len(batches)")],
+            "each rank's mean loss over its own tokens, as one process computes it",
+            "a sum over the global count of targets  # CP 3",
+            [T_CP + "test_the_training_loss_is_the_global_sum_over_the_global_count_of_targets"]),
+]
+
+
+# ---------------------------------------------------------------------------------- the runner
+def apply(mistake, root):
+    """Write the mistake into root's copy of its script. Raises ValueError if a patch's course
+    text is not in the script exactly once (the catalogue no longer follows the script)."""
+    path = os.path.join(root, mistake.script)
+    with open(path) as f:
+        text = f.read()
+    for old, new in mistake.patch:
+        if text.count(old) != 1:
+            raise ValueError(f"{mistake.name}: {mistake.script} holds {text.count(old)} copies "
+                             f"of {old.strip()[:60]!r}")
+        text = text.replace(old, new)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def copy_repo(dest):
+    """The repository's tracked and untracked (not ignored) files, copied to dest."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split("\n")
+    for name in filter(None, files):
+        if os.path.isfile(os.path.join(REPO, name)):
+            os.makedirs(os.path.join(dest, os.path.dirname(name)), exist_ok=True)
+            shutil.copy2(os.path.join(REPO, name), os.path.join(dest, name))
+
+
+def environment():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH", "NCCL", "MASTER"))}
+    return {**env, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0"}
+
+
+def symptom_run(root, mistake, limit=120):
+    """(the symptom line, its numbers) of the tiny run of root's script; for a plain command,
+    (its output's first line that the course's does not print, or its exit line, None)."""
+    if mistake.command:
+        return plain_run(root, mistake.command), None
+    nproc, flags = SYMPTOM_RUNS[mistake.script]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", mistake.script, *flags, *mistake.flags]
+    try:
+        done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=limit,
+                              env=environment())
+    except subprocess.TimeoutExpired:
+        return f"hang: stopped after {limit} s", None
+    if done.returncode:
+        said = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        raised = [line for line in done.stderr.splitlines() if re.search(r"\w+(Error|Exception):",
+                                                                          line)]
+        line = (said or raised or done.stderr.splitlines()[-1:] or ["?"])[0]
+        return f"exit {done.returncode}: {line.split(']: ')[-1][:110]}", None
+    return measured(done.stdout)
+
+
+def plain_run(root, command, limit=60):
+    """What a plain command prints (stdout, then stderr) and its exit status."""
+    try:
+        done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=limit,
+                              env=environment())
+    except subprocess.TimeoutExpired:
+        return f"hang: stopped after {limit} s"
+    return f"exit {done.returncode}\n" + done.stdout + done.stderr
+
+
+def measured(out):
+    """The numbers a run ends with: its summary's validation loss (and accuracy), its last loss."""
+    summary = json.loads(next(line for line in reversed(out.splitlines())
+                              if line.startswith("summary "))[len("summary "):])
+    numbers = {"val loss": summary["val_loss"]}
+    if "val_acc" in summary:
+        numbers["val acc"] = summary["val_acc"]
+    steps = re.findall(r"^step \d+/\d+ \| loss ([\d.]+)", out, re.M)
+    if steps:
+        numbers["loss"] = float(steps[-1])
+    return None, numbers
+
+
+def described(numbers, course):
+    return ", ".join(f"{key} {value:.4f} (course {course[key]:.4f})"
+                     for key, value in numbers.items())
+
+
+def caught_by(root, mistake, limit=1500):
+    """The first named test that fails against the mistake, or None (it survived)."""
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+               *mistake.catches]
+    try:
+        done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=limit,
+                              env=environment())
+    except subprocess.TimeoutExpired:
+        return f"(timed out after {limit} s)"
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.M)
+    if done.returncode not in (0, 1) and not failed:
+        return f"(pytest exit {done.returncode})"
+    return failed[0].split("::")[-1] if failed else None
+
+
+def course_numbers(mistake, cache):
+    """What the course's own script gives in the mistake's symptom run (run once per command)."""
+    key = json.dumps([mistake.script, mistake.flags, mistake.command])
+    if key not in cache:
+        course = dataclasses.replace(mistake, patch=[])
+        with tempfile.TemporaryDirectory() as root:
+            copy_repo(root)
+            line, numbers = symptom_run(root, course)
+            if numbers is None and not mistake.command:
+                raise RuntimeError(f"the course's {mistake.script} fails its symptom run: {line}")
+            cache[key] = numbers or line
+    return cache[key]
+
+
+def compared(printed, course, pick=None):
+    """The first line a plain command prints that the course's does not, and the exit status; or
+    with pick, what the regex finds in each."""
+    if pick and not printed.startswith("hang"):
+        found = [re.search(pick, text, re.M) for text in (printed, course)]
+        ours, theirs = (" ".join(f.groups()) if f else "(none)" for f in found)
+        return f"{ours} (course {theirs})"
+    ours, theirs = printed.splitlines(), course.splitlines()
+    new = [line for line in ours[1:] if line not in theirs] or ["(nothing new)"]
+    status = ours[0] if ours[0] != theirs[0] else ours[0] + " (as the course)"
+    return f"{status}; prints: {new[0].strip()[:160]}" if not printed.startswith("hang") \
+        else printed
+
+
+def run_one(mistake, cache):
+    """(symptom, caught by or None) of one mistake, run in a copy of the repository."""
+    course = course_numbers(mistake, cache)
+    with tempfile.TemporaryDirectory() as root:
+        copy_repo(root)
+        apply(mistake, root)
+        line, numbers = symptom_run(root, mistake)
+        if mistake.command:
+            symptom = compared(line, course, mistake.pick)
+        else:
+            symptom = line or described(numbers, course)
+        return symptom, caught_by(root, mistake)
+
+
+def selected(which):
+    if not which:
+        return CATALOGUE
+    chosen = [m for m in CATALOGUE if str(m.chapter) == which or m.name == which]
+    if not chosen:
+        raise SystemExit(f"error: no chapter or mistake named {which!r} (--list shows them)")
+    return chosen
+
+
+CHAPTERS = {2: "DDP", 3: "a GPT under DDP", 4: "many nodes", 5: "faults",
+            6: "speed and debugging", 7: "FSDP", 8: "tensor parallelism",
+            9: "pipeline parallelism", 10: "context parallelism"}
+
+
+def markdown(rows, seconds):
+    """docs/mistakes.md's tables of the last run, one per chapter (anchors #chapter-N)."""
+    cell = lambda text: str(text).replace("|", "\\|")  # noqa: E731  (a table cell)
+    when = datetime.datetime.now().strftime("%Y-%m-%d")
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    text = (f"Last run: {when}, {machine}, torch {torch_version()}, {len(rows)} mistakes in "
+            f"{seconds / 60:.0f} min (`python tests/mistakes.py --markdown docs/mistakes.md`).\n")
+    for chapter in sorted({m.chapter for m, _, _ in rows}):
+        text += (f"\n### Chapter {chapter}\n\n{CHAPTERS[chapter]}\n\n| mistake | what the "
+                 "learner writes | symptom (measured) | the course's line | caught by |\n"
+                 "|---|---|---|---|---|\n")
+        text += "".join(f"| `{m.name}` | {cell(m.writes)} | {cell(symptom)} | {cell(m.avoids)} | "
+                        f"{cell(caught or '**survived**')} |\n"
+                        for m, symptom, caught in rows if m.chapter == chapter)
+    return text
+
+
+def torch_version():
+    return subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
+                          capture_output=True, text=True).stdout.strip()
+
+
+def write_table(path, table):
+    """Replace the text between the markers of path with table."""
+    begin, end = "<!-- mistakes table: begin -->\n", "<!-- mistakes table: end -->"
+    with open(path) as f:
+        text = f.read()
+    if begin not in text or end not in text:
+        raise SystemExit(f"error: {path} has no table markers")
+    text = text[:text.index(begin) + len(begin)] + table + text[text.index(end):]
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("which", nargs="?", help="a chapter number or a mistake's name (default: all)")
+    p.add_argument("--list", action="store_true", help="print the catalogue, run nothing")
+    p.add_argument("--markdown", metavar="FILE", help="write the table between FILE's markers")
+    args = p.parse_args(argv)
+    mistakes = selected(args.which)
+    if args.list:
+        for m in mistakes:
+            print(f"{m.chapter:>2}  {m.name:<44} {m.writes}")
+        return 0
+    try:
+        with tempfile.TemporaryDirectory() as root:
+            copy_repo(root)
+            for m in mistakes:  # all of them apply, or nothing runs
+                apply(m, root)
+                shutil.copy2(os.path.join(REPO, m.script), os.path.join(root, m.script))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    rows, cache, start = [], {}, time.time()
+    for m in mistakes:
+        symptom, caught = run_one(m, cache)
+        rows.append((m, symptom, caught))
+        print(f"{m.chapter:>2} | {m.name:<44} | {symptom} | {caught or 'SURVIVED'}", flush=True)
+    survived = [m.name for m, _, caught in rows if not caught or caught.startswith("(")]
+    print(f"{len(rows)} mistakes, {len(rows) - len(survived)} caught, {len(survived)} survived"
+          + (f": {', '.join(survived)}" if survived else ""))
+    if args.markdown:
+        write_table(args.markdown, markdown(rows, time.time() - start))
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
