@@ -624,21 +624,37 @@ CHAPTERS = {2: "DDP", 3: "a GPT under DDP", 4: "many nodes", 5: "faults",
             9: "pipeline parallelism", 10: "context parallelism"}
 
 
-def markdown(rows, seconds):
-    """docs/mistakes.md's tables of the last run, one per chapter (anchors #chapter-N)."""
+def markdown(results, note):
+    """docs/mistakes.md's tables, one per chapter (anchors #chapter-N), from results {name:
+    [symptom, caught by or None, date]}, and the results themselves in a comment (a later run of
+    some mistakes updates their rows and keeps the others')."""
     cell = lambda text: str(text).replace("|", "\\|")  # noqa: E731  (a table cell)
-    when = datetime.datetime.now().strftime("%Y-%m-%d")
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    text = (f"Last run: {when}, {machine}, torch {torch_version()}, {len(rows)} mistakes in "
-            f"{seconds / 60:.0f} min (`python tests/mistakes.py --markdown docs/mistakes.md`).\n")
-    for chapter in sorted({m.chapter for m, _, _ in rows}):
+    ran = [m for m in CATALOGUE if m.name in results]
+    text = note + "\n"
+    for chapter in sorted({m.chapter for m in ran}):
         text += (f"\n### Chapter {chapter}\n\n{CHAPTERS[chapter]}\n\n| mistake | what the "
                  "learner writes | symptom (measured) | the course's line | caught by |\n"
                  "|---|---|---|---|---|\n")
-        text += "".join(f"| `{m.name}` | {cell(m.writes)} | {cell(symptom)} | {cell(m.avoids)} | "
-                        f"{cell(caught or '**survived**')} |\n"
-                        for m, symptom, caught in rows if m.chapter == chapter)
-    return text
+        text += "".join(f"| `{m.name}` | {cell(m.writes)} | {cell(results[m.name][0])} | "
+                        f"{cell(m.avoids)} | {cell(results[m.name][1] or '**survived**')} |\n"
+                        for m in ran if m.chapter == chapter)
+    return text + f"\n<!-- results: {json.dumps(results)} -->\n"
+
+
+def earlier_results(path):
+    """The results a previous run left in path's comment, or {}."""
+    with open(path) as f:
+        found = re.search(r"<!-- results: (.*) -->", f.read())
+    return json.loads(found.group(1)) if found else {}
+
+
+def run_note(rows, seconds, everything):
+    when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    what = "every mistake" if everything else "these: " + ", ".join(m.name for m, _, _ in rows)
+    return (f"Last run {when} UTC, {machine}, torch {torch_version()}: {what}, {len(rows)} in "
+            f"{seconds / 60:.0f} min (`python tests/mistakes.py --markdown docs/mistakes.md`); "
+            "each row's date is in the comment below the tables.")
 
 
 def torch_version():
@@ -688,7 +704,11 @@ def main(argv=None):
     print(f"{len(rows)} mistakes, {len(rows) - len(survived)} caught, {len(survived)} survived"
           + (f": {', '.join(survived)}" if survived else ""))
     if args.markdown:
-        write_table(args.markdown, markdown(rows, time.time() - start))
+        when = datetime.datetime.now().strftime("%Y-%m-%d")
+        results = {} if len(mistakes) == len(CATALOGUE) else earlier_results(args.markdown)
+        results.update({m.name: [symptom, caught, when] for m, symptom, caught in rows})
+        note = run_note(rows, time.time() - start, len(mistakes) == len(CATALOGUE))
+        write_table(args.markdown, markdown(results, note))
     return 1 if survived else 0
 
 
