@@ -171,7 +171,7 @@ CATALOGUE = [
             [("rdzv_id=${rdzv_id:-ddp-$addr-$port}", "rdzv_id=${rdzv_id:-ddp-$(hostname)-$$}")],
             "a rendezvous id made on each node (its host, its process): the nodes never meet",
             "one --rdzv-id for the job, the same on every node",
-            [T_LAUNCH + "test_two_nodes_on_one_machine_train_like_one_node_with_two_processes"],
+            [T_LAUNCH + "test_prints_one_identical_c10d_command_per_node"],
             command=PRINTED),
     Mistake("launch-join-timeout-dropped", 4, LAUNCHER,
             [(' "--rdzv-conf=join_timeout=$join_timeout"', "")],
@@ -372,8 +372,7 @@ CATALOGUE = [
               "        q, k, v = qkv.permute(2, 0, 3, 1, 4)")],
             "nanoGPT's q|k|v layout: split in two, rank 0 holds every q",
             "qkv's outputs head by head  # the model's comment",
-            [T_TP + "test_dp2_x_tp2_computes_what_ddp_computes",  # the loss moves too little:
-             T_TP + "test_the_export_holds_ddps_weights_and_samples_in_chapter_3"]),  # weights
+            [T_TP + "test_the_model_computes_chapter_3s_logits_from_its_weights"]),
 
     Mistake("tp-streams-restored-across-sp", 8, C8,
             [("    if (saved.get(\"tp\"), saved.get(\"sequence_parallel\"), len(state[\"rng\"])) == (\n"
@@ -648,13 +647,25 @@ def earlier_results(path):
     return json.loads(found.group(1)) if found else {}
 
 
-def run_note(rows, seconds, everything):
+def run_note(rows, seconds, everything, earlier=""):
+    """The line above the tables: the whole catalogue's last run, then any partial runs since."""
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    if not everything and earlier:
+        return (f"{earlier} Re-run {when} UTC: " + ", ".join(
+            f"{m.name} ({'caught' if caught else 'survived'})" for m, _, caught in rows) + ".")
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    what = "every mistake" if everything else "these: " + ", ".join(m.name for m, _, _ in rows)
-    return (f"Last run {when} UTC, {machine}, torch {torch_version()}: {what}, {len(rows)} in "
-            f"{seconds / 60:.0f} min (`python tests/mistakes.py --markdown docs/mistakes.md`); "
-            "each row's date is in the comment below the tables.")
+    caught = sum(1 for _, _, c in rows if c)
+    return (f"Last run of the catalogue {when} UTC, {machine}, torch {torch_version()}: "
+            f"{len(rows)} mistakes in {seconds / 60:.0f} min, {caught} caught "
+            "(`python tests/mistakes.py --markdown docs/mistakes.md`).")
+
+
+def earlier_note(path):
+    """The line a previous run left above the tables, or ''."""
+    with open(path) as f:
+        text = f.read()
+    begin = "<!-- mistakes table: begin -->\n"
+    return text[text.index(begin) + len(begin):].split("\n")[0] if begin in text else ""
 
 
 def torch_version():
@@ -707,7 +718,8 @@ def main(argv=None):
         when = datetime.datetime.now().strftime("%Y-%m-%d")
         results = {} if len(mistakes) == len(CATALOGUE) else earlier_results(args.markdown)
         results.update({m.name: [symptom, caught, when] for m, symptom, caught in rows})
-        note = run_note(rows, time.time() - start, len(mistakes) == len(CATALOGUE))
+        note = run_note(rows, time.time() - start, len(mistakes) == len(CATALOGUE),
+                        earlier_note(args.markdown))
         write_table(args.markdown, markdown(results, note))
     return 1 if survived else 0
 

@@ -20,7 +20,9 @@ launches on CPU/gloo. These tests prove:
    sample (every rank samples: each token's forward is the row's collective); at dp 2 x tp 2 a
    rank holds a quarter of what TP splits and half of the rest; the TP traffic line's counts are
    the activations' collectives the probe saw DTensor make in a step, with and without sequence
-   parallelism and under --grad-checkpointing;
+   parallelism and under --grad-checkpointing; the model gives chapter 3's logits from chapter
+   3's weights (head-by-head qkv); sampling pads on the right and draws GPT.generate's tokens;
+   an SP checkpoint with dropout resumed without SP keeps a row's copies equal (--check-sync);
 4. with --dropout 0.1 and 13 validation windows (one row padded), dp 2 x tp 2 without sequence
    parallelism logs 2 DDP processes' losses and validation losses: a row draws its DDP rank's
    masks; with it, each rank draws its own (its own tokens);
@@ -209,19 +211,41 @@ def test_a_switch_of_sequence_parallelism_on_resume_keeps_the_copies_equal(runs)
 
 def test_sampling_pads_on_the_right_and_draws_what_one_process_draws(runs):
     """generate_in_row pads the context to its full length on the right, where a causal model's
-    last token never reads it: on the exported weights, greedy (top-k 1), it draws GPT.generate's
-    20 tokens; padded on the left, the positions move and the tokens change."""
+    last token never reads it: every forward it makes starts with the context, and on the
+    exported weights, greedy (top-k 1), it draws GPT.generate's 20 tokens. The control: padded on
+    the left, the positions move and the last token's logits change."""
     exported = torch.load(runs["dir"] / "tp.pt", map_location="cpu", weights_only=True)
     model = tp.GPT(**exported["config"])
     model.load_state_dict(exported["model"])
     model.eval()
     prompt = torch.tensor([list(b"def main(")])
     args = types.SimpleNamespace(max_new_tokens=20, temperature=1.0, top_k=1)
-    expected = model.generate(prompt, 20, 1.0, 1)
+    expected, forward, seen = model.generate(prompt, 20, 1.0, 1), model.forward, []
+    model.forward = lambda idx, *rest: (seen.append(idx), forward(idx, *rest))[1]
     assert torch.equal(tp.generate_in_row(model, prompt, args), expected)
+    assert len(seen) == 20 and all(torch.equal(x[:, :len(expected[0]) - 20 + i],
+                                               expected[:, :len(expected[0]) - 20 + i])
+                                   for i, x in enumerate(seen))  # the context first, then padding
     window = prompt.shape[1]  # the control: the same context padded on the left
     left = torch.nn.functional.pad(prompt, (model.block_size - window, 0))
     assert not torch.allclose(model(left)[0][0, -1], model(prompt)[0][0, -1], atol=1e-3)
+
+
+def test_the_model_computes_chapter_3s_logits_from_its_weights():
+    """The GPT here orders qkv's outputs head by head, as chapter 3's does (the TP plan splits
+    them into whole heads; nanoGPT's q|k|v order would split them wrong at 2 heads or more per
+    rank, where the tests' 1 head per rank cannot tell): chapter 3's weights, 4 heads, give
+    chapter 3's logits. The control: two heads' rows swapped, they differ."""
+    ours, theirs = tp.GPT(256, 32, 1, 4, 32, 0.0), trainer(GPT).GPT(256, 32, 1, 4, 32, 0.0)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.5)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(ours(x)[0], theirs(x)[0])
+    with torch.no_grad():
+        ours.blocks[0].attn.qkv.weight[:24] = theirs.blocks[0].attn.qkv.weight[24:48]
+    assert not torch.allclose(ours(x)[0], theirs(x)[0], atol=1e-3)
 
 
 def test_each_rank_holds_its_share(runs):
