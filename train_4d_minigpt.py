@@ -1,43 +1,53 @@
-"""Chapter 9: the chapter-7 GPT trainer split into a pipeline (pipeline parallelism, PP): each
-group of ranks holds a run of consecutive blocks, and the micro-batches of a step flow through
-them, FSDP over the data-parallel ranks of each stage. The same math as one process.
+"""Chapter 11: every parallelism in one run. Chapter 9's pipeline stages, whose blocks gain chapter
+8's tensor parallelism (TP, with sequence parallelism and loss parallel) and chapter 10's context
+parallelism (CP), FSDP over the data-parallel and context ranks of each stage: one 4-D mesh of
+(pp, dp, cp, tp) ranks. The same math as one process.
 
-    torchrun --standalone --nproc_per_node=2 train_pp_minigpt.py --pp 2    # 2 stages: CPU or 2 GPUs
-    torchrun --standalone --nproc_per_node=4 train_pp_minigpt.py --pp 2    # 2 stages x 2 dp
-    torchrun --standalone --nproc_per_node=gpu train_pp_minigpt.py --pp 2  # the GPUs here, 2 stages
+    torchrun --standalone --nproc_per_node=8 train_4d_minigpt.py          # 2 pp x 2 cp x 2 tp: CPU
+    torchrun --standalone --nproc_per_node=4 train_4d_minigpt.py --pp 1   # 2 cp x 2 tp: CPU or GPUs
+    torchrun --standalone --nproc_per_node=gpu train_4d_minigpt.py --pp 1 --cp 2 --tp 4  # 8 GPUs
     ./launch_multinode_ddp.sh --nnodes 2 --nproc-per-node 8 --master-addr N0 \
-        train_pp_minigpt.py --pp 2 --grad-accum 8
-    python train_ddp_minigpt.py --sample --ckpt checkpoints/minigpt_pp.pt --prompt "def main("
+        train_4d_minigpt.py --pp 2 --cp 2 --tp 4 --block-size 1024 --grad-accum 8
+    python train_ddp_minigpt.py --sample --ckpt checkpoints/minigpt_4d.pt --prompt "def main("
 
 The multi-node line prints the torchrun command to run on each node (chapter 4): with --pp 2 on 2
-nodes, each node is one stage. Sampling runs in one plain process. Default data: the first
-2,000,000 bytes of this Python's own standard library, one token per byte (vocab 256), so nothing
-is downloaded; `--data` also takes a text file, a .bin of uint16 token ids, or a nanoGPT folder.
+nodes of 8, each node is one stage, its 8 GPUs 2 cp x 4 tp; dp is what the world size leaves (here
+1). Sampling runs in one plain process. Default data: the first 2,000,000 bytes of this Python's
+own standard library, one token per byte (vocab 256), so nothing is downloaded; `--data` also takes
+a text file, a .bin of uint16 token ids, or a nanoGPT folder.
 
 Read it top-down: main(), then its core steps in the order it calls them, the model, and what goes
 beyond the core (debugging, the benchmark, the report). All that talks to other processes is above
 the line that ends `the plumbing`; below it, guards, flags, data, files, logging, sampling, errors.
 
-Tags: `# PP k` marks each line PP changes in the FSDP trainer, numbered in reading order:
-  PP 1  a PipelineStage in a schedule (1f1b, gpipe) of --grad-accum micro-batches per step
-  PP 2  --pp N: a (N, world / N) mesh ("pp", "dp"); a stage is consecutive ranks, a node
-  PP 3  data and global batch by the dp column: every stage of a column reads one batch
+Tags: `# 4D k` marks each line this chapter changes in chapter 9's trainer, in reading order:
+  4D 1  --pp, --cp, --tp: one (pp, dp, cp, tp) mesh, tp innermost, dp the rest; its layout printed
+  4D 2  data and global batch by dp: a replica's cp x tp ranks read the same sequences
+  4D 3  Context: cp rank i holds chunks i and 2 cp - 1 - i of each sequence; global positions
+  4D 4  attention over the cp group's keys and values, all-gathered (backward: reduce-scatter)
+  4D 5  TP's plan in each block and at the stage's ends, then FSDP over dp x cp; dropout streams
+  4D 6  what a stage sends: a cp share, split by tp under sequence parallelism; bytes per group
+  4D 7  checkpoints: random streams restored only at the layout that saved them
+  4D 8  loss parallel around the schedule and evaluation: the logits stay split by vocabulary
+  4D 9  the gradient norm per mesh (dp x cp, and dp x cp x tp), summed over the stages
+  4D 10 sampling: every rank the whole context, padded; a replica's ranks draw alike
+How the splits nest: CP gives each rank T / cp tokens of every sequence; sequence parallelism
+splits those again by tp (T / (cp x tp): the norms, dropout and what goes between stages); TP's
+all-gather makes them T / cp again before attention and the MLP, whose heads and hidden units it
+splits by tp; CP's all-gather then brings the whole sequence's keys and values of this rank's heads.
+Kept from the pipeline trainer (chapter 9), where they mark the same lines:
+  PP 1  a PipelineStage in a schedule of --grad-accum micro-batches per step
+  PP 2  --pp N: a stage is consecutive ranks (a node); PP 3  data by the dp index
   PP 4  the tied embedding and head: two copies, their gradients summed each step
-  PP 5  Stage: a run of the GPT's blocks under their own names, FSDP over the stage's ranks
-  PP 6  checkpoints under the whole model's names: any layout resumes any other
-  PP 7  evaluation and sampling: a forward-only pipeline of send and recv; the last stage scores
-  PP 8  the gradient norm summed over every stage and shard: one process's clipping
-Per micro-batch, activations go forward between stages and their gradients back. GPipe runs all
-forwards, then all backwards; 1F1B alternates, so stage s holds at most pp - s micro-batches.
-Kept from the DDP trainer (chapter 3), where they mark the same lines (8, 10, 15: DDP's wrapper,
-no_sync and replica check, which FSDP 4 and 7 replace):
+  PP 5  Stage: a run of the GPT's blocks under their own names; PP 6  checkpoints name no stage
+  PP 7  forward-only pipelines: evaluation, sampling; PP 8  the norm over every stage
+Kept from the DDP trainer (chapter 3), where they mark the same lines:
   DDP 1  join the group torchrun started             DDP 9   SUM over ranks, then divide
   DDP 2  one GPU per process, by LOCAL_RANK          DDP 11  every rank's RNG state, saved
   DDP 3  is_main: rank 0 alone logs and saves        DDP 12  rank 0 writes, every rank waits
   DDP 4  each rank its own windows of an epoch       DDP 13  leave the group on every path
   DDP 5  one shuffled order, the same on all ranks   DDP 14  --debug: each rank's windows
-  DDP 6  dropout seeded by rank                      DDP 16  every rank's peak GPU memory
-  DDP 7  resume: rank 0 looks, every rank agrees
+  DDP 7  resume: rank 0 looks, every rank agrees     DDP 16  every rank's peak GPU memory
 Kept from the FSDP trainer (chapter 7), where they mark the same lines:
   FSDP 1  bf16 by FSDP's MixedPrecisionPolicy        FSDP 4  no wrapper: fully_shard hooks the model
   FSDP 2  built on the meta device, then sharded     FSDP 5  every rank runs every forward
@@ -53,7 +63,7 @@ import gc
 import glob
 import io  # FSDP 8
 import json
-import logging  # 4D TP
+import logging  # 4D 5
 import math
 import os
 import pickle
@@ -77,12 +87,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # FSDP 3
 from torch.distributed.device_mesh import init_device_mesh  # FSDP 2
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # FSDP 1
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # PP 1
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # FSDP 2, 4D TP
-from torch.distributed.tensor.parallel import (ColwiseParallel,  # 4D TP
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # FSDP 2, 4D 5
+from torch.distributed.tensor.parallel import (ColwiseParallel,  # 4D 5
                                                PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel, loss_parallel,
                                                parallelize_module)
-from torch.nn.attention.bias import causal_lower_right  # 4D CTX
+from torch.nn.attention.bias import causal_lower_right  # 4D 3
 from torch.utils.checkpoint import checkpoint
 
 
@@ -154,33 +164,33 @@ class Run:
     is_main: bool  # rank 0: the one process that logs and writes files
     amp: str  # FSDP 1: the compute dtype's name ("bfloat16"), or "off"
     policy: MixedPrecisionPolicy  # FSDP 1: casts the gathered weights; no autocast, no scaler
-    mesh: object  # 4D MESH: the (pp, dp, cp, tp) grid of ranks, a DeviceMesh
+    mesh: object  # 4D 1: the (pp, dp, cp, tp) grid of ranks, a DeviceMesh
     stage: int  # PP 2: this rank's stage, 0 to pp - 1: the blocks it holds
-    dp_rank: int  # 4D DATA: this rank's replica: the sequences its (cp, tp) block reads
-    dp_size: int  # 4D DATA: the replicas: world size / (pp x cp x tp)
+    dp_rank: int  # 4D 2: this rank's replica: the sequences its (cp, tp) block reads
+    dp_size: int  # 4D 2: the replicas: world size / (pp x cp x tp)
     tied: object  # PP 4: this column's first and last stage, a process group; None elsewhere
-    context: "Context"  # 4D CTX: this rank's share of every sequence, and its attention
+    context: "Context"  # 4D 3: this rank's share of every sequence, and its attention
 
 
 def make_run(args, device, rank, world_size):
     """This process's Run; logs the run's shape (world size, device, precision, batch)."""
     is_main = rank == 0  # DDP 3: rank 0 alone logs and saves
     amp, policy = mixed_precision(args.amp, device)  # FSDP 1
-    mesh = grid(args, device, world_size)  # 4D MESH: pp x dp x cp x tp ranks, tp innermost
+    mesh = grid(args, device, world_size)  # 4D 1: pp x dp x cp x tp ranks, tp innermost
     stage, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     context = Context(mesh["cp"].get_group(), mesh.get_local_rank("cp"), args.cp,
-                      args.block_size, device)  # 4D CTX: chapter 10's split of each sequence
+                      args.block_size, device)  # 4D 3: chapter 10's split of each sequence
     run = Run(args, device, rank, world_size, is_main, amp, policy, mesh, stage, dp_rank,
-              mesh.size(1), ends_group(mesh, stage, rank), context)  # talks: every rank, every group
+              mesh.size(1), ends_group(mesh, stage, rank), context)  # talks: every rank, all groups
     print0(is_main, f"world size {world_size} ({args.pp} pp x {run.dp_size} dp x {args.cp} cp x "
-                    f"{args.tp} tp) | device {device} | amp {amp} | {tokens_per_step(run):,} tokens "
-                    f"per step ({args.batch_size} x {args.block_size} x {args.grad_accum} "
-                    f"micro-batches x {run.dp_size} replicas) | schedule {args.schedule}")  # 4D DATA
-    print0(is_main, layout_line(mesh, world_size - 1))  # 4D MESH: one rank's place and groups
+                    f"{args.tp} tp) | device {device} | amp {amp} | {tokens_per_step(run):,} "
+                    f"tokens per step ({args.batch_size} x {args.block_size} x {args.grad_accum} "
+                    f"micro-batches x {run.dp_size} replicas) | schedule {args.schedule}")  # 4D 2
+    print0(is_main, layout_line(mesh, world_size - 1))  # 4D 1: one rank's place and groups
     return run
 
 
-def grid(args, device, world_size):  # 4D MESH: one 4-D mesh, from the slowest links out
+def grid(args, device, world_size):  # 4D 1: one 4-D mesh, from the slowest links out
     """The ranks as a pp x dp x cp x tp DeviceMesh, dp what the world size leaves. Innermost, the
     most traffic on the fastest links: a tp group is consecutive ranks (one node's GPUs), for TP's
     collectives of every block and micro-batch; then cp (a gather of keys per block), dp (FSDP's
@@ -195,7 +205,7 @@ def grid(args, device, world_size):  # 4D MESH: one 4-D mesh, from the slowest l
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)  # a group per line of each
     # all but pp as one dim, for DTensor: the norm's sum over them in one collective, not one per
     # dim (torch warns of that); _flatten is private in torch 2.14, as torchtitan uses it
-    mesh["dp", "cp", "tp"]._flatten("dp_cp_tp")  # 4D MESH
+    mesh["dp", "cp", "tp"]._flatten("dp_cp_tp")  # 4D 1
     return mesh
 
 
@@ -203,12 +213,12 @@ def ends_group(mesh, stage, rank):  # PP 4: where the two copies of the tied mat
     """A collective: a process group of each column's first and last stage (every rank makes every
     group). Returns this rank's; None on a middle stage, and at --pp 1 (one matrix, no copies)."""
     pp = mesh.size(0)
-    ends = mesh.mesh[[0, -1]].flatten(1).T.tolist() if pp > 1 else []  # 4D MESH: per (dp, cp, tp)
+    ends = mesh.mesh[[0, -1]].flatten(1).T.tolist() if pp > 1 else []  # 4D 1: per (dp, cp, tp)
     groups = [dist.new_group(ranks) for ranks in ends]  # every rank joins the making of each
-    return groups[rank % len(groups)] if pp > 1 and stage in (0, pp - 1) else None  # 4D MESH
+    return groups[rank % len(groups)] if pp > 1 and stage in (0, pp - 1) else None  # 4D 1
 
 
-class Context:  # 4D CTX: this rank's share of every sequence, and how its queries see the rest
+class Context:  # 4D 3: this rank's share of every sequence, and how its queries see the rest
     """Chapter 10's split: rank i of a cp group holds chunks i and 2 cp - 1 - i of 2 cp, one early,
     one late, equal work; its attention all-gathers the group's keys and values (backward keeps
     none: it gathers again). Sequence parallelism then splits a rank's share by tp (inside TP)."""
@@ -226,12 +236,12 @@ class Context:  # 4D CTX: this rank's share of every sequence, and how its queri
     def share(self, x, y):  # this rank's tokens of each sequence, and their targets
         return x[:, self.positions], y[:, self.positions]
 
-    def attention(self, q, k, v):  # 4D GATHER: each chunk's queries over every key up to its end
+    def attention(self, q, k, v):  # 4D 4: each chunk's queries over every key up to its end
         if self.cp == 1:  # the whole sequence is here: plain causal attention
             return causal_attention(q, k, v)
         return checkpoint(self.gathered_attention, q, k, v, use_reentrant=False)  # recomputed
 
-    def gathered_attention(self, q, k, v):  # 4D GATHER: talks: the cp group's keys and values
+    def gathered_attention(self, q, k, v):  # 4D 4: talks: the cp group's keys and values
         kv = GatherContext.apply(torch.stack([k, v]), self.group)  # (2, B, heads, T, head size)
         k, v = kv.index_select(-2, self.order)  # the whole sequence, in order of position
         chunks = q.chunk(2, dim=-2)  # an early chunk's queries and a late one's
@@ -239,7 +249,7 @@ class Context:  # 4D CTX: this rank's share of every sequence, and how its queri
                           for part, end, mask in zip(chunks, self.ends, self.masks)], dim=-2)
 
 
-def chunk_positions(cp_rank, cp, block_size):  # 4D CTX: an early chunk and a late one
+def chunk_positions(cp_rank, cp, block_size):  # 4D 3: an early chunk and a late one
     """The positions context rank cp_rank holds in a sequence of block_size tokens: chunks cp_rank
     and 2 cp - 1 - cp_rank of 2 cp equal chunks."""
     size = block_size // (2 * cp)
@@ -247,7 +257,7 @@ def chunk_positions(cp_rank, cp, block_size):  # 4D CTX: an early chunk and a la
     return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
 
 
-class GatherContext(torch.autograd.Function):  # 4D GATHER: an all-gather that carries gradients
+class GatherContext(torch.autograd.Function):  # 4D 4: an all-gather that carries gradients
     """All-gather over the context ranks along the sequence (dim -2), in rank order. Backward: a
     reduce-scatter, as every rank's queries read each rank's keys: their gradients add up."""
 
@@ -331,40 +341,40 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
     args = run.args
     with torch.device("meta"):  # FSDP 2: shapes and dtypes, no memory
         raw_model = Stage(GPT(**model_config(args, vocab_size)), run.stage, args.pp,  # PP 5
-                          run.context)  # 4D CTX: what the schedule's forwards see
+                          run.context)  # 4D 3: what the schedule's forwards see
     shard(run, raw_model)  # FSDP 2: before the optimizer, which must see the shards
     raw_model.to_empty(device=run.device)  # FSDP 2: this rank's shards, not yet filled
     init_shards(raw_model, args.seed, args.n_layer)  # PP 5: one process's weights, the GPT's depth
     raw_model.grad_checkpointing = args.grad_checkpointing
     optimizer = make_optimizer(raw_model, args, run.device)
-    torch.manual_seed(args.seed + dropout_stream(run))  # 4D TP: by rank, or by tp group
+    torch.manual_seed(args.seed + dropout_stream(run))  # 4D 5: by rank, or by tp group
     print0(run.is_main, f"model {raw_model.whole_params:,} parameters | "  # PP 5: the GPT's
                         f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
                         f"context {args.block_size}")
     held = [None] * run.world_size  # PP 5: what every rank holds, gathered for rank 0's line
     dist.all_gather_object(held, stage_holding(run, raw_model))  # rank 0 prints every stage's
     print0(run.is_main, memory_line(raw_model, held))  # PP 5: what each stage holds
-    print0(run.is_main, traffic_line(run, vocab_size))  # 4D SEND: and what each group sends
+    print0(run.is_main, traffic_line(run, vocab_size))  # 4D 6: and what each group sends
     return raw_model, optimizer
 
 
-def shard(run, model):  # 4D TP: each block split by TP in its tp group, then FSDP over dp x cp
+def shard(run, model):  # 4D 5: each block split by TP in its tp group, then FSDP over dp x cp
     """parallelize_module splits each block's four matrices, and the tied embedding and head by
     vocabulary, across the tp ranks (DTensors on the tp mesh; chapter 8); then fully_shard shards
     every parameter of the stage over its dp x cp ranks (FSDP: a block's weights gathered before
     its forward, its gradients reduce-scattered after its backward), a block at a time."""
     sp = run.args.sequence_parallel == "on"
-    # 4D TP: FSDP over dp and cp as one dim (chapter 10: the cp ranks of a replica hold the same
+    # 4D 5: FSDP over dp and cp as one dim (chapter 10: the cp ranks of a replica hold the same
     # weights, and their gradients add up), not over dp alone
-    mesh = run.mesh["dp", "cp"]._flatten("dp_cp")  # 4D TP
+    mesh = run.mesh["dp", "cp"]._flatten("dp_cp")  # 4D 5
     reshard = run.args.reshard_after_forward == "yes"
     for i, block in enumerate(model.blocks.values()):  # PP 5: the stage's blocks
         last = i == len(model.blocks) - 1  # its backward comes first: no gather in between
-        if run.args.tp > 1:  # 4D TP: --tp 1 is chapter 9's stages alone
+        if run.args.tp > 1:  # 4D 5: --tp 1 is chapter 9's stages alone
             parallelize_module(block, run.mesh["tp"], block_plan(sp))  # collectives in forward
         fully_shard(block, mesh=mesh, mp_policy=run.policy,
                     reshard_after_forward=reshard and not last)  # hooks
-    plan = ends_plan(model, sp)  # 4D TP: the ends this stage holds, split by vocabulary
+    plan = ends_plan(model, sp)  # 4D 5: the ends this stage holds, split by vocabulary
     if run.args.tp > 1 and plan:
         parallelize_module(model, run.mesh["tp"], plan)  # collectives in forward
         if model.tok_emb is not None and model.head is not None:  # --pp 1: one matrix again
@@ -372,7 +382,7 @@ def shard(run, model):  # 4D TP: each block split by TP in its tp group, then FS
     fully_shard(model, mesh=mesh, mp_policy=run.policy)  # the root: whole from forward to backward
 
 
-def block_plan(sp):  # 4D TP: chapter 8's split of a block, then its sequence parallelism
+def block_plan(sp):  # 4D 5: chapter 8's split of a block, then its sequence parallelism
     """Column-wise: q, k, v (whole heads: GPT.qkv orders its outputs head by head) and the MLP's
     first matrix, each rank its share of the outputs from the whole input. Row-wise: attn.proj and
     the MLP's second matrix give partial sums, which one all-reduce adds up. sp: a reduce-scatter
@@ -390,7 +400,7 @@ def block_plan(sp):  # 4D TP: chapter 8's split of a block, then its sequence pa
             "mlp.2": RowwiseParallel(output_layouts=Shard(1))}
 
 
-def ends_plan(model, sp):  # 4D TP: the ends of the model this stage holds, split by vocabulary
+def ends_plan(model, sp):  # 4D 5: the ends of the model this stage holds, split by vocabulary
     """The tied embedding and head, each rank a share of the vocabulary's rows (chapter 8), for
     what this stage holds: the embeddings on the first, the final norm and head on the last. sp:
     the embedding's sum goes straight to each rank's part of the tokens, the positions sliced
@@ -416,7 +426,7 @@ def init_shards(model, seed, n_layer):  # PP 5: n_layer, the GPT's: a stage hold
         p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))  # mine
 
 
-def dropout_stream(run):  # 4D TP: which ranks draw the same dropout masks
+def dropout_stream(run):  # 4D 5: which ranks draw the same dropout masks
     """This rank's offset to the dropout seed. Where the activations dropout acts on are whole on
     every rank of a tp group (--sequence-parallel off), the group draws alike, or its copies drift
     apart; sequence parallel, each rank drops out its own part of the sequence: by rank."""
@@ -484,7 +494,7 @@ def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
                    optim_state_dict=optim_state)
     if not shards_finite(raw_model):  # talks: every rank gets the same answer
         raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
-    saved, args = state["args"], run.args  # 4D SAVE: streams only at the layout that saved them
+    saved, args = state["args"], run.args  # 4D 7: streams only at the layout that saved them
     if [saved.get(k) for k in ("pp", "cp", "tp", "sequence_parallel")] + [len(state["rng"])] == [
             args.pp, args.cp, args.tp, args.sequence_parallel, run.world_size]:
         restore_rng(state["rng"][run.rank], run.device)  # FSDP 3: this rank's streams
@@ -525,7 +535,7 @@ def evaluate(run, model, val):  # FSDP 5: every rank runs as many forwards
     dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most batches any rank holds
     x = torch.zeros(1, run.args.block_size, dtype=torch.long, device=run.device)
     batches += [(x, torch.full_like(x, -100))] * (int(most) - len(batches))
-    batches = [run.context.share(x, y) for x, y in batches]  # 4D CTX: this rank's tokens
+    batches = [run.context.share(x, y) for x, y in batches]  # 4D 3: this rank's tokens
     return mean_loss_over_ranks(run, model, batches)  # PP 7
 
 
@@ -552,29 +562,29 @@ def mean_loss_over_ranks(run, model, batches):  # PP 7; FSDP 1: no autocast; DDP
         logits = pipeline_forward(run, model, x)  # PP 7: None but on the last stage
         if logits is None:  # PP 7: only the last stage scores; the others add 0
             continue
-        with loss_parallel():  # 4D LOSS: from each rank's share of the logits
+        with loss_parallel():  # 4D 8: from each rank's share of the logits
             loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
-        totals[0] += local(loss)  # 4D LOSS
+        totals[0] += local(loss)  # 4D 8
         totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token
-    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # 4D LOSS: a tp group's sums tp times, counts too
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # 4D 8: a tp group's sums tp times, counts too
     free_gathered_weights(model)  # FSDP 5: forwards without a backward leave them
     model.train()
     return (totals[0] / totals[1]).item()
 
 
 @torch.no_grad()  # PP 7: a pipeline without a schedule: receive, run, send
-def pipeline_forward(run, model, x, context=None):  # 4D CTX: None: the run's split
+def pipeline_forward(run, model, x, context=None):  # 4D 3: None: the run's split
     """A forward through every stage of this rank's pp column (a collective of it): stage 0 embeds
     the token ids x (B, T); every later stage receives the activations (B, T, C) from the stage
     before, runs its blocks and sends them on. Returns the logits on the last stage, else None.
     Sequence parallel, what goes between stages is this rank's T / tp of the tokens."""
     group, last = run.mesh.get_group("pp"), run.args.pp - 1
     if run.stage > 0:  # every stage knows x: its shape is the shape of what arrives
-        h = torch.empty(*stream_shape(run, x.shape), dtype=activation_dtype(run),  # 4D SEND
+        h = torch.empty(*stream_shape(run, x.shape), dtype=activation_dtype(run),  # 4D 6
                         device=run.device)
         dist.recv(h, group=group, group_src=run.stage - 1)  # waits for the stage before
         x = h
-    out = model(x, context)  # 4D CTX
+    out = model(x, context)  # 4D 3
     if run.stage == last:
         return out
     dist.send(out.contiguous(), group=group, group_dst=run.stage + 1)  # the next stage's input
@@ -587,13 +597,13 @@ def train_step(run, schedule, model, optimizer, windows, step):  # PP 1: the sch
     args = run.args
     # PP 1: K micro-batches in a row, (K x B, T), cut by the schedule; stage 0 reads x, the last y
     rows = torch.cat([windows.rows(step * args.grad_accum + i) for i in range(args.grad_accum)])
-    x, y = run.context.share(*on_device(rows, run.device))  # 4D CTX: this rank's tokens of each
+    x, y = run.context.share(*on_device(rows, run.device))  # 4D 3: this rank's tokens of each
     first, last, losses = run.stage == 0, run.stage == args.pp - 1, []
     inputs, target = ((x,) if first else ()), (y if last else None)
-    with loss_parallel():  # 4D LOSS: the loss from the vocabulary's shares, and its backward
+    with loss_parallel():  # 4D 8: the loss from the vocabulary's shares, and its backward
         schedule.step(*inputs, target=target, losses=losses if last else None,
                       return_outputs=False)  # each cp rank's mean: every rank has as many targets
-    losses = [local(part) for part in losses]  # 4D LOSS: loss_parallel's losses, as tensors
+    losses = [local(part) for part in losses]  # 4D 8: loss_parallel's losses, as tensors
     loss = torch.stack(losses).mean() if last else torch.zeros((), device=run.device)
     sum_tied_gradients(run, model)  # PP 4
     for group in optimizer.param_groups:
@@ -614,11 +624,11 @@ def sum_tied_gradients(run, model):  # PP 4: one matrix, two copies: the sum of 
         dist.all_reduce(copy.grad.to_local(), op=dist.ReduceOp.SUM, group=run.tied)  # both copies
 
 
-def local(loss):  # 4D LOSS: loss_parallel's loss, the same on each rank of a tp group
+def local(loss):  # 4D 8: loss_parallel's loss, the same on each rank of a tp group
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
-def clip_gradients(run, model, max_norm):  # 4D NORM: over every stage, shard and mesh
+def clip_gradients(run, model, max_norm):  # 4D 9: over every stage, shard and mesh
     """clip_grad_norm_ over the whole model: each stage's squared norm over its shards, per mesh
     (FSDP's dp x cp and, for what TP split, dp x cp x tp: clip_grad_norm_ cannot mix them), summed
     over the stages, the tied matrix counted once. Returns the norm before clipping, everywhere."""
@@ -688,17 +698,17 @@ def leave_distributed():  # DDP 13: leave the process group on every path, error
 
 
 # --------------------------------------------------------------------------------- the model: a GPT
-def causal_attention(q, k, v, causal=None):  # 4D GATHER: causal: Context's mask
+def causal_attention(q, k, v, causal=None):  # 4D 4: causal: Context's mask
     """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
     attention on GPUs: no causal mask is built). No dropout on the attention weights: on a CPU it
     forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
     bf16 CPU backward kernel is 3x slower than the fp32 one (measured: docs/performance.md)."""
-    # 4D GATHER: q holds the last positions of k's sequence. The lower-right mask aligns the last
+    # 4D 4: q holds the last positions of k's sequence. The lower-right mask aligns the last
     # query with the last key: queries 12-15 over 16 keys, query 12 reads keys 0-12 (is_causal=True
     # would align the first query with the first key: key 0 alone, and train wrong)
     if causal is None and q.shape[-2] != k.shape[-2]:  # as many queries as keys: is_causal
         causal = causal_lower_right(q.shape[-2], k.shape[-2])
-    cpu = q.device.type == "cpu"  # 4D GATHER: one call, one mask, on every device
+    cpu = q.device.type == "cpu"  # 4D 4: one call, one mask, on every device
     with torch.autocast("cpu", enabled=False) if cpu else contextlib.nullcontext():
         y = F.scaled_dot_product_attention(*(t.float() if cpu else t for t in (q, k, v)),
                                            attn_mask=causal, is_causal=causal is None)
@@ -712,15 +722,15 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(n_embd, 3 * n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
 
-    def forward(self, x, context=None):  # 4D CTX: context: this rank's share of the sequence
+    def forward(self, x, context=None):  # 4D 3: context: this rank's share of the sequence
         B, T, C = x.shape
         # qkv's outputs come head by head (head 0's q, k, v, then head 1's...): equal parts are
         # whole heads, as a tensor-parallel split by heads needs; -1: the heads this module holds
         qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
         q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
-        if context is None:  # 4D CTX: the whole sequence is here
+        if context is None:  # 4D 3: the whole sequence is here
             y = causal_attention(q, k, v)
-        else:  # 4D CTX: this rank's queries over the keys and values of every rank of its cp group
+        else:  # 4D 3: this rank's queries over the keys and values of every rank of its cp group
             y = context.attention(q, k, v)
         return self.proj(y.transpose(1, 2).flatten(2))
 
@@ -736,7 +746,7 @@ class Block(nn.Module):
                                  nn.Linear(4 * n_embd, n_embd))
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x, context=None):  # 4D CTX
+    def forward(self, x, context=None):  # 4D 3
         x = x + self.drop(self.attn(self.ln1(x), context))
         return x + self.drop(self.mlp(self.ln2(x)))
 
@@ -810,9 +820,9 @@ class Stage(nn.Module):  # PP 5: a run of the GPT's blocks, and the ends of the 
     stage, the final norm and the head on the last. Its forward takes token ids (first stage) or
     the previous stage's activations, and returns activations, or the logits (last stage)."""
 
-    def __init__(self, gpt, stage, pp, context):  # 4D CTX: the split of the run's forwards
+    def __init__(self, gpt, stage, pp, context):  # 4D 3: the split of the run's forwards
         super().__init__()
-        self.context = context  # 4D CTX
+        self.context = context  # 4D 3
         first, last = stage == 0, stage == pp - 1
         self.whole_params = sum(p.numel() for p in gpt.parameters())  # the tied matrix once
         self.whole_groups = [[n for n, p in gpt.named_parameters() if p.dim() >= 2],  # AdamW's
@@ -824,15 +834,15 @@ class Stage(nn.Module):  # PP 5: a run of the GPT's blocks, and the ends of the 
                                      for i in stage_blocks(len(gpt.blocks), pp, stage)})
         self.ln_f, self.head = (gpt.ln_f, gpt.head) if last else (None, None)
 
-    def forward(self, x, context=None):  # 4D CTX: None: the run's split (the schedule's forwards)
-        context = context or self.context  # 4D CTX: the tokens' places in the whole sequence
+    def forward(self, x, context=None):  # 4D 3: None: the run's split (the schedule's forwards)
+        context = context or self.context  # 4D 3: the tokens' places in the whole sequence
         if self.tok_emb is not None:  # token ids (B, T) -> the residual stream (B, T, C)
-            x = self.drop(self.tok_emb(x) + self.pos_emb(context.positions))  # 4D CTX
+            x = self.drop(self.tok_emb(x) + self.pos_emb(context.positions))  # 4D 3
         for block in self.blocks.values():
             if self.grad_checkpointing and self.training:  # keep block inputs; recompute the rest
-                x = checkpoint(block, x, context, use_reentrant=False)  # 4D CTX
+                x = checkpoint(block, x, context, use_reentrant=False)  # 4D 3
             else:
-                x = block(x, context)  # 4D CTX
+                x = block(x, context)  # 4D 3
         return x if self.head is None else self.head(self.ln_f(x))
 
 
@@ -853,7 +863,7 @@ def mean_token_loss(logits, targets):  # PP 1: the last stage's loss, per micro-
 def log_windows(run, windows):  # DDP 14: --debug, which windows each rank reads
     """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
     that lines from several processes never splice into each other."""
-    line = (f"[rank {run.rank}] stage {run.stage}, dp {run.dp_rank}, cp "  # 4D DATA
+    line = (f"[rank {run.rank}] stage {run.stage}, dp {run.dp_rank}, cp "  # 4D 2
             f"{run.mesh.get_local_rank('cp')}, tp {run.mesh.get_local_rank('tp')}: "
             f"{windows.per_epoch} micro-batches per epoch, "
             f"first windows at tokens {windows.starts_of_epoch(0)[:4].tolist()}")
@@ -893,7 +903,7 @@ def report(run, raw_model, data, val_loss, meter):
     if unit == "byte" or data.itos:  # FSDP 5: every rank generates: each forward gathers weights
         raw_model.eval()
         start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
-        torch.manual_seed(run.args.seed + run.dp_rank)  # 4D SAMPLE: a replica's ranks draw alike
+        torch.manual_seed(run.args.seed + run.dp_rank)  # 4D 10: a replica's ranks draw alike
         out = generate(run, raw_model, torch.tensor([[start]], device=run.device))  # PP 7
         print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 5
 
@@ -904,7 +914,7 @@ def export(run, raw_model, data):  # PP 6: by stage; FSDP 8: one plain file
     if not shards_finite(raw_model):  # talks: every rank gets the same answer
         raise SaveFailed(f"not exporting {run.args.export}: the weights are not finite")
     options = StateDictOptions(full_state_dict=True)  # PP 6: every rank its whole stage
-    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")  # 4D TP: it warns
+    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")  # 4D 5: it warns
     level = redistribute.level  # that each block matrix's gather takes two all-gathers, one per
     redistribute.setLevel(logging.ERROR)  # dim: true, and once, here; silenced for this call only
     try:
@@ -926,14 +936,14 @@ def generate(run, model, idx):
     to --block-size (sequence parallel splits it in tp equal parts; causal, no position reads the
     padding after it); the tp group gathers its shares of the vocabulary's logits for the draw."""
     args = run.args
-    whole = Context(None, 0, 1, args.block_size, run.device)  # 4D SAMPLE: cp 1, no split
+    whole = Context(None, 0, 1, args.block_size, run.device)  # 4D 10: cp 1, no split
     for _ in range(args.max_new_tokens):
         window = idx[:, -args.block_size:]
-        padded = F.pad(window, (0, args.block_size - window.shape[1]))  # 4D SAMPLE
+        padded = F.pad(window, (0, args.block_size - window.shape[1]))  # 4D 10
         logits = pipeline_forward(run, model, padded, whole)  # talks: the column
         token = torch.zeros(1, 1, dtype=torch.long, device=run.device)
         if logits is not None:
-            logits = logits[:, window.shape[1] - 1]  # 4D SAMPLE: the last token's
+            logits = logits[:, window.shape[1] - 1]  # 4D 10: the last token's
             logits = logits.full_tensor() if isinstance(logits, DTensor) else logits  # talks: tp
             token = next_token(logits, args.temperature, args.top_k)
         dist.broadcast(token, group=run.mesh.get_group("pp"), group_src=args.pp - 1)  # to all
@@ -958,7 +968,7 @@ def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
 # ---------------------------------------- guards: each stops one thing going wrong in production
 def avoid_known_failures(args):  # guard: every guard, in one place, before the group is joined
     """Exit code 2 for a launch that could never join a group; a workaround for each known fault."""
-    if torch.__version__ < "2.13":  # 4D GATHER: GatherContext's collectives, from torch 2.13 on
+    if torch.__version__ < "2.13":  # 4D 4: GatherContext's collectives, from torch 2.13 on
         sys.stderr.write(f"error: this chapter needs torch 2.13 or newer: {torch.__version__}\n")
         sys.exit(2)  # as refuse_a_bad_launch: a launch that cannot work (a TorchVersion compares)
     refuse_a_bad_launch(args.device)  # guard: no torchrun, or more processes than GPUs
@@ -968,8 +978,8 @@ def avoid_known_failures(args):  # guard: every guard, in one place, before the 
     dist.set_debug_level(level)  # before init_process_group, which reads it
     if not cuda:
         avoid_page_faults_on_cpu()  # guard: page faults every step on Linux CPUs
-    node = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))  # 4D MESH: per node
-    warning = avoid_groups_across_nodes(args.tp, args.cp, node)  # guard: 4D MESH
+    node = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))  # 4D 1: per node
+    warning = avoid_groups_across_nodes(args.tp, args.cp, node)  # guard: 4D 1
     if warning and os.environ["RANK"] == "0":
         print(warning, flush=True)
 
@@ -1096,13 +1106,13 @@ def parse_args(argv=None):
     a("--pp", type=positive(int), default=2, metavar="N",  # PP 2
       help="pipeline stages: runs of consecutive blocks, each on world size / N consecutive "
            "ranks (a node); must divide the world size, at most --n-layer (default: 2)")
-    a("--cp", type=positive(int), default=2, metavar="N",  # 4D MESH
+    a("--cp", type=positive(int), default=2, metavar="N",  # 4D 1
       help="context-parallel ranks: each sequence's tokens split in 2 x N chunks; 2 x N must "
            "divide --block-size; 1: no split (default: 2)")
-    a("--tp", type=positive(int), default=2, metavar="N",  # 4D MESH
+    a("--tp", type=positive(int), default=2, metavar="N",  # 4D 1
       help="tensor-parallel ranks: consecutive ranks, one node's GPUs; must divide --n-head; 1: "
            "no split (default: 2). pp x cp x tp must divide the world size: dp is the rest")
-    a("--sequence-parallel", choices=["on", "off"], default="on",  # 4D TP
+    a("--sequence-parallel", choices=["on", "off"], default="on",  # 4D 5
       help="split the norms' and dropout's activations by sequence in a tp group (default: on)")
     a("--schedule", choices=["gpipe", "1f1b"], default="1f1b",  # PP 1
       help="the order of a step's micro-batches: gpipe (all forwards, then all backwards) or "
@@ -1120,9 +1130,9 @@ def parse_args(argv=None):
       help="validation sequences per evaluation (default: 128)")
     a("--log-every", type=positive(int), default=10, metavar="N",
       help="steps between log lines (default: 10)")
-    a("--save", default="checkpoints/minigpt_4d", metavar="DIR",  # 4D SAVE
+    a("--save", default="checkpoints/minigpt_4d", metavar="DIR",  # 4D 7
       help="checkpoint folder of step-N folders, '' for none (default: %(default)s)")
-    a("--export", default="checkpoints/minigpt_4d.pt", metavar="PATH",  # 4D SAVE
+    a("--export", default="checkpoints/minigpt_4d.pt", metavar="PATH",  # 4D 7
       help="the final weights in one file, chapter 3's format, '' for none (default: %(default)s)")
     a("--save-every", type=positive(int, zero_ok=True), default=0, metavar="N",
       help="also save every N steps, 0 = only at the end (default: 0)")
@@ -1147,12 +1157,12 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.n_embd % args.n_head:
         p.error(f"--n-head {args.n_head} must divide --n-embd {args.n_embd}")
-    if args.n_head % args.tp:  # 4D MESH: every tp rank holds whole heads
+    if args.n_head % args.tp:  # 4D 1: every tp rank holds whole heads
         p.error(f"--tp {args.tp} must divide --n-head {args.n_head}: each rank holds whole heads")
-    if args.block_size % (2 * args.cp):  # 4D CTX: 2 x cp equal chunks
+    if args.block_size % (2 * args.cp):  # 4D 3: 2 x cp equal chunks
         p.error(f"--block-size {args.block_size} must be a multiple of 2 x --cp = {2 * args.cp}: "
                 f"each sequence is cut into {2 * args.cp} equal chunks")
-    split = args.tp if args.sequence_parallel == "on" else 1  # 4D TP: a cp share in tp parts
+    split = args.tp if args.sequence_parallel == "on" else 1  # 4D 5: a cp share in tp parts
     if args.block_size // args.cp % split:
         p.error(f"--sequence-parallel on splits a cp rank's {args.block_size // args.cp} tokens "
                 f"in --tp {args.tp} parts: give a --block-size that --cp x --tp divides, or "
@@ -1533,7 +1543,7 @@ def stage_holding(run, model):  # PP 5: what this rank holds
     parts = ["embeddings"] * (model.tok_emb is not None) + [span] \
         + ["final norm and head"] * (model.head is not None)
     mine = sum(p.to_local().numel() for p in model.parameters())
-    first = run.rank % (run.world_size // run.args.pp) == 0  # 4D MESH: the stage's first rank
+    first = run.rank % (run.world_size // run.args.pp) == 0  # 4D 1: the stage's first rank
     return first, run.stage, ", ".join(parts), mine  # PP 5: for rank 0's memory line
 
 
@@ -1541,13 +1551,13 @@ def memory_line(model, held):  # PP 5: what a rank of each stage holds, against 
     """Bytes of weights + gradients + AdamW's two moments (fp32: 4 copies) held by the first rank
     of each stage, from every rank's stage_holding(), and the parts of the model it holds."""
     stages = [f"stage {stage} ({parts}) {16 * n / 2**20:.2f} MiB, {n:,} parameters"
-              for first, stage, parts, n in held if first]  # 4D MESH
+              for first, stage, parts, n in held if first]  # 4D 1
     where, whole = next(model.parameters()).device.type, model.whole_params
     return (f"memory per rank ({where}): weights, gradients and AdamW state: {'; '.join(stages)} "
             f"(of {whole:,}; DDP: {16 * whole / 2**20:.2f} MiB)")
 
 
-def traffic_line(run, vocab_size):  # 4D SEND: what rank 0 sends in a step, group by group
+def traffic_line(run, vocab_size):  # 4D 6: what rank 0 sends in a step, group by group
     """The bytes rank 0 (stage 0) sends per optimizer step in each of its groups, without
     --grad-checkpointing (docs/4d.md): tp, per block and micro-batch 4 collectives of the stream
     (B, T / cp, C), 1 more for the embedding (and the head at --pp 1), each sending (tp - 1) / tp of
@@ -1569,7 +1579,7 @@ def traffic_line(run, vocab_size):  # 4D SEND: what rank 0 sends in a step, grou
         + f" (tp: {tp_ops} collectives of {stream / 2**20:.2f} MiB; FSDP's gathers aside)")
 
 
-def layout_line(mesh, rank):  # 4D MESH: where one rank sits, and whom it talks to
+def layout_line(mesh, rank):  # 4D 1: where one rank sits, and whom it talks to
     """The mesh's sizes, and for `rank` its coordinates and the ranks of each group it belongs to:
     along one dim, the ranks that differ from it in that coordinate alone (FSDP's: dp and cp)."""
     grid, names = mesh.mesh, mesh.mesh_dim_names
@@ -1586,7 +1596,7 @@ def layout_line(mesh, rank):  # 4D MESH: where one rank sits, and whom it talks 
 def stage_shapes(run, model):  # PP 1: what a micro-batch brings to a stage, and what it sends
     """Meta tensors of a micro-batch's input to this stage (token ids on the first, activations
     after) and of its output (activations, logits on the last)."""
-    size = (run.args.batch_size, run.args.block_size // run.args.cp)  # 4D SEND: a cp share
+    size = (run.args.batch_size, run.args.block_size // run.args.cp)  # 4D 6: a cp share
     ids = torch.empty(*size, dtype=torch.long, device="meta")  # the first stage's input
     stream = stream_shape(run, size)
     inputs, outputs = (torch.empty(*shape, dtype=activation_dtype(run), device="meta",
@@ -1596,7 +1606,7 @@ def stage_shapes(run, model):  # PP 1: what a micro-batch brings to a stage, and
     return ids if run.stage == 0 else inputs, outputs
 
 
-def stream_shape(run, size):  # 4D SEND: what goes between stages
+def stream_shape(run, size):  # 4D 6: what goes between stages
     """The shape of the activations of token ids of shape `size` (B, T) on one rank: (B, T, C),
     or sequence parallel (B, T / tp, C): each rank of a tp group sends its own part on."""
     split = run.args.tp if run.args.sequence_parallel == "on" else 1
