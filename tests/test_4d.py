@@ -1,0 +1,236 @@
+"""Chapter 11, train_4d_minigpt.py (pipeline stages, tensor and context parallelism and FSDP on one
+(pp, dp, cp, tp) mesh), under real torchrun launches on CPU/gloo. These tests prove:
+
+1. the same math as one process, each run against the run it must equal (losses and gradient
+   norms of every step, 1e-5 relative; norms above --clip 1.0, so clipping binds; validation
+   losses): pp 2 x cp 2 x tp 2 at 8 processes (two nodes of one stage each, through chapter 4's
+   launcher) = chapter 3 in one process with the same global batch; dp 2 x pp 2 x tp 2 at 8
+   processes = chapter 3's DDP at 2 processes, dp index j reading DDP rank j's windows; tp 2 x
+   cp 2 at 4 processes (no sequence parallelism) and pp 2 x cp 2 at 4 processes (GPipe,
+   activation checkpointing) = one process. Any group the wrong one (FSDP over dp alone, CP's
+   gather over the tp group, the tied gradients summed across replicas...) leaves these numbers:
+   tests/mistakes.py runs each such mistake against these tests;
+2. the layout: rank 0 prints the mesh and one rank's coordinates and groups, tp innermost;
+3. checkpoints know no layout: the 8-process run's step-8 checkpoint resumes in chapters 7, 8, 9
+   and 10 (one process) and here at pp 2 x cp 2 with the uninterrupted run's next losses; chapter
+   7's checkpoint resumes here at tp 2 x cp 2; a rank SIGKILLed under `torchrun
+   --max-restarts=1` is restarted and `--resume auto` goes on with the same losses; the export
+   holds one process's weights at the same step and samples in chapter 3;
+4. what a rank holds: the parameters of its shards add up over the mesh to the model (the tied
+   matrix twice: its two stages), as the memory line counts them (tests/probe_4d.py);
+5. bad input is one line and exit code 2: sizes whose product does not divide the world size, tp
+   not dividing the heads, more stages than blocks, a context that 2 x cp does not divide, a cp
+   share that sequence parallelism cannot split by tp; a tp or cp group across nodes is warned of;
+6. benchmark_scaling.py reads its summary: the global batch counts the dp replicas, not the ranks.
+"""
+import json
+import re
+import shutil
+
+import pytest
+from helpers import logged_grad_norms as grad_norms, logged_losses as losses
+from helpers import logged_val_losses as val_losses
+from helpers import (EVAL_6, GPT, NEEDS_CP, REPO, SHARDED, as_script, command, ddp_reference,
+                     finish, in_process, needs_torch, ok, one_process_reference, start,
+                     start_two_nodes, summary, trainer)
+
+import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
+
+pytestmark = needs_torch(*NEEDS_CP)
+FOURD = "train_4d_minigpt.py"
+ONE = SHARDED + ["--batch-size", 12]  # one replica: the global batch of one_process_reference
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The module's launches, side by side: pp 2 x cp 2 x tp 2 as two nodes of 4 for 8 steps,
+    saved at 6 and 8 (`nodes`); dp 2 x pp 2 x tp 2 at 8 processes for 8 steps with --debug
+    (`grid`); tp 2 x cp 2 at 4 processes from chapter 7's step-8 checkpoint to step 12 (`square`);
+    then pp 2 x cp 2 at 4 processes from `nodes`' step 8 to 12, a rank killed as step 11 begins
+    and restarted (`restarted`), beside chapters 7-10 in this process, each from that step 8 to
+    10."""
+    d = tmp_path_factory.mktemp("fourd")
+    for name in ("nodes", "square", "restarted"):
+        (d / name).mkdir()
+    in_process("train_fsdp_minigpt.py", ONE + ["--max-steps", 8, "--save", d / "ch7",
+                                               "--export", d / "ch7.pt"])  # one process's step 8
+    nodes = start_two_nodes("tests/probe_4d.py", [
+        "record", d / "nodes", *ONE, "--pp", 2, "--cp", 2, "--tp", 2, "--max-steps", 8, *EVAL_6,
+        "--save-every", 6, "--save", d / "ck", "--export", d / "4d.pt"], nproc=4)
+    cmds = {"grid": command(FOURD, SHARDED + ["--pp", 2, "--cp", 1, "--tp", 2, "--max-steps", 8,
+                                              *EVAL_6, "--debug", "--save", "", "--export", ""],
+                            nproc=8),
+            "square": command("tests/probe_4d.py", [
+                "record", d / "square", *ONE, "--pp", 1, "--cp", 2, "--tp", 2,
+                "--sequence-parallel", "off", "--max-steps", 12, *EVAL_6, "--resume", d / "ch7",
+                "--save", "", "--export", ""], nproc=4)}
+    launched = {name: start(cmd, REPO) for name, cmd in cmds.items()}
+    r = {"one": one_process_reference()[0], "ddp": ddp_reference()[0], "dir": d}
+    outs = [out for out in nodes() if "world size 8 " in out]  # rank 0's node logs
+    assert len(outs) == 1
+    r["nodes"] = outs[0]
+    ck = d / "restarted" / "ck"  # the 8-process step 8, where --resume auto finds it
+    shutil.copytree(d / "ck" / "step-000008", ck / "step-000008")
+    restart_cmd = command("tests/probe_4d.py", [
+        "crash", "11:1", d / "restarted", *ONE, "--pp", 2, "--cp", 2, "--tp", 1, "--schedule",
+        "gpipe", "--grad-checkpointing", "--max-steps", 12, "--save-every", 2, "--save", ck,
+        "--resume", "auto", "--export", ""], nproc=4, torchrun_args=["--max-restarts=1"])
+    restarted = start(restart_cmd, REPO, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # #135712
+    step_8 = d / "ck" / "step-000008"
+    for script, flags in (("train_fsdp_minigpt.py", []), ("train_tp_minigpt.py", ["--tp", 1]),
+                          ("train_pp_minigpt.py", ["--pp", 1]), ("train_cp_minigpt.py",
+                                                                ["--cp", 1])):
+        export = ["--export", d / "ch9.pt"] if script == "train_pp_minigpt.py" else ["--export", ""]
+        r[script] = in_process(script, ONE + flags + ["--max-steps", 10, "--resume", step_8,
+                                                      "--save", "", *export])
+    for name, cmd in cmds.items():
+        r[name] = ok(finish(launched[name], cmd))
+    r["restarted"] = finish(restarted, restart_cmd)
+    return r
+
+
+def assert_same_steps(out, reference, steps):
+    """The run logged these steps, each with the reference's loss and gradient norm (clipped)."""
+    assert sorted(losses(out)) == steps, losses(out)
+    for step in steps:
+        assert losses(out)[step] == pytest.approx(losses(reference)[step], rel=1e-5), step
+        norm = grad_norms(out)[step]
+        assert norm > 1.0 and norm == pytest.approx(grad_norms(reference)[step], abs=2e-3), step
+
+
+def test_pp2_cp2_tp2_at_8_processes_computes_what_one_process_computes(runs):
+    """Two nodes of one stage each, every stage 2 cp x 2 tp: chapter 3's one process, step by step,
+    and its validation losses (each token scored once, by the last stage's cp ranks)."""
+    out, one = runs["nodes"], runs["one"]
+    assert "world size 8 (2 pp x 1 dp x 2 cp x 2 tp) |" in out and "| schedule 1f1b" in out
+    assert_same_steps(out, one, list(range(1, 9)))
+    assert losses(out)[8] < losses(out)[1]
+    assert sorted(val_losses(out)) == [0, 6, 8]
+    for step in (0, 6):
+        assert val_losses(out)[step] == pytest.approx(val_losses(one)[step], abs=2e-4), step
+    assert val_losses(out)[8] != val_losses(out)[6]  # the control: training moved it
+
+
+def test_dp2_pp2_tp2_at_8_processes_computes_what_ddp_computes(runs):
+    """Two replicas, each two stages of 2 tp ranks: chapter 3's DDP at 2 processes, and dp index j
+    reads what DDP's rank j reads (every stage and tp rank of a replica the same windows)."""
+    grid, ddp = runs["grid"], runs["ddp"]
+    assert "world size 8 (2 pp x 2 dp x 1 cp x 2 tp) |" in grid
+    assert_same_steps(grid, ddp, list(range(1, 9)))
+    for step in (0, 6):
+        assert val_losses(grid)[step] == pytest.approx(val_losses(ddp)[step], abs=2e-4), step
+    windows = re.findall(r"^\[rank (\d)\] stage (\d), dp (\d), cp 0, tp (\d): \d+ micro-batches "
+                         r"per epoch, first windows at tokens (\[[\d, ]+\])$", grid, re.M)
+    ddp_windows = dict(re.findall(r"^\[rank (\d)\] \d+ micro-batches per epoch, first windows at "
+                                  r"tokens (\[[\d, ]+\])$", ddp, re.M))
+    assert len(windows) == 8 and ddp_windows["0"] != ddp_windows["1"]
+    for rank, stage, dp, tp, first in windows:  # tp innermost, then cp (1), dp, pp outermost
+        assert int(rank) == int(stage) * 4 + int(dp) * 2 + int(tp)
+        assert first == ddp_windows[dp], rank
+
+
+def test_the_layout_line_shows_one_ranks_place_and_groups(runs):
+    assert ("mesh pp 2 x dp 1 x cp 2 x tp 2 | rank 7 at {'pp': 1, 'dp': 0, 'cp': 1, 'tp': 1}: "
+            "groups pp [3, 7], dp [7], cp [5, 7], tp [6, 7], fsdp [5, 7]") in runs["nodes"]
+    assert ("mesh pp 2 x dp 2 x cp 1 x tp 2 | rank 7 at {'pp': 1, 'dp': 1, 'cp': 0, 'tp': 1}: "
+            "groups pp [3, 7], dp [5, 7], cp [7], tp [6, 7], fsdp [5, 7]") in runs["grid"]
+
+
+def test_tp2_cp2_from_chapter_7s_checkpoint_computes_what_one_process_computes(runs):
+    """tp x cp without stages, sequence parallelism off (the stream whole on a tp group's ranks,
+    dropped out alike), resumed from chapter 7's checkpoint: one process's steps 9-12."""
+    out, one = runs["square"], runs["one"]
+    assert "world size 4 (1 pp x 1 dp x 2 cp x 2 tp) |" in out
+    assert f"resumed from {runs['dir'] / 'ch7' / 'step-000008'} at step 8" in out
+    assert_same_steps(out, one, list(range(9, 13)))
+    assert val_losses(out)[12] == pytest.approx(val_losses(one)[12], abs=2e-4)
+
+
+def test_a_killed_rank_restarts_and_pp2_cp2_goes_on_from_the_8_process_checkpoint(runs):
+    """pp 2 x cp 2 (GPipe, activation checkpointing) from the 8-process run's step 8 (another
+    layout); rank 1 SIGKILLed as step 11 begins, the job restarted by torchrun, and --resume auto
+    goes on from step 10: one process's steps 9-12 across both attempts."""
+    result, ck = runs["restarted"], runs["dir"] / "restarted" / "ck"
+    out = ok(result)
+    assert "world size 4 (2 pp x 1 dp x 2 cp x 1 tp) |" in out and "| schedule gpipe" in out
+    assert "failed (exitcode: -9) local_rank: 1" in result.stderr
+    first, _, second = out.partition(f"resumed from {ck / 'step-000010'} at step 10")
+    assert f"resumed from {ck / 'step-000008'} at step 8" in first
+    assert sorted(losses(first)) == [9, 10] and sorted(losses(second)) == [11, 12]
+    assert_same_steps(first + second, runs["one"], [9, 10, 11, 12])
+
+
+@pytest.mark.parametrize("script", ["train_fsdp_minigpt.py", "train_tp_minigpt.py",
+                                    "train_pp_minigpt.py", "train_cp_minigpt.py"])
+def test_the_4d_checkpoint_resumes_in_chapters_7_to_10(runs, script):
+    out = runs[script]
+    assert f"resumed from {runs['dir'] / 'ck' / 'step-000008'} at step 8" in out
+    assert_same_steps(out, runs["one"], [9, 10])
+
+
+def test_the_export_is_one_process_model_and_samples_in_chapter_3(runs):
+    """The 8-process run's export (step 8) holds the weights one process holds at step 8 (chapter
+    7 in one process: the tied matrix once, every tp and FSDP shard in place; the control, chapter
+    9 two steps later, differs), and chapter 3 samples from both alike (greedy: no random draw)."""
+    import torch
+    mine, one, later = (torch.load(runs["dir"] / name, map_location="cpu", weights_only=True)
+                        for name in ("4d.pt", "ch7.pt", "ch9.pt"))
+    assert mine["model"].keys() == one["model"].keys() and mine["step"] == 8
+    for name, value in mine["model"].items():
+        assert torch.allclose(value, one["model"][name], atol=1e-4), name  # Adam: 2e-5 at most
+    assert not torch.allclose(mine["model"]["blocks.0.attn.qkv.weight"],
+                              later["model"]["blocks.0.attn.qkv.weight"], atol=1e-4)
+    sampled = [in_process(GPT, ["--sample", "--ckpt", runs["dir"] / name, "--top-k", 1,
+                                "--max-new-tokens", 12]) for name in ("4d.pt", "ch7.pt")]
+    assert len(sampled[0]) > 8 and sampled[0] == sampled[1]
+
+
+def test_each_rank_holds_its_shards_and_the_memory_line_says_so(runs):
+    """The parameters of every rank's shards add up to the model, the tied matrix twice (a copy on
+    each end stage), what TP does not split (norms, row-wise biases, positions) once per tp rank,
+    every (pp, cp, tp) place once; the memory line counts stage 0's first rank."""
+    model = trainer(GPT).GPT(256, 32, 2, 2, 32, 0.0)
+    whole, tied = sum(p.numel() for p in model.parameters()), model.head.weight.numel()
+    copied = sum(p.numel() for name, p in model.named_parameters()  # on both tp ranks
+                 if p.dim() == 1 and "qkv" not in name and "mlp.0" not in name or "pos" in name)
+    seen = [json.loads((runs["dir"] / "nodes" / f"rank{r}.json").read_text()) for r in range(8)]
+    assert sorted(tuple(s["coords"]) for s in seen) == [
+        (p, 0, c, t) for p in range(2) for c in range(2) for t in range(2)]
+    assert copied == 2 * (4 * 32 + 2 * 32) + 2 * 32 + 32 * 32  # 2 blocks, ln_f, positions
+    assert sum(s["params"] for s in seen) == whole + tied + copied
+    assert all(s["steps"] == 8 and s["peak_saved_bytes"] > 0 for s in seen)
+    held = re.search(r"stage 0 \(embeddings, block 0\) [\d.]+ MiB, ([\d,]+) parameters; stage 1 "
+                     r"\(block 1, final norm and head\)", runs["nodes"])
+    assert int(held.group(1).replace(",", "")) == sum(s["params"] for s in seen if s["coords"]
+                                                      [0] == 0 and s["coords"][2:] == [0, 0])
+
+
+def test_bad_inputs_are_one_line_and_exit_code_2():
+    for flags, message in (
+            (["--tp", 3, "--n-head", 4], "--tp 3 must divide --n-head 4"),
+            (["--pp", 5, "--n-layer", 4], "--pp 5 is more stages than --n-layer 4"),
+            (["--cp", 3, "--block-size", 32], "--block-size 32 must be a multiple of 2 x --cp = 6"),
+            (["--cp", 2, "--tp", 4, "--n-head", 4, "--block-size", 12],
+             "--sequence-parallel on splits a cp rank's 6 tokens in --tp 4 parts")):
+        result = as_script(FOURD, [str(x) for x in flags])
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result
+        assert message in result.stderr, result.stderr
+    module = trainer(FOURD)
+    with pytest.raises(module.InputError, match=r"--pp 2 x --cp 2 x --tp 2 = 8 does not divide "
+                                                r"the world size 1"):
+        in_process(FOURD, SHARDED + ["--max-steps", 1, "--save", "", "--export", ""])
+    assert as_script(FOURD, ["--cp", 2, "--tp", 2]).stderr == (
+        "error: not launched by torchrun: see the commands at the top of this script\n")
+
+
+def test_a_tp_or_cp_group_across_nodes_is_warned_of():
+    warn = trainer(FOURD).avoid_groups_across_nodes
+    assert warn(2, 2, 8) is None and warn(8, 1, 8) is None and warn(1, 1, 3) is None
+    assert "a tp group (--tp 4) with 2 processes per node spans nodes" in warn(4, 1, 2)
+    assert "--cp 2 x --tp 2 with 6 processes per node spans nodes" in warn(2, 2, 6)
+
+
+def test_benchmark_scaling_reads_the_4d_trainers_summary(runs):
+    row = bench.pace_row(summary(runs["grid"]), 8, 0.0)
+    assert row["per_step"] == 6 * 32 * 2 * 2 and row["unit"] == "tokens/s"  # batch x T x K x dp
+    assert row["throughput"] == pytest.approx(768 / (row["step_ms"] / 1000), rel=0.01)
