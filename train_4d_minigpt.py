@@ -923,7 +923,8 @@ def export(run, raw_model, data):  # PP 6: by stage; FSDP 8: one plain file
         redistribute.setLevel(level)
     stage = {k: v.cpu() for k, v in stage.items()}
     stages = [None] * run.world_size if run.is_main else None
-    dist.gather_object(stage if run.dp_rank == 0 else {}, stages, dst=0)  # PP 6: to rank 0
+    first = run.rank % (run.world_size // run.args.pp) == 0  # 4D 1: a stage's first rank sends
+    dist.gather_object(stage if first else {}, stages, dst=0)  # PP 6: to rank 0
     weights = {k: v for part in stages or [] for k, v in part.items()}  # in the GPT's order
     save_on_rank_0(lambda: write_export(run, weights, data), run.is_main)  # talks
 

@@ -41,6 +41,7 @@ SYMPTOM_RUNS = {  # script: (processes, flags) of the tiny run that measures a s
     "train_tp_minigpt.py": (4, GPT_FLAGS + ["--tp", "2", "--export", ""]),
     "train_pp_minigpt.py": (2, GPT_FLAGS + ["--pp", "2", "--export", ""]),
     "train_cp_minigpt.py": (2, GPT_FLAGS + ["--cp", "2", "--export", ""]),
+    "train_4d_minigpt.py": (8, GPT_FLAGS + ["--pp", "2", "--cp", "2", "--tp", "2", "--export", ""]),
 }
 
 
@@ -61,6 +62,8 @@ class Mistake:
 C2, C3 = "train_ddp_basic.py", "train_ddp_minigpt.py"
 C7, C8, C9, C10 = ("train_fsdp_minigpt.py", "train_tp_minigpt.py", "train_pp_minigpt.py",
                    "train_cp_minigpt.py")
+C11, T_4D = "train_4d_minigpt.py", "tests/test_4d.py::"
+EIGHT_EQUAL = T_4D + "test_pp2_cp2_tp2_at_8_processes_computes_what_one_process_computes"
 T_CLS = "tests/test_classifier.py::"
 T_GPT, T_FSDP, T_TP = "tests/test_minigpt.py::", "tests/test_fsdp.py::", "tests/test_tp.py::"
 T_PP, T_CP = "tests/test_pp.py::", "tests/test_cp.py::"
@@ -468,6 +471,60 @@ CATALOGUE = [
             "each rank's mean loss over its own tokens, as one process computes it",
             "a sum over the global count of targets  # CP 3",
             [T_CP + "test_the_training_loss_is_the_global_sum_over_the_global_count_of_targets"]),
+
+    # chapter 11: 4-D
+    Mistake("4d-tp-not-innermost", 11, C11,
+            [('("pp", "dp", "cp", "tp")', '("pp", "dp", "tp", "cp")'),
+             ("(args.pp, world_size // inner, args.cp, args.tp)",
+              "(args.pp, world_size // inner, args.tp, args.cp)")],
+            "the mesh's dims as (pp, dp, tp, cp): a tp group's ranks cp apart, not neighbours",
+            "tp innermost: a tp group is consecutive ranks, one node  # 4D 1",
+            [T_4D + "test_the_layout_line_shows_one_ranks_place_and_groups"]),
+    Mistake("4d-fsdp-over-dp-alone", 11, C11,
+            [('    mesh = run.mesh["dp", "cp"]._flatten("dp_cp")  # 4D 5',
+              '    mesh = run.mesh["dp"]  # 4D 5')],
+            "FSDP over the dp ranks alone: a replica's cp ranks never add up their gradients",
+            'FSDP over mesh["dp", "cp"] flattened  # 4D 5',
+            [EIGHT_EQUAL]),
+    Mistake("4d-cp-gather-over-tp", 11, C11,
+            [('Context(mesh["cp"].get_group(),', 'Context(mesh["tp"].get_group(),')],
+            "the context built on the tp group: keys and values gathered from the wrong ranks",
+            'Context(mesh["cp"].get_group(), ...)  # 4D 3',
+            [EIGHT_EQUAL]),
+    Mistake("4d-positions-local", 11, C11,
+            [("self.pos_emb(context.positions))  # 4D 3",
+              "self.pos_emb(torch.arange(x.shape[1], device=x.device)))")],
+            "positions 0 .. T / cp - 1 on every cp rank, as chapter 9 counts them",
+            "self.pos_emb(context.positions)  # 4D 3",
+            [EIGHT_EQUAL]),
+    Mistake("4d-norm-over-one-mesh", 11, C11,
+            [("    norm = sum(nn.utils.get_total_norm([p.grad for p in ps if p is not twin])"
+              ".full_tensor() ** 2\n               for ps in on_mesh.values())",
+              "    norm = nn.utils.get_total_norm([p.grad for p in model.parameters() if p is not "
+              "twin])\n    norm = norm.full_tensor() ** 2")],
+            "chapter 9's norm: one get_total_norm over parameters on two meshes",
+            "the norm per mesh, then summed  # 4D 9",
+            [EIGHT_EQUAL]),
+    Mistake("4d-evaluation-on-whole-sequences", 11, C11,
+            [("    batches = [run.context.share(x, y) for x, y in batches]  # 4D 3: this rank's "
+              "tokens\n", "")],
+            "validation batches left whole on every cp rank: CP's forward on the whole sequence",
+            "batches = [run.context.share(x, y) ...]  # 4D 3",
+            [EIGHT_EQUAL]),
+    Mistake("4d-stream-not-split-by-tp", 11, C11,
+            [('    split = run.args.tp if run.args.sequence_parallel == "on" else 1\n',
+              "    split = 1\n")],
+            "the stages expect a cp share whole, but sequence parallelism sends 1 / tp of it",
+            "stream_shape: (B, T / tp, C) under SP  # 4D 6",
+            [EIGHT_EQUAL]),
+    Mistake("4d-tokens-counted-per-rank", 11, C11,
+            [("    return run.args.batch_size * run.args.block_size * run.args.grad_accum * "
+              "run.dp_size  # PP 3",
+              "    return run.args.batch_size * run.args.block_size * run.args.grad_accum * "
+              "run.world_size")],
+            "the global batch counted over every rank, not the dp replicas",
+            "tokens_per_step(): x dp_size  # PP 3",
+            [T_4D + "test_benchmark_scaling_reads_the_4d_trainers_summary"]),
 ]
 
 
@@ -620,7 +677,7 @@ def selected(which):
 
 CHAPTERS = {2: "DDP", 3: "a GPT under DDP", 4: "many nodes", 5: "faults",
             6: "speed and debugging", 7: "FSDP", 8: "tensor parallelism",
-            9: "pipeline parallelism", 10: "context parallelism"}
+            9: "pipeline parallelism", 10: "context parallelism", 11: "every parallelism at once"}
 
 
 def markdown(results, note):

@@ -1,18 +1,22 @@
-"""Runs train_4d_minigpt.py's real main() with its schedule watched, for the tests that measure what
-each rank holds for backward or kill a worker. Launched under torchrun in place of the script; the
+"""Runs train_4d_minigpt.py's real main() with its steps watched, for the tests that measure what
+each rank holds and sends, or kill a worker. Launched under torchrun in place of the script; the
 course never imports it:
 
     torchrun ... tests/probe_4d.py record OUT_DIR [trainer flags]
         each rank writes OUT_DIR/rank{RANK}.json: {"coords": its (pp, dp, cp, tp) coordinates,
         "steps", "peak_saved_bytes": the most bytes of activations it held for backward at once
         during a step (tensors saved by autograd, each storage counted once, the weights left out),
-        "params": the elements of its shards of the parameters}
+        "params": the elements of its shards of the parameters, "sent": the bytes it sent in its
+        last training step, by group ("tp", "cp", "pp", "fsdp": dp x cp, "tied": the first and last
+        stage), each collective counted as a ring sends: an all-gather (g - 1) times its input, a
+        reduce-scatter (g - 1) / g of its input, an all-reduce twice that, a send its tensor}
     torchrun ... tests/probe_4d.py crash STEP:RANK OUT_DIR [trainer flags]
         as record, and that rank SIGKILLs itself when step STEP begins, on the first attempt only
         (TORCHELASTIC_RESTART_COUNT 0), so a restarted job gets past it
 
 Errors end the probe as they end the script (helpers.run_as_script).
 """
+import inspect
 import json
 import os
 import signal
@@ -22,19 +26,76 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_4d_minigpt as trainer  # noqa: E402
 from helpers import Saved, run_as_script, unpack  # noqa: E402
 
+RING = {"all_gather": lambda g: g - 1, "reduce_scatter": lambda g: (g - 1) / g,
+        "all_reduce": lambda g: 2 * (g - 1) / g}  # the share of its input a rank sends
+
+
+def kind(name):
+    return next((k for k in RING if name.startswith(k)), None)
+
 
 def record(out_dir, crash_at=None):
     import torch
-    saved, seen = Saved(), {"steps": 0}
+    from torch.utils._python_dispatch import TorchDispatchMode
+    dist = trainer.dist
+    saved, seen, groups = Saved(), {"steps": 0, "sent": {}}, {}
     kill_step, kill_rank = crash_at or (None, None)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     kill = first_attempt and int(os.environ["RANK"]) == kill_rank
-    pipeline_schedule, train_step = trainer.pipeline_schedule, trainer.train_step
+    pipeline_schedule, train_step, counting = trainer.pipeline_schedule, trainer.train_step, [0]
+
+    def add(group_name, nbytes):
+        if counting[0] == 1:  # inside a training step, outermost calls only
+            label = groups.get(group_name, group_name)
+            seen["sent"][label] = seen["sent"].get(label, 0) + nbytes
+
+    class Functional(TorchDispatchMode):  # DTensor's collectives: TP's, the norm's
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if func.namespace == "_c10d_functional" and kind(name):
+                group = args[-1]  # its name, the last argument of every one of them
+                size = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group))
+                add(group, args[0].numel() * args[0].element_size() * RING[kind(name)](size))
+            return func(*args, **(kwargs or {}))
+
+    def wrap(name):  # dist.NAME, counted by the group it is called on
+        original = getattr(dist, name)
+        signature = inspect.signature(original)
+
+        def counted(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs).arguments
+            if name == "batch_isend_irecv":
+                for op in bound["p2p_op_list"]:
+                    if op.op.__name__ == "isend":
+                        add((op.group or dist.group.WORLD).group_name,
+                            op.tensor.numel() * op.tensor.element_size())
+            else:
+                group = bound.get("group") or dist.group.WORLD
+                tensor = next(bound[k] for k in ("input_tensor", "input", "tensor") if k in bound)
+                add(group.group_name, tensor.numel() * tensor.element_size()
+                    * RING[kind(name)](dist.get_world_size(group)))
+            counting[0] += counting[0] > 0  # what it calls inside is not counted again
+            try:
+                return original(*args, **kwargs)
+            finally:
+                counting[0] -= counting[0] > 1
+        setattr(dist, name, counted)
+
+    for name in ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
+                 "reduce_scatter_single", "all_reduce", "batch_isend_irecv"):
+        if hasattr(dist, name):
+            wrap(name)
 
     def watched_schedule(run, model):
         saved.model = model
         seen["coords"] = [run.mesh.get_local_rank(d) for d in ("pp", "dp", "cp", "tp")]
         seen["params"] = sum(p.to_local().numel() for p in model.parameters())
+        for dim in ("pp", "cp", "tp"):
+            groups[run.mesh.get_group(dim).group_name] = dim
+        fsdp = next(model.parameters()).device_mesh.get_group(0)  # dim 0: FSDP's, dp x cp
+        groups[fsdp.group_name], groups[dist.group.WORLD.group_name] = "fsdp", "world"
+        if run.tied is not None:
+            groups[run.tied.group_name] = "tied"
         schedule = pipeline_schedule(run, model)
         step = schedule.step
 
@@ -48,7 +109,12 @@ def record(out_dir, crash_at=None):
         if kill and args[-1] + 1 == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)  # a real kill: no cleanup, no goodbye
         seen["steps"] += 1
-        return train_step(*args)
+        seen["sent"], counting[0] = {}, 1  # the last step's
+        try:
+            with Functional():
+                return train_step(*args)
+        finally:
+            counting[0] = 0
 
     trainer.pipeline_schedule, trainer.train_step = watched_schedule, counted_step
     try:

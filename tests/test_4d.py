@@ -12,10 +12,10 @@
    tests/mistakes.py runs each such mistake against these tests;
 2. the layout: rank 0 prints the mesh and one rank's coordinates and groups, tp innermost;
 3. checkpoints know no layout: the 8-process run's step-8 checkpoint resumes in chapters 7, 8, 9
-   and 10 and here, each in one process, with the uninterrupted run's next losses; chapter 7's
-   checkpoint resumes here at tp 2 x cp 2 and at pp 2 x cp 2; a rank SIGKILLed under `torchrun
-   --max-restarts=1` is restarted and `--resume auto` goes on with the same losses; the export
-   holds one process's weights at the same step and samples in chapter 3;
+   and 10 (one process) and here at pp 2 x cp 2, with the uninterrupted run's next losses, and
+   through a rank SIGKILLed under `torchrun --max-restarts=1` (restarted, `--resume auto`);
+   chapter 7's checkpoint resumes here at tp 2 x cp 2; the export holds one process's weights at
+   the same step and samples in chapter 3;
 4. what a rank holds: the parameters of its shards add up over the mesh to the model (the tied
    matrix twice: its two stages), as the memory line counts them (tests/probe_4d.py);
 5. bad input is one line and exit code 2: sizes whose product does not divide the world size, tp
@@ -43,19 +43,15 @@ ONE = SHARDED + ["--batch-size", 12]  # one replica: the global batch of one_pro
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The module's launches, side by side, from chapter 7's step 8 in one process: pp 2 x cp 2 x
-    tp 2 as two nodes of 4 for 8 steps, saved at 8 (`nodes`); dp 2 x pp 2 x tp 2 at 8 processes
-    for 8 steps with --debug (`grid`); tp 2 x cp 2 at 4 processes from chapter 7's step 8 to 12
-    (`square`); pp 2 x cp 2 at 4 processes from it too, a rank killed as step 11 begins and the
-    job restarted (`restarted`); then, in this process, chapters 7-11 (one process) from the
-    8-process step 8 to 10."""
+    """The module's launches, side by side: pp 2 x cp 2 x tp 2 as two nodes of 4 for 8 steps,
+    saved at 8 (`nodes`); dp 2 x pp 2 x tp 2 at 8 processes for 8 steps with --debug (`grid`);
+    meanwhile chapter 7 in this process to step 4, and from there to 8 (exported), and tp 2 x cp 2
+    at 4 processes from its step 4 to 12 (`square`); once `nodes` is done, pp 2 x cp 2 at 4
+    processes from its step 8 to 16, a rank killed as step 13 begins and the job restarted
+    (`restarted`), beside chapters 7-10 in this process from the same step 8 to 10."""
     d = tmp_path_factory.mktemp("fourd")
     for name in ("nodes", "square", "restarted"):
         (d / name).mkdir()
-    in_process("train_fsdp_minigpt.py", ONE + ["--max-steps", 8, "--save", d / "ch7",
-                                               "--export", d / "ch7.pt"])  # one process's step 8
-    ck = d / "restarted" / "ck"  # chapter 7's step 8, where --resume auto finds it
-    shutil.copytree(d / "ch7" / "step-000008", ck / "step-000008")
     nodes = start_two_nodes("tests/probe_4d.py", [
         "record", d / "nodes", *ONE, "--pp", 2, "--cp", 2, "--tp", 2, "--max-steps", 8, *EVAL_6,
         "--save", d / "ck", "--export", d / "4d.pt"], nproc=4)
@@ -65,24 +61,28 @@ def runs(tmp_path_factory):
             "square": command("tests/probe_4d.py", [
                 "record", d / "square", *ONE, "--pp", 1, "--cp", 2, "--tp", 2,
                 "--sequence-parallel", "off", "--max-steps", 12, *EVAL_6, "--resume", d / "ch7",
-                "--save", "", "--export", ""], nproc=4),
-            "restarted": command("tests/probe_4d.py", [
-                "crash", "11:1", d / "restarted", *ONE, "--pp", 2, "--cp", 2, "--tp", 1,
-                "--schedule", "gpipe", "--grad-checkpointing", "--max-steps", 12, "--save-every",
-                2, "--save", ck, "--resume", "auto", "--export", ""], nproc=4,
-                torchrun_args=["--max-restarts=1"])}
-    restart = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch#135712, as test_pp.py
-    launched = {name: start(cmd, REPO, restart if name == "restarted" else None)
-                for name, cmd in cmds.items()}
+                "--save", "", "--export", ""], nproc=4)}
+    launched = {"grid": start(cmds["grid"], REPO)}
+    in_process("train_fsdp_minigpt.py", ONE + ["--max-steps", 4, "--save", d / "ch7",
+                                               "--export", ""])
+    launched["square"] = start(cmds["square"], REPO)  # from chapter 7's step 4
+    in_process("train_fsdp_minigpt.py", ONE + ["--max-steps", 8, "--resume", d / "ch7",
+                                               "--save", "", "--export", d / "ch7.pt"])
     r = {"one": one_process_reference()[0], "ddp": ddp_reference()[0], "dir": d}
     outs = [out for out in nodes() if "world size 8 " in out]  # rank 0's node logs
     assert len(outs) == 1
-    r["nodes"] = outs[0]
-    step_8 = d / "ck" / "step-000008"
+    r["nodes"], step_8 = outs[0], d / "ck" / "step-000008"
+    ck = d / "restarted" / "ck"  # the 8-process step 8, where --resume auto finds it
+    shutil.copytree(step_8, ck / "step-000008")
+    cmds["restarted"] = command("tests/probe_4d.py", [
+        "crash", "13:1", d / "restarted", *ONE, "--pp", 2, "--cp", 2, "--tp", 1, "--schedule",
+        "gpipe", "--grad-checkpointing", "--max-steps", 16, "--save-every", 2, "--save", ck,
+        "--resume", "auto", "--export", ""], nproc=4, torchrun_args=["--max-restarts=1"])
+    launched["restarted"] = start(cmds["restarted"], REPO,
+                                  {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # pytorch#135712
     for script, flags in (("train_fsdp_minigpt.py", []), ("train_tp_minigpt.py", ["--tp", 1]),
                           ("train_pp_minigpt.py", ["--pp", 1]), ("train_cp_minigpt.py",
-                                                                ["--cp", 1]),
-                          (FOURD, ["--pp", 1, "--cp", 1, "--tp", 1])):
+                                                                ["--cp", 1])):
         export = ["--export", d / "ch9.pt"] if script == "train_pp_minigpt.py" else ["--export", ""]
         r[script] = in_process(script, ONE + flags + ["--max-steps", 10, "--resume", step_8,
                                                       "--save", "", *export])
@@ -141,31 +141,32 @@ def test_the_layout_line_shows_one_ranks_place_and_groups(runs):
 
 def test_tp2_cp2_from_chapter_7s_checkpoint_computes_what_one_process_computes(runs):
     """tp x cp without stages, sequence parallelism off (the stream whole on a tp group's ranks,
-    dropped out alike), resumed from chapter 7's checkpoint: one process's steps 9-12."""
+    dropped out alike), resumed from chapter 7's checkpoint: one process's steps 5-12."""
     out, one = runs["square"], runs["one"]
     assert "world size 4 (1 pp x 1 dp x 2 cp x 2 tp) |" in out
-    assert f"resumed from {runs['dir'] / 'ch7' / 'step-000008'} at step 8" in out
-    assert_same_steps(out, one, list(range(9, 13)))
-    assert val_losses(out)[12] == pytest.approx(val_losses(one)[12], abs=2e-4)
+    assert f"resumed from {runs['dir'] / 'ch7' / 'step-000004'} at step 4" in out
+    assert_same_steps(out, one, list(range(5, 13)))
+    for step in (6, 12):
+        assert val_losses(out)[step] == pytest.approx(val_losses(one)[step], abs=2e-4), step
 
 
-def test_a_killed_rank_restarts_and_pp2_cp2_goes_on_from_the_8_process_checkpoint(runs):
-    """pp 2 x cp 2 (GPipe, activation checkpointing) from chapter 7's step 8; rank 1 SIGKILLed as
-    step 11 begins, the job restarted by torchrun, and --resume auto goes on from step 10: one
-    process's steps 9-12 across both attempts."""
+def test_pp2_cp2_goes_on_from_the_8_process_checkpoint_through_a_killed_ranks_restart(runs):
+    """pp 2 x cp 2 (GPipe, activation checkpointing) from the 8-process run's step 8 (another
+    layout of this chapter); rank 1 SIGKILLed as step 13 begins, the job restarted by torchrun,
+    and --resume auto goes on from step 12: one process's steps 9-16 across both attempts."""
     result, ck = runs["restarted"], runs["dir"] / "restarted" / "ck"
     out = ok(result)
     assert "world size 4 (2 pp x 1 dp x 2 cp x 1 tp) |" in out and "| schedule gpipe" in out
     assert "failed (exitcode: -9) local_rank: 1" in result.stderr
-    first, _, second = out.partition(f"resumed from {ck / 'step-000010'} at step 10")
+    first, _, second = out.partition(f"resumed from {ck / 'step-000012'} at step 12")
     assert f"resumed from {ck / 'step-000008'} at step 8" in first
-    assert sorted(losses(first)) == [9, 10] and sorted(losses(second)) == [11, 12]
-    assert_same_steps(first + second, runs["one"], [9, 10, 11, 12])
+    assert sorted(losses(first)) == [9, 10, 11, 12] and sorted(losses(second)) == [13, 14, 15, 16]
+    assert_same_steps(first + second, runs["one"], list(range(9, 17)))
 
 
 @pytest.mark.parametrize("script", ["train_fsdp_minigpt.py", "train_tp_minigpt.py",
-                                    "train_pp_minigpt.py", "train_cp_minigpt.py", FOURD])
-def test_the_4d_checkpoint_resumes_in_chapters_7_to_10_and_at_one_process(runs, script):
+                                    "train_pp_minigpt.py", "train_cp_minigpt.py"])
+def test_the_4d_checkpoint_resumes_in_chapters_7_to_10(runs, script):
     out = runs[script]
     assert f"resumed from {runs['dir'] / 'ck' / 'step-000008'} at step 8" in out
     assert_same_steps(out, runs["one"], [9, 10])

@@ -20,7 +20,9 @@ module also runs on a single GPU. These tests prove, on NCCL:
 8. chapter 9's PP trainer, one stage per GPU of min(2, GPUs), trains on NCCL in bf16 (bf16 activations
    sent between the stages), saves, resumes, and exports a file that samples in one process;
 9. chapter 10's CP trainer, its cp group the min(2, GPUs) GPUs, trains on NCCL in bf16 (the keys and
-   values gathered in bf16, flash attention aligned at each chunk's end), saves, resumes, and exports.
+   values gathered in bf16, flash attention aligned at each chunk's end), saves, resumes, and exports;
+10. chapter 11's 4-D trainer, its tp group and then its cp group the min(2, GPUs) GPUs, trains on
+   NCCL in bf16, saves, resumes, and exports a file that samples in one process.
 The CPU tests hide the GPUs (helpers.environment); these launches alone see them (cuda=True).
 """
 import math
@@ -116,6 +118,25 @@ def test_tp_pp_and_cp_in_bf16_on_nccl_save_resume_and_export(script, flag, grid,
     out = ok(run(script, flags + ["--max-steps", 4], nproc=NPROC, cuda=True))
     assert f"{grid} | device cuda:0 | amp bfloat16" in out and "step 4/4 | saved" in out
     out = ok(run(script, flags + ["--max-steps", 6, "--resume", "auto"], nproc=NPROC, cuda=True))
+    assert "at step 4" in out and "step 6/6 | loss" in out
+    sampled = ok(run(GPT, ["--sample", "--ckpt", tmp_path / "x.pt", "--max-new-tokens", 20], cuda=True))
+    assert sampled.strip()
+
+
+@needs_torch(*NEEDS_CP)
+@pytest.mark.parametrize("sizes", [("1", "1", NPROC), ("1", NPROC, "1")], ids=["tp", "cp"])
+def test_the_4d_trainer_in_bf16_on_nccl_saves_resumes_and_exports(sizes, tmp_path):
+    """Chapter 11 on the GPUs here: its tp group, then its cp group, the GPUs (sequence parallel,
+    loss parallel, the gathered keys on NCCL in bf16), saved, resumed and exported."""
+    if not torch.cuda.is_bf16_supported(including_emulation=False):
+        pytest.skip("this GPU has no native bf16")
+    pp, cp, tp = sizes
+    flags = LM + ["--amp", "bf16", "--pp", pp, "--cp", cp, "--tp", tp, "--save", tmp_path / "ck",
+                  "--export", tmp_path / "x.pt"]
+    out = ok(run("train_4d_minigpt.py", flags + ["--max-steps", 4], nproc=NPROC, cuda=True))
+    assert f"({pp} pp x 1 dp x {cp} cp x {tp} tp) | device cuda:0 | amp bfloat16" in out
+    out = ok(run("train_4d_minigpt.py", flags + ["--max-steps", 6, "--resume", "auto"],
+                 nproc=NPROC, cuda=True))
     assert "at step 4" in out and "step 6/6 | loss" in out
     sampled = ok(run(GPT, ["--sample", "--ckpt", tmp_path / "x.pt", "--max-new-tokens", 20], cuda=True))
     assert sampled.strip()
