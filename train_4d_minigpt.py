@@ -1573,8 +1573,8 @@ def traffic_line(run, vocab_size):  # 4D 6: what rank 0 sends in a step, group b
                    * width + vocab_size * args.n_embd * 4 / (run.world_size // args.pp))
             * (args.pp > 1)}
     return (f"traffic per step, rank 0 (stage 0, {blocks} blocks): " + " | ".join(
-        f"{group} {mib / 2**20:.2f} MiB" for group, mib in sent.items())
-        + f" (tp: {tp_ops} collectives of {stream / 2**20:.2f} MiB; FSDP's gathers aside)")
+        f"{group} {mib / 2**20:.3f} MiB" for group, mib in sent.items())
+        + f" (tp: {tp_ops} collectives of {stream / 2**20:.3f} MiB; FSDP's gathers aside)")
 
 
 def layout_line(mesh, rank):  # 4D 1: where one rank sits, and whom it talks to

@@ -7,9 +7,10 @@ course never imports it:
         "steps", "peak_saved_bytes": the most bytes of activations it held for backward at once
         during a step (tensors saved by autograd, each storage counted once, the weights left out),
         "params": the elements of its shards of the parameters, "sent": the bytes it sent in its
-        last training step, by group ("tp", "cp", "pp", "fsdp": dp x cp, "tied": the first and last
-        stage), each collective counted as a ring sends: an all-gather (g - 1) times its input, a
-        reduce-scatter (g - 1) / g of its input, an all-reduce twice that, a send its tensor}
+        second training step (its first, if it runs one), by group ("tp", "cp", "pp", "fsdp": dp x
+        cp, "tied": the first and last stage, "world"), each collective counted as a ring sends:
+        an all-gather (g - 1) times its input, a reduce-scatter (g - 1) / g of its input, an
+        all-reduce twice that, an isend its tensor}
     torchrun ... tests/probe_4d.py crash STEP:RANK OUT_DIR [trainer flags]
         as record, and that rank SIGKILLs itself when step STEP begins, on the first attempt only
         (TORCHELASTIC_RESTART_COUNT 0), so a restarted job gets past it
@@ -64,25 +65,20 @@ def record(out_dir, crash_at=None):
 
         def counted(*args, **kwargs):
             bound = signature.bind(*args, **kwargs).arguments
-            if name == "batch_isend_irecv":
-                for op in bound["p2p_op_list"]:
-                    if op.op.__name__ == "isend":
-                        add((op.group or dist.group.WORLD).group_name,
-                            op.tensor.numel() * op.tensor.element_size())
-            else:
-                group = bound.get("group") or dist.group.WORLD
-                tensor = next(bound[k] for k in ("input_tensor", "input", "tensor") if k in bound)
-                add(group.group_name, tensor.numel() * tensor.element_size()
-                    * RING[kind(name)](dist.get_world_size(group)))
+            group = bound.get("group") or dist.group.WORLD
+            tensor = next(bound[k] for k in ("input_tensor", "input", "tensor") if k in bound)
+            share = 1 if name == "isend" else RING[kind(name)](dist.get_world_size(group))
+            add(group.group_name, tensor.numel() * tensor.element_size() * share)
             counting[0] += counting[0] > 0  # what it calls inside is not counted again
             try:
                 return original(*args, **kwargs)
             finally:
                 counting[0] -= counting[0] > 1
         setattr(dist, name, counted)
+        setattr(dist.distributed_c10d, name, counted)  # P2POp checks its op against this one
 
     for name in ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
-                 "reduce_scatter_single", "all_reduce", "batch_isend_irecv"):
+                 "reduce_scatter_single", "all_reduce", "isend"):  # the schedule's sends: isend
         if hasattr(dist, name):
             wrap(name)
 
@@ -109,7 +105,9 @@ def record(out_dir, crash_at=None):
         if kill and args[-1] + 1 == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)  # a real kill: no cleanup, no goodbye
         seen["steps"] += 1
-        seen["sent"], counting[0] = {}, 1  # the last step's
+        if seen["steps"] > 2:  # counted in the first two steps (slower: each op is watched)
+            return train_step(*args)
+        seen["sent"], counting[0] = {}, 1  # the second step's (the first's if only one runs)
         try:
             with Functional():
                 return train_step(*args)

@@ -1,23 +1,24 @@
 """Chapter 11, train_4d_minigpt.py (pipeline stages, tensor and context parallelism and FSDP on one
 (pp, dp, cp, tp) mesh), under real torchrun launches on CPU/gloo. These tests prove:
 
-1. the same math as one process, each run against the run it must equal (losses and gradient
-   norms of every step, 1e-5 relative; norms above --clip 1.0, so clipping binds; validation
-   losses): pp 2 x cp 2 x tp 2 at 8 processes (two nodes of one stage each, through chapter 4's
-   launcher) = chapter 3 in one process with the same global batch; dp 2 x pp 2 x tp 2 at 8
-   processes = chapter 3's DDP at 2 processes, dp index j reading DDP rank j's windows; tp 2 x
-   cp 2 at 4 processes (no sequence parallelism) and pp 2 x cp 2 at 4 processes (GPipe,
+1. the same math as one process, each run against the run it must equal for 8 steps (losses and
+   gradient norms of every step, 1e-5 relative; norms above --clip 1.0, so clipping binds;
+   validation losses): pp 2 x cp 2 x tp 2 at 8 processes (two nodes of one stage each, through
+   chapter 4's launcher) = chapter 3 in one process with the same global batch; dp 2 x pp 2 x tp 2
+   at 8 processes = chapter 3's DDP at 2 processes, dp index j reading DDP rank j's windows; tp 2
+   x cp 2 at 4 processes (no sequence parallelism) and pp 2 x cp 2 at 4 processes (GPipe,
    activation checkpointing) = one process. Any group the wrong one (FSDP over dp alone, CP's
    gather over the tp group, the tied gradients summed across replicas...) leaves these numbers:
    tests/mistakes.py runs each such mistake against these tests;
 2. the layout: rank 0 prints the mesh and one rank's coordinates and groups, tp innermost;
 3. checkpoints know no layout: the 8-process run's step-8 checkpoint resumes in chapters 7, 8, 9
-   and 10 (one process) and here at pp 2 x cp 2, with the uninterrupted run's next losses, and
-   through a rank SIGKILLed under `torchrun --max-restarts=1` (restarted, `--resume auto`);
-   chapter 7's checkpoint resumes here at tp 2 x cp 2; the export holds one process's weights at
-   the same step and samples in chapter 3;
-4. what a rank holds: the parameters of its shards add up over the mesh to the model (the tied
-   matrix twice: its two stages), as the memory line counts them (tests/probe_4d.py);
+   and 10 (one process) and here at pp 2 x cp 2 and at one process, with the uninterrupted run's
+   next losses, the one process through a SIGKILL under `torchrun --max-restarts=1` (restarted,
+   `--resume auto`); chapter 7's checkpoint resumes here at tp 2 x cp 2; the export holds one
+   process's weights at the same step and samples in chapter 3;
+4. what a rank holds and sends: the parameters of its shards add up over the mesh to the model
+   (the tied matrix twice: its two stages), as the memory line counts them; the bytes rank 0 sends
+   in a step, by group, are the traffic line's (tests/probe_4d.py counts them);
 5. bad input is one line and exit code 2: sizes whose product does not divide the world size, tp
    not dividing the heads, more stages than blocks, a context that 2 x cp does not divide, a cp
    share that sequence parallelism cannot split by tp; a tp or cp group across nodes is warned of;
@@ -45,39 +46,40 @@ ONE = SHARDED + ["--batch-size", 12]  # one replica: the global batch of one_pro
 def runs(tmp_path_factory):
     """The module's launches, side by side: pp 2 x cp 2 x tp 2 as two nodes of 4 for 8 steps,
     saved at 8 (`nodes`); dp 2 x pp 2 x tp 2 at 8 processes for 8 steps with --debug (`grid`);
-    meanwhile chapter 7 in this process to step 4, and from there to 8 (exported), and tp 2 x cp 2
-    at 4 processes from its step 4 to 12 (`square`); once `nodes` is done, pp 2 x cp 2 at 4
-    processes from its step 8 to 16, a rank killed as step 13 begins and the job restarted
-    (`restarted`), beside chapters 7-10 in this process from the same step 8 to 10."""
+    meanwhile chapter 7 in this process to step 8, saved and exported, from which tp 2 x cp 2 at
+    4 processes goes on to step 16 (`square`). Once `nodes` is done, from its step 8: pp 2 x cp 2
+    at 4 processes to step 16 (`pipes`), one process to step 12, killed as step 11 begins and
+    restarted by torchrun (`restarted`), and chapters 7-10 in this process to step 10."""
     d = tmp_path_factory.mktemp("fourd")
-    for name in ("nodes", "square", "restarted"):
+    for name in ("nodes", "restarted"):
         (d / name).mkdir()
     nodes = start_two_nodes("tests/probe_4d.py", [
-        "record", d / "nodes", *ONE, "--pp", 2, "--cp", 2, "--tp", 2, "--max-steps", 8, *EVAL_6,
-        "--save", d / "ck", "--export", d / "4d.pt"], nproc=4)
+        "record", d / "nodes", *ONE, "--pp", 2, "--cp", 2, "--tp", 2, "--max-steps", 8,
+        "--eval-every", 8, "--save", d / "ck", "--export", d / "4d.pt"], nproc=4)
     cmds = {"grid": command(FOURD, SHARDED + ["--pp", 2, "--cp", 1, "--tp", 2, "--max-steps", 8,
                                               *EVAL_6, "--debug", "--save", "", "--export", ""],
-                            nproc=8),
-            "square": command("tests/probe_4d.py", [
-                "record", d / "square", *ONE, "--pp", 1, "--cp", 2, "--tp", 2,
-                "--sequence-parallel", "off", "--max-steps", 12, *EVAL_6, "--resume", d / "ch7",
-                "--save", "", "--export", ""], nproc=4)}
+                            nproc=8)}
     launched = {"grid": start(cmds["grid"], REPO)}
-    in_process("train_fsdp_minigpt.py", ONE + ["--max-steps", 4, "--save", d / "ch7",
-                                               "--export", ""])
-    launched["square"] = start(cmds["square"], REPO)  # from chapter 7's step 4
-    in_process("train_fsdp_minigpt.py", ONE + ["--max-steps", 8, "--resume", d / "ch7",
-                                               "--save", "", "--export", d / "ch7.pt"])
-    r = {"one": one_process_reference()[0], "ddp": ddp_reference()[0], "dir": d}
+    r = {"ch7": in_process("train_fsdp_minigpt.py", ONE + [  # one process's step 8
+        "--max-steps", 8, "--eval-every", 8, "--save", d / "ch7", "--export", d / "ch7.pt"])}
+    cmds["square"] = command(FOURD, ONE + [
+        "--pp", 1, "--cp", 2, "--tp", 2, "--sequence-parallel", "off", "--max-steps", 16,
+        *EVAL_6, "--resume", d / "ch7", "--save", "", "--export", ""], nproc=4)
+    launched["square"] = start(cmds["square"], REPO)
+    r.update(one=one_process_reference()[0], ddp=ddp_reference()[0], dir=d)
     outs = [out for out in nodes() if "world size 8 " in out]  # rank 0's node logs
     assert len(outs) == 1
     r["nodes"], step_8 = outs[0], d / "ck" / "step-000008"
     ck = d / "restarted" / "ck"  # the 8-process step 8, where --resume auto finds it
     shutil.copytree(step_8, ck / "step-000008")
+    cmds["pipes"] = command(FOURD, ONE + [
+        "--pp", 2, "--cp", 2, "--tp", 1, "--schedule", "gpipe", "--grad-checkpointing",
+        "--max-steps", 16, "--resume", step_8, "--save", "", "--export", ""], nproc=4)
     cmds["restarted"] = command("tests/probe_4d.py", [
-        "crash", "13:1", d / "restarted", *ONE, "--pp", 2, "--cp", 2, "--tp", 1, "--schedule",
-        "gpipe", "--grad-checkpointing", "--max-steps", 16, "--save-every", 2, "--save", ck,
-        "--resume", "auto", "--export", ""], nproc=4, torchrun_args=["--max-restarts=1"])
+        "crash", "11:0", d / "restarted", *ONE, "--pp", 1, "--cp", 1, "--tp", 1, "--max-steps",
+        12, "--save-every", 2, "--save", ck, "--resume", "auto", "--export", ""], nproc=1,
+        torchrun_args=["--max-restarts=1"])
+    launched["pipes"] = start(cmds["pipes"], REPO)
     launched["restarted"] = start(cmds["restarted"], REPO,
                                   {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # pytorch#135712
     for script, flags in (("train_fsdp_minigpt.py", []), ("train_tp_minigpt.py", ["--tp", 1]),
@@ -88,7 +90,7 @@ def runs(tmp_path_factory):
                                                       "--save", "", *export])
     for name, cmd in cmds.items():
         r[name] = finish(launched[name], cmd)
-    r["grid"], r["square"] = ok(r["grid"]), ok(r["square"])
+    r["grid"], r["square"], r["pipes"] = ok(r["grid"]), ok(r["square"]), ok(r["pipes"])
     return r
 
 
@@ -103,15 +105,16 @@ def assert_same_steps(out, reference, steps):
 
 def test_pp2_cp2_tp2_at_8_processes_computes_what_one_process_computes(runs):
     """Two nodes of one stage each, every stage 2 cp x 2 tp: chapter 3's one process, step by step,
-    and its validation losses (each token scored once, by the last stage's cp ranks)."""
+    and its validation losses (each token scored once, by the last stage's cp ranks) before
+    training and at step 8 (chapter 7 in one process: the control, training moved it)."""
     out, one = runs["nodes"], runs["one"]
     assert "world size 8 (2 pp x 1 dp x 2 cp x 2 tp) |" in out and "| schedule 1f1b" in out
     assert_same_steps(out, one, list(range(1, 9)))
     assert losses(out)[8] < losses(out)[1]
-    assert sorted(val_losses(out)) == [0, 6, 8]
-    for step in (0, 6):
-        assert val_losses(out)[step] == pytest.approx(val_losses(one)[step], abs=2e-4), step
-    assert val_losses(out)[8] != val_losses(out)[6]  # the control: training moved it
+    assert sorted(val_losses(out)) == [0, 8]
+    assert val_losses(out)[0] == pytest.approx(val_losses(one)[0], abs=2e-4)
+    assert val_losses(out)[8] == pytest.approx(val_losses(runs["ch7"])[8], abs=2e-4)
+    assert val_losses(out)[8] < val_losses(out)[0] - 0.1
 
 
 def test_dp2_pp2_tp2_at_8_processes_computes_what_ddp_computes(runs):
@@ -141,27 +144,35 @@ def test_the_layout_line_shows_one_ranks_place_and_groups(runs):
 
 def test_tp2_cp2_from_chapter_7s_checkpoint_computes_what_one_process_computes(runs):
     """tp x cp without stages, sequence parallelism off (the stream whole on a tp group's ranks,
-    dropped out alike), resumed from chapter 7's checkpoint: one process's steps 5-12."""
+    dropped out alike), resumed from chapter 7's checkpoint: one process's steps 9-16."""
     out, one = runs["square"], runs["one"]
     assert "world size 4 (1 pp x 1 dp x 2 cp x 2 tp) |" in out
-    assert f"resumed from {runs['dir'] / 'ch7' / 'step-000004'} at step 4" in out
-    assert_same_steps(out, one, list(range(5, 13)))
-    for step in (6, 12):
-        assert val_losses(out)[step] == pytest.approx(val_losses(one)[step], abs=2e-4), step
+    assert f"resumed from {runs['dir'] / 'ch7' / 'step-000008'} at step 8" in out
+    assert_same_steps(out, one, list(range(9, 17)))
+    assert val_losses(out)[12] == pytest.approx(val_losses(one)[12], abs=2e-4)
 
 
-def test_pp2_cp2_goes_on_from_the_8_process_checkpoint_through_a_killed_ranks_restart(runs):
-    """pp 2 x cp 2 (GPipe, activation checkpointing) from the 8-process run's step 8 (another
-    layout of this chapter); rank 1 SIGKILLed as step 13 begins, the job restarted by torchrun,
-    and --resume auto goes on from step 12: one process's steps 9-16 across both attempts."""
+def test_pp2_cp2_goes_on_from_the_8_process_checkpoint(runs):
+    """pp 2 x cp 2 (GPipe, activation checkpointing) from the 8-process run's step 8, another
+    layout of this chapter: one process's steps 9-16."""
+    out = runs["pipes"]
+    assert "world size 4 (2 pp x 1 dp x 2 cp x 1 tp) |" in out and "| schedule gpipe" in out
+    assert f"resumed from {runs['dir'] / 'ck' / 'step-000008'} at step 8" in out
+    assert_same_steps(out, runs["one"], list(range(9, 17)))
+
+
+def test_a_killed_process_restarts_and_goes_on_from_the_8_process_checkpoint(runs):
+    """The 8-process step 8 in one process (world size 1: the mesh all 1s), SIGKILLed as step 11
+    begins, restarted by torchrun (--max-restarts=1), and --resume auto goes on from step 10:
+    one process's steps 9-12 across both attempts."""
     result, ck = runs["restarted"], runs["dir"] / "restarted" / "ck"
     out = ok(result)
-    assert "world size 4 (2 pp x 1 dp x 2 cp x 1 tp) |" in out and "| schedule gpipe" in out
-    assert "failed (exitcode: -9) local_rank: 1" in result.stderr
-    first, _, second = out.partition(f"resumed from {ck / 'step-000012'} at step 12")
+    assert "world size 1 (1 pp x 1 dp x 1 cp x 1 tp) |" in out
+    assert "failed (exitcode: -9) local_rank: 0" in result.stderr
+    first, _, second = out.partition(f"resumed from {ck / 'step-000010'} at step 10")
     assert f"resumed from {ck / 'step-000008'} at step 8" in first
-    assert sorted(losses(first)) == [9, 10, 11, 12] and sorted(losses(second)) == [13, 14, 15, 16]
-    assert_same_steps(first + second, runs["one"], list(range(9, 17)))
+    assert sorted(losses(first)) == [9, 10] and sorted(losses(second)) == [11, 12]
+    assert_same_steps(first + second, runs["one"], [9, 10, 11, 12])
 
 
 @pytest.mark.parametrize("script", ["train_fsdp_minigpt.py", "train_tp_minigpt.py",
@@ -207,6 +218,22 @@ def test_each_rank_holds_its_shards_and_the_memory_line_says_so(runs):
                      r"\(block 1, final norm and head\)", runs["nodes"])
     assert int(held.group(1).replace(",", "")) == sum(s["params"] for s in seen if s["coords"]
                                                       [0] == 0 and s["coords"][2:] == [0, 0])
+
+
+def test_the_traffic_line_is_what_rank_0_sends_in_a_step(runs):
+    """The bytes rank 0 sent in a training step, by group (tests/probe_4d.py counts each collective
+    as a ring sends it), against the traffic line's formula: cp's and pp's (with the tied
+    matrix's all-reduce) exactly, tp's but for the position embedding's gradient, which sequence
+    parallelism all-gathers once per micro-batch (T / cp x C, 1 / B of a stream)."""
+    sent = json.loads((runs["dir"] / "nodes" / "rank0.json").read_text())["sent"]
+    line = re.search(r"traffic per step, rank 0 \(stage 0, 1 blocks\): tp ([\d.]+) MiB \| cp "
+                     r"([\d.]+) MiB \| pp ([\d.]+) MiB", runs["nodes"])
+    tp, cp, pp = (float(x) * 2**20 for x in line.groups())
+    positions = 2 * 16 * 32 * 4 / 2  # K x T / cp x C x 4 B, of which a rank sends (tp - 1) / tp
+    assert sent["cp"] == pytest.approx(cp, abs=0.0006 * 2**20) and sent["cp"] > 0
+    assert sent["pp"] + sent["tied"] == pytest.approx(pp, abs=0.0006 * 2**20)
+    assert sent["pp"] > 0
+    assert sent["tp"] == pytest.approx(tp + positions, abs=0.0012 * 2**20), (sent, tp)
 
 
 def test_bad_inputs_are_one_line_and_exit_code_2():
