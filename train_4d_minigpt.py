@@ -636,8 +636,9 @@ def clip_gradients(run, model, max_norm):  # 4D 9: over every stage, shard and m
     on_mesh = {}  # 4D 9: by mesh
     for p in model.parameters():
         on_mesh.setdefault(p.device_mesh, []).append(p)
-    norm = sum(nn.utils.get_total_norm([p.grad for p in ps if p is not twin]).full_tensor() ** 2
-               for ps in on_mesh.values())  # the stage's, over its shards, on each of its ranks
+    norms = [nn.utils.get_total_norm([p.grad for p in ps if p is not twin])
+             for ps in on_mesh.values()]  # each mesh's, a DTensor over its ranks
+    norm = sum(n.full_tensor() ** 2 for n in norms)  # talks: each mesh's ranks; the stage's
     dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=run.mesh.get_group("pp"))  # all stages
     norm = norm.sqrt()
     for ps in on_mesh.values():  # 4D 9

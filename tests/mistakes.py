@@ -498,10 +498,10 @@ CATALOGUE = [
             "self.pos_emb(context.positions)  # 4D 3",
             [EIGHT_EQUAL]),
     Mistake("4d-norm-over-one-mesh", 11, C11,
-            [("    norm = sum(nn.utils.get_total_norm([p.grad for p in ps if p is not twin])"
-              ".full_tensor() ** 2\n               for ps in on_mesh.values())",
-              "    norm = nn.utils.get_total_norm([p.grad for p in model.parameters() if p is not "
-              "twin])\n    norm = norm.full_tensor() ** 2")],
+            [("    norms = [nn.utils.get_total_norm([p.grad for p in ps if p is not twin])\n"
+              "             for ps in on_mesh.values()]",
+              "    norms = [nn.utils.get_total_norm([p.grad for p in model.parameters() if p is not "
+              "twin])]")],
             "chapter 9's norm: one get_total_norm over parameters on two meshes",
             "the norm per mesh, then summed  # 4D 9",
             [EIGHT_EQUAL]),
