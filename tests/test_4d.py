@@ -51,20 +51,20 @@ def runs(tmp_path_factory):
     at 4 processes to step 16 (`pipes`), one process to step 12, killed as step 11 begins and
     restarted by torchrun (`restarted`), and chapters 7-10 in this process to step 10."""
     d = tmp_path_factory.mktemp("fourd")
-    for name in ("nodes", "restarted"):
+    for name in ("nodes", "grid", "square", "restarted"):
         (d / name).mkdir()
     nodes = start_two_nodes("tests/probe_4d.py", [
         "record", d / "nodes", *ONE, "--pp", 2, "--cp", 2, "--tp", 2, "--max-steps", 8,
         "--eval-every", 8, "--save", d / "ck", "--export", d / "4d.pt"], nproc=4)
-    cmds = {"grid": command(FOURD, SHARDED + ["--pp", 2, "--cp", 1, "--tp", 2, "--max-steps", 8,
-                                              *EVAL_6, "--debug", "--save", "", "--export", ""],
-                            nproc=8)}
+    cmds = {"grid": command("tests/probe_4d.py", [
+        "record", d / "grid", *SHARDED, "--pp", 2, "--cp", 1, "--tp", 2, "--max-steps", 8, *EVAL_6,
+        "--debug", "--save", "", "--export", ""], nproc=8)}
     launched = {"grid": start(cmds["grid"], REPO)}
     r = {"ch7": in_process("train_fsdp_minigpt.py", ONE + [  # one process's step 8
         "--max-steps", 8, "--eval-every", 8, "--save", d / "ch7", "--export", d / "ch7.pt"])}
-    cmds["square"] = command(FOURD, ONE + [
-        "--pp", 1, "--cp", 2, "--tp", 2, "--sequence-parallel", "off", "--max-steps", 16,
-        *EVAL_6, "--resume", d / "ch7", "--save", "", "--export", ""], nproc=4)
+    cmds["square"] = command("tests/probe_4d.py", [
+        "record", d / "square", *ONE, "--pp", 1, "--cp", 2, "--tp", 2, "--sequence-parallel", "off",
+        "--max-steps", 16, *EVAL_6, "--resume", d / "ch7", "--save", "", "--export", ""], nproc=4)
     launched["square"] = start(cmds["square"], REPO)
     r.update(one=one_process_reference()[0], ddp=ddp_reference()[0], dir=d)
     outs = [out for out in nodes() if "world size 8 " in out]  # rank 0's node logs
