@@ -7,10 +7,12 @@ course never imports it:
         "steps", "peak_saved_bytes": the most bytes of activations it held for backward at once
         during a step (tensors saved by autograd, each storage counted once, the weights left out),
         "params": the elements of its shards of the parameters, "sent": the bytes it sent in its
-        second training step (its first, if it runs one), by group ("tp", "cp", "pp", "fsdp": dp x
+        second training step (none if it runs one), by group ("tp", "cp", "pp", "fsdp": dp x
         cp, "tied": the first and last stage, "world"), each collective counted as a ring sends:
         an all-gather (g - 1) times its input, a reduce-scatter (g - 1) / g of its input, an
         all-reduce twice that, an isend its tensor}
+    torchrun ... tests/probe_4d.py run [trainer flags]
+        the trainer as it is, nothing watched (the test launches that need no records)
     torchrun ... tests/probe_4d.py crash STEP:RANK OUT_DIR [trainer flags]
         as record, and that rank SIGKILLs itself when step STEP begins, on the first attempt only
         (TORCHELASTIC_RESTART_COUNT 0), so a restarted job gets past it
@@ -40,7 +42,7 @@ def record(out_dir, crash_at=None):
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     dist = trainer.dist
-    saved, seen, groups = Saved(), {"steps": 0, "sent": {}}, {}
+    saved, seen, groups = Saved(), {"steps": 0, "sent": {}}, {}  # sent: the second step's
     kill_step, kill_rank = crash_at or (None, None)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     kill = first_attempt and int(os.environ["RANK"]) == kill_rank
@@ -106,9 +108,9 @@ def record(out_dir, crash_at=None):
         if kill and args[-1] + 1 == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)  # a real kill: no cleanup, no goodbye
         seen["steps"] += 1
-        if seen["steps"] > 2:  # counted in the first two steps (slower: each op is watched)
+        if seen["steps"] != 2:  # counted in the second step alone: each op is watched, slowly
             return train_step(*args)
-        seen["sent"], counting[0] = {}, 1  # the second step's (the first's if only one runs)
+        counting[0] = 1
         try:
             with Functional():
                 return train_step(*args)
@@ -116,16 +118,27 @@ def record(out_dir, crash_at=None):
             counting[0] = 0
 
     trainer.pipeline_schedule, trainer.train_step = watched_schedule, counted_step
-    code = 1
     try:
-        run_as_script(trainer)  # the script's own end: its error line, the group left, sys.exit
-    except SystemExit as exit_:
-        code = exit_.code
+        code = run_to_the_end()
     finally:
         with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
             json.dump({**seen, "peak_saved_bytes": saved.peak}, f)
-    # then out at once: Python's teardown of torch costs about 0.9 s of CPU a process, and 8
-    # processes share 2 cores; everything is written and the group is left
+    leave_at_once(code)
+
+
+def run_to_the_end():
+    """The trainer's main() and the script's own end (its error line, the group left); returns
+    the exit code the script would exit with."""
+    try:
+        run_as_script(trainer)
+    except SystemExit as exit_:
+        return exit_.code
+    return 0
+
+
+def leave_at_once(code):
+    """Exit without Python's teardown of torch (about 0.9 s of CPU a process, and 8 processes
+    share 2 cores); everything is written and the group is left."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -133,6 +146,9 @@ def record(out_dir, crash_at=None):
 
 if __name__ == "__main__":
     mode = sys.argv[1]
+    if mode == "run":
+        sys.argv = [trainer.__file__] + sys.argv[2:]
+        leave_at_once(run_to_the_end())
     if mode == "record":
         out, crash, rest = sys.argv[2], None, sys.argv[3:]
     else:

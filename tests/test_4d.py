@@ -51,19 +51,20 @@ def runs(tmp_path_factory):
     at 4 processes to step 16 (`pipes`), one process to step 12, killed as step 11 begins and
     restarted by torchrun (`restarted`), and chapters 7-10 in this process to step 10."""
     d = tmp_path_factory.mktemp("fourd")
-    for name in ("nodes", "grid", "square", "restarted"):
+    for name in ("nodes", "restarted"):
         (d / name).mkdir()
     nodes = start_two_nodes("tests/probe_4d.py", [
         "record", d / "nodes", *ONE, "--pp", 2, "--cp", 2, "--tp", 2, "--max-steps", 8,
-        "--eval-every", 8, "--save", d / "ck", "--export", d / "4d.pt"], nproc=4)
+        "--eval-every", 8, "--save", d / "ck", "--export", d / "4d.pt", "--top-k", 1,
+        "--max-new-tokens", 4], nproc=4)
     cmds = {"grid": command("tests/probe_4d.py", [
-        "record", d / "grid", *SHARDED, "--pp", 2, "--cp", 1, "--tp", 2, "--max-steps", 8, *EVAL_6,
+        "run", *SHARDED, "--pp", 2, "--cp", 1, "--tp", 2, "--max-steps", 8, *EVAL_6,
         "--debug", "--save", "", "--export", ""], nproc=8)}
     launched = {"grid": start(cmds["grid"], REPO)}
     r = {"ch7": in_process("train_fsdp_minigpt.py", ONE + [  # one process's step 8
         "--max-steps", 8, "--eval-every", 8, "--save", d / "ch7", "--export", d / "ch7.pt"])}
     cmds["square"] = command("tests/probe_4d.py", [
-        "record", d / "square", *ONE, "--pp", 1, "--cp", 2, "--tp", 2, "--sequence-parallel", "off",
+        "run", *ONE, "--pp", 1, "--cp", 2, "--tp", 2, "--sequence-parallel", "off",
         "--max-steps", 16, *EVAL_6, "--resume", d / "ch7", "--save", "", "--export", ""], nproc=4)
     launched["square"] = start(cmds["square"], REPO)
     r.update(one=one_process_reference()[0], ddp=ddp_reference()[0], dir=d)
@@ -72,8 +73,8 @@ def runs(tmp_path_factory):
     r["nodes"], step_8 = outs[0], d / "ck" / "step-000008"
     ck = d / "restarted" / "ck"  # the 8-process step 8, where --resume auto finds it
     shutil.copytree(step_8, ck / "step-000008")
-    cmds["pipes"] = command(FOURD, ONE + [
-        "--pp", 2, "--cp", 2, "--tp", 1, "--schedule", "gpipe", "--grad-checkpointing",
+    cmds["pipes"] = command("tests/probe_4d.py", [
+        "run", *ONE, "--pp", 2, "--cp", 2, "--tp", 1, "--schedule", "gpipe", "--grad-checkpointing",
         "--max-steps", 16, "--resume", step_8, "--save", "", "--export", ""], nproc=4)
     cmds["restarted"] = command("tests/probe_4d.py", [
         "crash", "11:0", d / "restarted", *ONE, "--pp", 1, "--cp", 1, "--tp", 1, "--max-steps",
@@ -186,7 +187,9 @@ def test_the_4d_checkpoint_resumes_in_chapters_7_to_10(runs, script):
 def test_the_export_is_one_process_model_and_samples_in_chapter_3(runs):
     """The 8-process run's export (step 8) holds the weights one process holds at step 8 (chapter
     7 in one process: the tied matrix once, every tp and FSDP shard in place; the control, chapter
-    9 two steps later, differs), and chapter 3 samples from both alike (greedy: no random draw)."""
+    9 two steps later, differs), and chapter 3 samples from both alike (greedy: no random draw);
+    the run's own sample after training, 4 tokens through both stages (the whole context padded,
+    split by sequence, the logits gathered over tp, each token broadcast), is chapter 3's text."""
     import torch
     mine, one, later = (torch.load(runs["dir"] / name, map_location="cpu", weights_only=True)
                         for name in ("4d.pt", "ch7.pt", "ch9.pt"))
@@ -198,6 +201,9 @@ def test_the_export_is_one_process_model_and_samples_in_chapter_3(runs):
     sampled = [in_process(GPT, ["--sample", "--ckpt", runs["dir"] / name, "--top-k", 1,
                                 "--max-new-tokens", 12]) for name in ("4d.pt", "ch7.pt")]
     assert len(sampled[0]) > 8 and sampled[0] == sampled[1]
+    own = runs["nodes"].split("sample:\n", 1)[1]
+    assert own == in_process(GPT, ["--sample", "--ckpt", runs["dir"] / "4d.pt", "--prompt", "\n",
+                                   "--top-k", 1, "--max-new-tokens", 4]), own
 
 
 def test_each_rank_holds_its_shards_and_the_memory_line_says_so(runs):
