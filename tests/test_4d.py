@@ -60,7 +60,7 @@ def runs(tmp_path_factory):
     cmds = {"grid": command("tests/probe_4d.py", [
         "run", *SHARDED, "--pp", 2, "--cp", 1, "--tp", 2, "--max-steps", 8, *EVAL_6,
         "--debug", "--save", "", "--export", ""], nproc=8)}
-    launched = {"grid": start(cmds["grid"], REPO)}
+    launched = {}
     r = {"ch7": in_process("train_fsdp_minigpt.py", ONE + [  # one process's step 8
         "--max-steps", 8, "--eval-every", 8, "--save", d / "ch7", "--export", d / "ch7.pt"])}
     cmds["square"] = command("tests/probe_4d.py", [
@@ -71,6 +71,7 @@ def runs(tmp_path_factory):
     outs = [out for out in nodes() if "world size 8 " in out]  # rank 0's node logs
     assert len(outs) == 1
     r["nodes"], step_8 = outs[0], d / "ck" / "step-000008"
+    launched["grid"] = start(cmds["grid"], REPO)
     ck = d / "restarted" / "ck"  # the 8-process step 8, where --resume auto finds it
     shutil.copytree(step_8, ck / "step-000008")
     cmds["pipes"] = command("tests/probe_4d.py", [
