@@ -45,9 +45,10 @@ ONE = SHARDED + ["--batch-size", 12]  # one replica: the global batch of one_pro
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The module's launches, side by side: pp 2 x cp 2 x tp 2 as two nodes of 4 for 8 steps,
-    saved at 8 (`nodes`); dp 2 x pp 2 x tp 2 at 8 processes for 8 steps with --debug (`grid`);
-    meanwhile chapter 7 in this process to step 8, saved and exported, from which tp 2 x cp 2 at
-    4 processes goes on to step 16 (`square`). Once `nodes` is done, from its step 8: pp 2 x cp 2
+    saved at 8 (`nodes`); meanwhile chapter 7 in this process to step 8, saved and exported, from
+    which tp 2 x cp 2 at 4 processes goes on to step 16 (`square`). Once `nodes` is done (the two
+    8-process runs one after the other: 16 processes on 2 cores cost more than twice 8): dp 2 x pp
+    2 x tp 2 at 8 processes for 8 steps with --debug (`grid`), and from `nodes`' step 8 pp 2 x cp 2
     at 4 processes to step 16 (`pipes`), one process to step 12, killed as step 11 begins and
     restarted by torchrun (`restarted`), and chapters 7-10 in this process to step 10."""
     d = tmp_path_factory.mktemp("fourd")
