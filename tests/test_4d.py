@@ -3,13 +3,13 @@
 
 1. the same math as one process, each run against the run it must equal for 8 steps (losses of
    every step to 1e-5 relative, gradient norms to the 3 decimals logged, above --clip 1.0, so
-   clipping binds; validation losses to the 4 decimals logged): pp 2 x cp 2 x tp 2 at 8 processes (two nodes of one stage each, through
-   chapter 4's launcher) = chapter 3 in one process with the same global batch; dp 2 x pp 2 x tp 2
-   at 8 processes = chapter 3's DDP at 2 processes, dp index j reading DDP rank j's windows; tp 2
-   x cp 2 at 4 processes (no sequence parallelism) and pp 2 x cp 2 at 4 processes (GPipe,
-   activation checkpointing) = one process. Any group the wrong one (FSDP over dp alone, CP's
-   gather over the tp group, the tied gradients summed across replicas...) leaves these numbers:
-   tests/mistakes.py runs each such mistake against these tests;
+   clipping binds; validation losses to the 4 decimals logged): pp 2 x cp 2 x tp 2 at 8
+   processes (two nodes of one stage each, through chapter 4's launcher) = chapter 3 in one
+   process with the same global batch; dp 2 x pp 2 x tp 2 at 8 processes = chapter 3's DDP at 2
+   processes, dp index j reading DDP rank j's windows; tp 2 x cp 2 at 4 processes (no sequence
+   parallelism) and pp 2 x cp 2 at 4 processes (GPipe, activation checkpointing) = one process.
+   A group built wrong (FSDP over dp alone, CP's gather over the tp group...) leaves these
+   numbers or stops the run: tests/mistakes.py runs each such mistake against these tests;
 2. the layout: rank 0 prints the mesh and one rank's coordinates and groups, tp innermost;
 3. checkpoints know no layout: the 8-process run's step-8 checkpoint resumes in chapters 7, 8, 9
    and 10 (one process) and here at pp 2 x cp 2 and at one process, with the uninterrupted run's
