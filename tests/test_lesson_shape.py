@@ -11,16 +11,20 @@
    README's chapter 3 (which says which of chapter 2's changes it is); no GPT script has a tag
    without a number (`# DDP:`), and each says in its docstring how its tags are numbered;
 4. in every GPT script and chapter 2, every family's tags first appear in reading order (1, 2,
-   3...; imports aside, main() and the docstring included), and main() is the same in chapters 3,
-   7, 8 and 10 but for chapter 3's --check-sync (chapter 9 adds its schedule; chapter
-   11's is chapter 9's);
+   3...; imports aside, main() and the docstring included), and main()'s code (its comments
+   aside, each saying what its own chapter does) is the same in chapters 3, 7, 8 and 10 but for
+   chapter 3's --check-sync (chapter 9 adds its schedule; chapter 11's is chapter 9's);
 5. no line of a training script is over 100 characters and no function takes more than 6
    parameters; in the classifiers main() comes before the steps it calls; the GPT trainers read
    top-down: main() first, then its core steps in the order it first calls them (each helper
    below a function that uses it, a record class right above its builder), then the model, then
    the steps beyond the core (--debug's windows, the benchmark, the report), then one marked line,
-   then the plumbing with the guards; every tag a GPT script uses is keyed in its own docstring
-   (a control: an unkeyed number is caught); no GPT script is longer, its docstring's key aside,
+   then the plumbing with the guards; each GPT script's docstring keys its own family's tags
+   alone, every one of them, and says in one line where the other tags come from (controls: an
+   unkeyed number and an inherited row are caught); it has a Terms paragraph and one See also
+   line, and no other comment, docstring or help string names a docs page or another chapter;
+   chapter 3's words name none of the later chapters' machinery (a control: a planted comment
+   is caught); no GPT script is longer, its docstring's key aside,
    than it was before the key (1,202 / 1,314 / 1,384 / 1,550 / 1,438), but for the lines SIZE
    names (chapter 10's ring among them); no attribute is hung on the argparse namespace;
 6. the LM's training loop holds no fault switch (faults are injected from tests/, by a probe);
@@ -33,13 +37,17 @@
    from chapter 9's by at most 251 (the 4-D mesh, TP's plans, CP's Context, the norm); the whole
    files by at most 447, 221, 438, 388 and 464 lines (the plumbing stays shared, but for chapters
    8, 10 and 11's warnings of a group across nodes, and --grad-sync; each docstring's key differs);
-8. every block a twin adds or changes opens with its tag (`# FSDP k`, k = 1..8; `# TP k`, 1..7;
-   `# PP k`, 1..8; `# CP k`, 1..7; `# 4D k`, 1..10; in reading order), and the README's chapter
+8. every block of code a twin adds or changes holds its tag (`# FSDP k`, k = 1..8; `# TP k`,
+   1..8; `# PP k`, 1..8; `# CP k`, 1..7; `# 4D k`, 1..10; in reading order) on one of its lines,
+   the line that makes the call; a block that only rewords comments is words, not code (the
+   control: an untagged line of code is caught, a reworded comment is not); the README's chapter
    has a row (F1.., T1.., P1.., C1.., D1..) for each.
 """
 import ast
 import difflib
+import io
 import re
+import tokenize
 
 import pytest
 from helpers import REPO
@@ -203,25 +211,44 @@ def test_the_lm_trainers_read_top_down(name):
     assert not hung, f"{name}: attributes hung on the argparse namespace: {hung}"
 
 
-@pytest.mark.parametrize("name", SCRIPTS[2:])
-def test_every_tag_is_in_the_files_own_key(name):
-    """A file read alone explains every tag it uses: each number of each family in the docstring."""
-    source = (REPO / name).read_text()
-    doc = ast.get_docstring(ast.parse(source))
+OWN = {"train_ddp_minigpt.py": "DDP", "train_fsdp_minigpt.py": "FSDP", "train_tp_minigpt.py": "TP",
+       "train_pp_minigpt.py": "PP", "train_cp_minigpt.py": "CP", "train_4d_minigpt.py": "4D"}
+KEY_ROW = re.compile(r"^ {2}(DDP|FSDP|TP|PP|CP|4D) (\d+) +\S", re.M)
+
+
+def key_problems(name, source):
+    """What is wrong with a script's key: its own tags unkeyed or keyed but unused, another
+    family's tags keyed, or no line saying where the other tags come from."""
+    own, doc = OWN[name], ast.get_docstring(ast.parse(source))
     used = set(re.findall(r"# (DDP|FSDP|TP|PP|CP|4D) (\d+)\b", source))
-    assert len(used) >= 16, used
-    keyed = set(re.findall(r"^ {2}(?:.* {2,})?(DDP|FSDP|TP|PP|CP|4D) (\d+) +\S", doc, re.M))
-    keyed |= set(re.findall(r"^ {2}(DDP|FSDP|TP|PP|CP|4D) (\d+) +\S", doc, re.M))  # key rows
-    unkeyed = sorted(f"{fam} {k}" for fam, k in used - keyed)
-    assert not unkeyed, f"{name}: tags not in the docstring's own key: {unkeyed}"
-    assert keyed <= used, f"{name}: keyed but unused: {sorted(keyed - used)}"
+    keyed = set(KEY_ROW.findall(doc))
+    problems = [f"unkeyed {f} {k}" for f, k in sorted(used - keyed) if f == own]
+    problems += [f"keyed but unused {f} {k}" for f, k in sorted(keyed - used)]
+    problems += [f"keys another family's {f} {k}" for f, k in sorted(keyed) if f != own]
+    others = {f for f, _ in used} - {own}
+    if others and not re.search(r"tagged [^.]*\b(DDP|FSDP|PP)\b[^.]* chapters? \d", doc):
+        problems.append(f"no line says where the {sorted(others)} tags come from")
+    return problems
 
 
-def test_the_key_check_fails_on_an_unkeyed_tag():
-    """The control: a tag the docstring does not key is caught by the same pattern."""
-    doc = ast.get_docstring(ast.parse((REPO / "train_ddp_minigpt.py").read_text()))
-    rows = set(re.findall(r"^ {2}(DDP|FSDP|TP|PP|CP) (\d+) +\S", doc, re.M))
-    assert ("DDP", "16") in rows and ("DDP", "17") not in rows and len(rows) == 16
+@pytest.mark.parametrize("name", SCRIPTS[2:])
+def test_each_docstring_keys_its_own_tags_alone(name):
+    """A file read alone explains its own family's tags, one row each, and says in one line where
+    the other tags come from; it keys no other family (each of those says on its line what it
+    does)."""
+    source = (REPO / name).read_text()
+    assert len(set(re.findall(rf"# {OWN[name]} (\d+)\b", source))) >= 7
+    assert not key_problems(name, source), f"{name}: {key_problems(name, source)}"
+
+
+def test_the_key_check_fails_on_an_unkeyed_tag_and_an_inherited_row():
+    """The controls: a tag the docstring does not key, and a row of a parent's key, are caught."""
+    source = (REPO / "train_fsdp_minigpt.py").read_text()
+    assert not key_problems("train_fsdp_minigpt.py", source)
+    unkeyed = source + "\nx = 1  # FSDP 99: planted\n"
+    inherited = source.replace("  FSDP 1 ", "  DDP 1   planted\n  FSDP 1 ", 1)
+    assert key_problems("train_fsdp_minigpt.py", unkeyed) == ["unkeyed FSDP 99"]
+    assert "keys another family's DDP 1" in key_problems("train_fsdp_minigpt.py", inherited)
 
 
 @pytest.mark.parametrize("name,family", [("train_ddp_basic.py", "DDP"),
@@ -244,16 +271,32 @@ def test_tags_first_appear_in_reading_order(name, family):
     assert seen == sorted(seen) and seen, f"{name}: {family} tags first appear as {seen}"
 
 
-def test_main_is_the_same_in_the_twins():
-    def main(name):
-        tree = ast.parse((REPO / name).read_text())
-        node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
-        return lines(name)[node.lineno - 1:node.end_lineno]
-    check_sync = [line for line in main("train_ddp_minigpt.py") if "check_" not in line]
-    assert check_sync == main("train_fsdp_minigpt.py") == main("train_tp_minigpt.py") \
-        == main("train_cp_minigpt.py")
-    assert main("train_4d_minigpt.py") == main("train_pp_minigpt.py")  # chapter 11: chapter 9's
-    extra = [line for line in main("train_pp_minigpt.py") if line not in main("train_fsdp_minigpt.py")]
+def code_of_main(name):
+    """main()'s lines with their comments taken off: [(code, the line as written)]. Each twin's
+    comments say what its own chapter does; its code stays the parent's."""
+    source = (REPO / name).read_text()
+    node = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)
+                and n.name == "main")
+    text = source.splitlines()[node.lineno - 1:node.end_lineno]
+    tokens = tokenize.generate_tokens(io.StringIO("\n".join(text) + "\n").readline)
+    comments = {t.start[0]: t.start[1] for t in tokens if t.type == tokenize.COMMENT}
+    code = [(line[:comments[i]] if i in comments else line).rstrip()
+            for i, line in enumerate(text, 1)]
+    return [(c, raw) for c, raw in zip(code, text) if c.strip()]
+
+
+def test_main_runs_the_same_code_in_the_twins():
+    """The twins' main() run the same steps in the same order (but for chapter 3's --check-sync
+    and chapter 9's schedule); only their comments differ, each saying what its chapter does."""
+    def code(name):
+        return [c for c, _ in code_of_main(name)]
+    assert code_of_main("train_fsdp_minigpt.py") != [(c, c) for c in code("train_fsdp_minigpt.py")]
+    check_sync = [line for line in code("train_ddp_minigpt.py") if "check_" not in line]
+    assert check_sync == code("train_fsdp_minigpt.py") == code("train_tp_minigpt.py") \
+        == code("train_cp_minigpt.py")
+    assert code("train_4d_minigpt.py") == code("train_pp_minigpt.py")  # chapter 11: chapter 9's
+    extra = [raw for c, raw in code_of_main("train_pp_minigpt.py")
+             if c not in code("train_fsdp_minigpt.py")]
     assert len(extra) == 3 and all("# PP 1" in line for line in extra), extra  # the schedule
 
 
@@ -261,6 +304,48 @@ def test_the_lm_training_loop_has_no_fault_switch():
     source = (REPO / "train_ddp_minigpt.py").read_text()
     for switch in ("os._exit", "time.sleep", "DDP_FAIL", "TORCHELASTIC_RESTART_COUNT"):
         assert switch not in source, switch
+
+
+def without_comments(block):
+    """A block's code, its comments and blank lines taken off (a comment-only change is words)."""
+    code = []
+    for line in block:
+        try:
+            tokens = list(tokenize.generate_tokens(io.StringIO(line + "\n").readline))
+            cut = next((t.start[1] for t in tokens if t.type == tokenize.COMMENT), len(line))
+        except (tokenize.TokenError, IndentationError, SyntaxError):  # inside a string
+            cut = line.find("  # ") if "  # " in line else len(line)
+        code.append(line[:cut].rstrip())
+    return [c for c in code if c.strip()]
+
+
+def untagged_blocks(parent, child, tag, child_lines=None):
+    """The blocks past the docstring where the child changes the parent's code (not only its
+    comments) and no line of the block carries the child's tag."""
+    old, new = lines(parent), child_lines or lines(child)
+    docstring_end = new.index('"""', 1)
+    found = []
+    matcher = difflib.SequenceMatcher(None, old, new, autojunk=False)
+    for op, i1, i2, j1, j2 in matcher.get_opcodes():
+        if op != "equal" and j2 > j1 and j1 > docstring_end and \
+                without_comments(old[i1:i2]) != without_comments(new[j1:j2]) and \
+                not any(tag.search(line) for line in new[j1:j2]):
+            found.append(f"line {j1 + 1}: {new[j1]}")
+    return found
+
+
+def test_the_block_check_fails_on_untagged_code_and_passes_reworded_comments():
+    """The control: a line of code a twin adds without its tag is caught; a reworded comment is
+    not a change of code."""
+    child = lines("train_fsdp_minigpt.py")
+    assert not untagged_blocks("train_ddp_minigpt.py", "", FSDP_TAG, child)
+    at = next(i for i, line in enumerate(child) if "def train_step(" in line) + 1
+    planted = child[:at] + ["    torch.manual_seed(0)"] + child[at:]
+    assert len(untagged_blocks("train_ddp_minigpt.py", "", FSDP_TAG, planted)) == 1
+    at = next(i for i, line in enumerate(child) if line.lstrip().startswith("#") and i > at)
+    reworded = child[:at] + [child[at].split("#")[0] + "# planted: a reworded comment"] + \
+        child[at + 1:]
+    assert not untagged_blocks("train_ddp_minigpt.py", "", FSDP_TAG, reworded)
 
 
 @pytest.mark.parametrize("parent,child,tag,changes,limit,chapter,row", [
@@ -273,14 +358,13 @@ def test_the_lm_training_loop_has_no_fault_switch():
     ("train_fsdp_minigpt.py", "train_cp_minigpt.py", CP_TAG, CP_CHANGES, 388, "10", "C"),
     # chapter 11: 464 against chapter 9 (the mesh, TP's plans, CP's Context, the norm, the flags)
     ("train_pp_minigpt.py", "train_4d_minigpt.py", FOURD_TAG, FOURD_CHANGES, 464, "11", "D")])
-def test_every_changed_block_opens_with_its_tag_and_the_readme_has_every_row(
+def test_every_changed_block_holds_its_tag_and_the_readme_has_every_row(
         parent, child, tag, changes, limit, chapter, row):
     docstring_end = lines(child).index('"""', 1)
     blocks, count = changed_blocks(parent, child)
     assert count <= limit, f"{child}: {count} changed lines"
-    untagged = [f"line {start}: {block[0]}" for start, block in blocks if start > docstring_end + 1
-                and not tag.search(next(x for x in block if x.strip()))]
-    assert not untagged, f"{child}: blocks without a tag on their first line:\n" + "\n".join(untagged)
+    untagged = untagged_blocks(parent, child, tag)
+    assert not untagged, f"{child}: changed code without its tag:\n" + "\n".join(untagged)
     numbers = {int(k) for line in lines(child) for k in tag.findall(line)}
     assert numbers == set(range(1, changes + 1))
     section = (REPO / "README.md").read_text().split(f"## Chapter {chapter}")[1]
@@ -303,3 +387,55 @@ def test_each_twins_lesson_section_differs_from_its_parents_within_budget(parent
     count = sum((i2 - i1) + (j2 - j1) for tag, i1, i2, j1, j2 in matcher.get_opcodes()
                 if tag != "equal")
     assert 0 < count <= limit, f"{child}: {count} changed lines in the lesson section"
+
+
+def prose(source):
+    """[(line, text)] of a script's comments, docstrings and argparse help strings: its words."""
+    found = [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(source).readline)
+             if t.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and node.body and \
+                isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant):
+            first = node.body[0].lineno
+            found += [(first + i, text) for i, text in
+                      enumerate(str(node.body[0].value.value).splitlines())]
+        if isinstance(node, ast.Call):
+            found += [(k.value.lineno, ast.unparse(k.value)) for k in node.keywords
+                      if k.arg == "help"]
+    return sorted(found)
+
+
+OTHER_MACHINERY = re.compile(r"fsdp|shard|dtensor|meta device|tensor parallel|pipelin|"
+                             r"context parallel", re.I)
+
+
+def test_chapter_3_speaks_only_of_what_it_runs():
+    """Chapter 3 runs DDP: its comments, docstrings and help strings name none of the later
+    chapters' machinery (a control: a planted comment is found)."""
+    source = (REPO / "train_ddp_minigpt.py").read_text()
+    named = [f"line {n}: {text.strip()}" for n, text in prose(source) if OTHER_MACHINERY.search(text)]
+    assert not named, "chapter 3 speaks of what it does not run:\n" + "\n".join(named)
+    planted = source + "\nx = 1  # the model, sharded\n"
+    assert [text for _, text in prose(planted) if OTHER_MACHINERY.search(text)] == [
+        "# the model, sharded"]
+
+
+@pytest.mark.parametrize("name", SCRIPTS[2:])
+def test_each_chapter_defines_its_terms_and_names_no_other_page(name):
+    """Each GPT chapter's docstring has a Terms paragraph and one "See also" line; no other
+    comment, docstring or help string names a docs page, and only the key's line of where the
+    inherited tags come from names another chapter."""
+    source = (REPO / name).read_text()
+    doc = ast.get_docstring(ast.parse(source))
+    assert re.search(r"^Terms\b", doc, re.M), f"{name}: no Terms paragraph"
+    assert len(re.findall(r"^See also\b", doc, re.M)) == 1, f"{name}: one See also line"
+    words = prose(source)
+    see_also = next(n for n, text in words if text.startswith("See also"))
+    pages = [f"line {n}: {text.strip()}" for n, text in words
+             if re.search(r"docs/|\.md\b", text) and n != see_also]
+    assert not pages, f"{name} names a page outside its See also line:\n" + "\n".join(pages)
+    own = re.match(r"Chapter (\d+)", doc).group(1)
+    chapters = [f"line {n}: {text.strip()}" for n, text in words if n != see_also
+                and set(re.findall(r"\bchapters?[ -](\d+)", text, re.I)) - {own}
+                and not re.search(r"\btagged\b", text)]
+    assert not chapters, f"{name} names another chapter:\n" + "\n".join(chapters)
