@@ -1,56 +1,66 @@
-"""Chapter 11: every parallelism in one run. Chapter 9's pipeline stages, whose blocks gain chapter
-8's tensor parallelism (TP, with sequence parallelism and loss parallel) and chapter 10's context
-parallelism (CP), FSDP over the data-parallel and context ranks of each stage: one 4-D mesh of
-(pp, dp, cp, tp) ranks. The same math as one process.
+"""Chapter 11: every parallelism in one run, on one 4-D mesh of (pp, dp, cp, tp) ranks. Pipeline
+parallelism (PP) gives each stage a run of the GPT's blocks; in a stage, tensor parallelism (TP,
+with sequence parallelism and loss parallel) splits each block by tp, context parallelism (CP) each
+sequence by cp, and FSDP shards it all over dp x cp. The same math as one process.
 
     torchrun --standalone --nproc_per_node=8 train_4d_minigpt.py          # 2 pp x 2 cp x 2 tp: CPU
     torchrun --standalone --nproc_per_node=4 train_4d_minigpt.py --pp 1   # 2 cp x 2 tp: CPU or GPUs
     torchrun --standalone --nproc_per_node=gpu train_4d_minigpt.py --pp 1 --cp 2 --tp 4  # 8 GPUs
     ./launch_multinode_ddp.sh --nnodes 2 --nproc-per-node 8 --master-addr N0 \
         train_4d_minigpt.py --pp 2 --cp 2 --tp 4 --block-size 1024 --grad-accum 8
-    python train_ddp_minigpt.py --sample --ckpt checkpoints/minigpt_4d.pt --prompt "def main("
+    python train_4d_minigpt.py --sample --ckpt checkpoints/minigpt_4d.pt --prompt "def main("
 
-The multi-node line prints the torchrun command to run on each node (chapter 4): with --pp 2 on 2
+The multi-node line prints the torchrun command to run on each node: with --pp 2 on 2
 nodes of 8, each node is one stage, its 8 GPUs 2 cp x 4 tp; dp is what the world size leaves (here
 1). Sampling runs in one plain process. Default data: the first 2,000,000 bytes of this Python's
 own standard library, one token per byte (vocab 256), so nothing is downloaded; `--data` also takes
 a text file, a .bin of uint16 token ids, or a nanoGPT folder.
 
 Read it top-down: main(), then its core steps in the order it calls them, the model, and what goes
-beyond the core (debugging, the benchmark, the report). All that talks to other processes is above
-the line that ends `the plumbing`; below it, guards, flags, data, files, logging, sampling, errors.
+beyond the core (debugging, the benchmark, the report). Every call that communicates with other
+ranks sits above the line that ends `the plumbing`. Below it is code a single process would run
+the same way: guards, flags, data, files, logging, sampling, errors.
 
-Tags: `# 4D k` marks each line this chapter changes in chapter 9's trainer, in reading order:
-  4D 1  --pp, --cp, --tp: one (pp, dp, cp, tp) mesh, tp innermost, dp the rest; its layout printed
-  4D 2  data and global batch by dp: a replica's cp x tp ranks read the same sequences
-  4D 3  Context: cp rank i holds chunks i and 2 cp - 1 - i of each sequence; global positions
-  4D 4  attention over the cp group's keys and values, all-gathered (backward: reduce-scatter)
-  4D 5  TP's plan in each block and at the stage's ends, then FSDP over dp x cp; dropout streams
-  4D 6  what a stage sends: a cp share, split by tp under sequence parallelism; bytes per group
-  4D 7  checkpoints: random streams restored only at the layout that saved them
-  4D 8  loss parallel around the schedule and evaluation: the logits stay split by vocabulary
-  4D 9  the gradient norm per mesh (dp x cp, and dp x cp x tp), summed over the stages
-  4D 10 sampling: every rank the whole context, padded; a replica's ranks draw alike
-How the splits nest: CP gives each rank T / cp tokens of every sequence; sequence parallelism
-splits those again by tp (T / (cp x tp): the norms, dropout and what goes between stages); TP's
-all-gather makes them T / cp again before attention and the MLP, whose heads and hidden units it
-splits by tp; CP's all-gather then brings the whole sequence's keys and values of this rank's heads.
-Kept from the pipeline trainer (chapter 9), where they mark the same lines:
-  PP 1  a PipelineStage in a schedule                PP 2  --pp N: a stage is consecutive ranks
-  PP 3  data by the dp index                         PP 4  the tied embedding and head: 2 copies
-  PP 5  Stage: a run of blocks, their own names      PP 6  checkpoints name no stage
-  PP 7  forward-only pipelines: eval, sampling       PP 8  the gradient norm over every stage
-Kept from the DDP trainer (chapter 3), where they mark the same lines:
-  DDP 1  join the group torchrun started             DDP 9   SUM over ranks, then divide
-  DDP 2  one GPU per process, by LOCAL_RANK          DDP 11  every rank's RNG state, saved
-  DDP 3  is_main: rank 0 alone logs and saves        DDP 12  rank 0 writes, every rank waits
-  DDP 4  each rank its own windows of an epoch       DDP 13  leave the group on every path
-  DDP 5  one shuffled order, the same on all ranks   DDP 14  --debug: each rank's windows
-  DDP 7  resume: rank 0 looks, every rank agrees     DDP 16  every rank's peak GPU memory
-Kept from the FSDP trainer (chapter 7), where they mark the same lines:
-  FSDP 1  bf16 by FSDP's MixedPrecisionPolicy        FSDP 4  no wrapper: fully_shard hooks the model
-  FSDP 2  built on the meta device, then sharded     FSDP 5  every rank runs every forward
-  FSDP 3  DCP checkpoints: every rank its shards     FSDP 8  --export: one plain file
+Terms. A rank is one of the processes torchrun starts, one per device, numbered from 0; the world
+size is how many there are. A process group is a set of ranks that communicate with each other. A
+collective is a call that every rank of a group makes, in the same order; each rank waits in it
+until all have made it. An all-reduce sums a tensor over a group and gives every rank the sum; an
+all-gather gives every rank all the ranks' parts; a reduce-scatter sums a tensor and gives each
+rank one part of the sum. A shard is the part of a tensor that one rank holds. The mesh (a
+DeviceMesh) lays the ranks out as a pp x dp x cp x tp grid; the ranks that differ in one coordinate
+alone form a group of that dim (a tp group, a cp group...). A stage is a run of consecutive blocks,
+held by the ranks of one pp coordinate; each stage hands its activations to the next. A replica is
+the ranks of one dp coordinate: together they run the whole model's forward and backward on batches
+of their own. A micro-batch is --batch-size sequences; --grad-accum of them pass through the stages
+one after another and make one optimizer step.
+
+TP and CP's terms. TP splits a linear layer column-wise (each rank computes some of its outputs from
+the whole input) or row-wise (each rank computes, from some of the inputs, a partial sum of every
+output; a collective adds the partial sums up). Loss parallel computes the cross-entropy from logits
+split by vocabulary, without gathering them. A DTensor is a tensor spread over a mesh: Shard(d)
+splits it along its dim d, Replicate() puts a whole copy on every rank. CP gives each rank of a cp
+group two of 2 cp equal chunks of every sequence of T tokens, an early one and a late one, so that
+causal attention costs every rank the same: T / cp tokens. Sequence parallelism (sp) splits those
+again by tp, T / (cp x tp) tokens, where each token is worked on alone: the norms, dropout, and what
+a stage sends. Before attention and the MLP, TP's all-gather makes them T / cp again, and TP splits
+the heads and hidden units by tp; CP's all-gather then brings the keys and values of the whole
+sequence, for this rank's heads.
+
+Tags: each `# 4D k` comment marks a line this chapter adds or changes, numbered in reading order:
+  4D 1   --pp, --cp, --tp: the (pp, dp, cp, tp) mesh, tp innermost, dp what is left; its layout
+  4D 2   data and global batch by dp rank: the ranks of a replica read the same sequences
+  4D 3   Context: cp rank i holds chunks i and 2 cp - 1 - i of each sequence, at their positions
+  4D 4   attention over the cp group's keys and values, all-gathered; backward reduce-scatters
+  4D 5   TP's plans in each block and at the stage's ends, then FSDP over dp x cp; dropout seeds
+  4D 6   what a stage sends: a cp rank's tokens, split by tp under sequence parallelism; bytes sent
+  4D 7   checkpoints: random states restored only at the layout that saved them
+  4D 8   loss parallel, in training and evaluation: the logits stay split by vocabulary
+  4D 9   the gradient norm per mesh (dp x cp, and dp x cp x tp), summed over the stages
+  4D 10  sampling: every rank the whole context, padded; the ranks of a replica draw alike
+Lines tagged PP k, FSDP k or DDP k come unchanged from chapters 9, 7 and 3; each tag says on its
+line what that line does.
+
+See also: docs/4d.md (the layout, what each group sends, measurements) and docs/performance.md.
 """
 import argparse
 import contextlib
@@ -99,58 +109,58 @@ from torch.utils.checkpoint import checkpoint
 # ------------------- the distributed lesson: main(), then its core steps in the order it calls them
 def main(argv=None):
     args = parse_args(argv)
-    if args.sample:  # inference: one plain process, no process group
+    if args.sample:  # sampling runs in one plain process, with no process group
         return sample(args)
     avoid_known_failures(args)  # guard: refuses a bad launch, avoids known failures
-    # setup: one process per device, joined in one group; rank 0 logs and saves. A step that
-    # "talks" waits for the others: every rank calls it, in the same order
-    device, rank, world_size = init_distributed(args.device, args.dist_timeout)  # talks
-    run = make_run(args, device, rank, world_size)
-    # data: each data-parallel replica reads its own windows of the training tokens
-    data = build_data(run)  # talks with --debug: rank 0 prints each rank's windows
-    # model: one process's initial weights, whole or sharded, resumed if asked, then wrapped
-    raw_model, optimizer = build_model(run, data.vocab_size)  # talks where the model is sharded
-    start = resumed_step(run, raw_model, optimizer, data)  # talks: rank 0 finds it, all agree
-    model = wrap_model(run, raw_model)  # talks under DDP (rank 0's weights to all); FSDP: silent
-    schedule = pipeline_schedule(run, model)  # PP 1: this rank's stage in a pipeline schedule
+    # Setup: one process per device, one group. Every rank calls the collectives in the same order.
+    device, rank, world_size = init_distributed(args.device, args.dist_timeout)  # DDP 1: join
+    run = make_run(args, device, rank, world_size)  # a collective: the mesh and CP's Context
+    # Data: each replica reads its own windows of the training tokens.
+    data = build_data(run)  # a collective with --debug: rank 0 prints every rank's windows
+    # Model: this stage's blocks, split by TP across the tp group, sharded by FSDP across dp x cp.
+    raw_model, optimizer = build_model(run, data.vocab_size)  # a collective: the mesh
+    start = resumed_step(run, raw_model, optimizer, data)  # a collective: all ranks, one step
+    model = wrap_model(run, raw_model)  # the same shards: raw_model, its blocks compiled in place
+    schedule = pipeline_schedule(run, model)  # PP 1: the stage in its schedule; sends nothing yet
     if args.benchmark:
-        return benchmark(run, schedule, model, optimizer, data.windows)  # PP 1; talks
-    # train: log, evaluate and save on schedule
-    val_loss = evaluate(run, model, data.val)  # talks: the loss sums of every rank add up
+        return benchmark(run, schedule, model, optimizer, data.windows)  # PP 1: a collective
+    # Train: log, evaluate and save on schedule.
+    val_loss = evaluate(run, model, data.val)  # a collective: every rank's loss sums add up
     print0(run.is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
     meter = Meter(run, raw_model, start)  # the training clock starts now
-    for step in range(start, args.max_steps):  # every step talks
+    for step in range(start, args.max_steps):  # every step runs collectives
         loss, grad_norm = train_step(run, schedule, model, optimizer, data.windows, step)  # PP 1
         done = step + 1
         if done % args.log_every == 0 or done == args.max_steps:
             print0(run.is_main, meter.log_line(done, loss.item(), grad_norm.item()))
         meter.stop_clock()  # evaluation and checkpoints are not training time
         if done % args.eval_every == 0 or done == args.max_steps:
-            val_loss = evaluate(run, model, data.val)  # talks
+            val_loss = evaluate(run, model, data.val)  # a collective
             print0(run.is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | "
                                 f"baseline {data.baseline:.4f}")
-        # save: rank 0 writes, every rank waits for it
+        # Save: every rank writes its shards, rank 0 the run's state; all learn whether it worked.
         due = done == args.max_steps or (args.save_every and done % args.save_every == 0)
         if args.save and due:
-            save_checkpoint(run, raw_model, optimizer, data, done)  # talks
+            save_checkpoint(run, raw_model, optimizer, data, done)  # a collective
         meter.start_clock()
-    # cleanup: the summary and a sample; the group is left by __main__'s `finally`
-    report(run, raw_model, data, val_loss, meter)  # talks: GPU peaks; a sharded model's export
+    # Cleanup: the summary and a sample. __main__'s `finally` leaves the process group.
+    report(run, raw_model, data, val_loss, meter)  # a collective: --export gathers the weights
 
 
-def init_distributed(device_name, timeout_s):  # DDP 1: join the group torchrun describes
-    """A collective: join the group torchrun started; returns (device, rank, world size)."""
+def init_distributed(device_name, timeout_s):
+    """A collective: join the process group torchrun started. Returns (device, rank, world size)."""
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device("cpu")
-    if device_name == "cuda":  # DDP 2: one GPU per process, picked by LOCAL_RANK, before CUDA work
-        # LOCAL_RANK numbers the processes of this node (its GPUs: 0, 1...); RANK, of all nodes
+    if device_name == "cuda":
+        # LOCAL_RANK numbers this node's processes from 0, like its GPUs; RANK numbers all nodes'.
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device)  # DDP 2: this process's GPU, before any CUDA work
     backend = "nccl" if device.type == "cuda" else "gloo"
-    # no address given: it reads torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+    # With no address given, it reads torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+    # With NCCL, device_id ties the group to this GPU, so NCCL connects now, not at first use.
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=device if backend == "nccl" else None)  # NCCL: bind it
+                            device_id=device if backend == "nccl" else None)  # DDP 1: join
     return device, dist.get_rank(), dist.get_world_size()
 
 
@@ -161,27 +171,27 @@ class Run:
     device: torch.device
     rank: int
     world_size: int
-    is_main: bool  # rank 0: the one process that logs and writes files
+    is_main: bool  # True on rank 0 alone, the one process that logs and writes files
     amp: str  # FSDP 1: the compute dtype's name ("bfloat16"), or "off"
     policy: MixedPrecisionPolicy  # FSDP 1: casts the gathered weights; no autocast, no scaler
     mesh: object  # 4D 1: the (pp, dp, cp, tp) grid of ranks, a DeviceMesh
     stage: int  # PP 2: this rank's stage, 0 to pp - 1: the blocks it holds
-    dp_rank: int  # PP 3: this rank's column: the data it reads
+    dp_rank: int  # PP 3: this rank's replica, which sets the data it reads
     dp_size: int  # 4D 2: the replicas: world size / (pp x cp x tp)
-    tied: object  # PP 4: this column's first and last stage, a process group; None elsewhere
-    context: "Context"  # 4D 3: this rank's share of every sequence, and its attention
+    tied: object  # PP 4: the group of this replica's first and last stage; None elsewhere
+    context: "Context"  # 4D 3: which tokens of each sequence this rank holds, and its attention
 
 
 def make_run(args, device, rank, world_size):
     """This process's Run; logs the run's shape (world size, device, precision, batch)."""
-    is_main = rank == 0  # DDP 3: rank 0 alone logs and saves
+    is_main = rank == 0  # DDP 3: only rank 0 logs and writes files
     amp, policy = mixed_precision(args.amp, device)  # FSDP 1
     mesh = grid(args, device, world_size)  # 4D 1: pp x dp x cp x tp ranks, tp innermost
     stage, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
-    context = Context(mesh["cp"].get_group(), mesh.get_local_rank("cp"),  # 4D 3: chapter 10's
-                      args.cp, args.block_size, device)  # split of each sequence
+    context = Context(mesh["cp"].get_group(), mesh.get_local_rank("cp"),  # 4D 3: the tokens of
+                      args.cp, args.block_size, device)  # each sequence this rank holds
     run = Run(args, device, rank, world_size, is_main, amp, policy, mesh, stage, dp_rank,
-              mesh.size(1), ends_group(mesh, stage, rank),  # 4D 1; talks: every rank, all groups
+              mesh.size(1), ends_group(mesh, stage, rank),  # 4D 1; a collective of every rank
               context)  # 4D 3
     print0(is_main, f"world size {world_size} ({args.pp} pp x {run.dp_size} dp x {args.cp} cp x "
                     f"{args.tp} tp) | device {device} | amp {amp} | {tokens_per_step(run):,} "
@@ -191,44 +201,53 @@ def make_run(args, device, rank, world_size):
     return run
 
 
-def grid(args, device, world_size):  # 4D 1: one 4-D mesh, from the slowest links out
-    """The ranks as a pp x dp x cp x tp DeviceMesh, dp what the world size leaves. Innermost, the
-    most traffic on the fastest links: a tp group is consecutive ranks (one node's GPUs), for TP's
-    collectives of every block and micro-batch; then cp (a gather of keys per block), dp (FSDP's
-    gathers, a reduce-scatter per step); pp outermost, a stage per node or group of nodes: one send
-    of activations per micro-batch between stages, the least of all, crosses the network."""
+def grid(args, device, world_size):
+    """The ranks as a pp x dp x cp x tp DeviceMesh, dp what the world size leaves. tp varies
+    fastest, so a tp group is consecutive ranks, on one node's fast links for TP's collectives in
+    every block; pp varies slowest, as a stage sends the least. The default 8 ranks (pp 2, dp 1,
+    cp 2, tp 2) are one replica: all read the same sequences. Stage 0 is ranks 0-3, stage 1 4-7.
+    cp pairs (0, 2) (1, 3) (4, 6) (5, 7) split each sequence, and FSDP shards over each; tp pairs
+    (0, 1) (2, 3) (4, 5) (6, 7) split blocks; pp pairs (0, 4) (1, 5) (2, 6) (3, 7) link stages."""
     inner = args.pp * args.cp * args.tp
     if world_size % inner:
         raise InputError(f"--pp {args.pp} x --cp {args.cp} x --tp {args.tp} = {inner} does not "
                          f"divide the world size {world_size}: start a multiple of {inner} "
                          "processes, or give smaller sizes")
     shape, names = (args.pp, world_size // inner, args.cp, args.tp), ("pp", "dp", "cp", "tp")
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)  # a group per line of each
-    # all but pp as one dim, for DTensor: the norm's sum over them in one collective, not one per
-    # dim (torch warns of that); _flatten is private in torch 2.14, as torchtitan uses it
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)  # 4D 1: groups along each dim
+    # dp x cp x tp as one dim too, so that a norm sums over them in one collective (private API)
     mesh["dp", "cp", "tp"]._flatten("dp_cp_tp")  # 4D 1
     return mesh
 
 
-def ends_group(mesh, stage, rank):  # 4D 1: PP 4's two copies, per (dp, cp, tp) place
-    """A collective: a process group of each column's first and last stage (every rank makes every
-    group). Returns this rank's; None on a middle stage, and at --pp 1 (one matrix, no copies)."""
+def ends_group(mesh, stage, rank):  # 4D 1: the tied matrix's two copies, by (dp, cp, tp)
+    """A collective: a group of the end stages at each (dp, cp, tp) place; None elsewhere."""
     pp = mesh.size(0)
-    ends = mesh.mesh[[0, -1]].flatten(1).T.tolist() if pp > 1 else []  # 4D 1: per (dp, cp, tp)
+    ends = mesh.mesh[[0, -1]].flatten(1).T.tolist() if pp > 1 else []  # 4D 1: a pair per place
     groups = [dist.new_group(ranks) for ranks in ends]  # every rank joins the making of each
     return groups[rank % len(groups)] if pp > 1 and stage in (0, pp - 1) else None  # 4D 1
 
 
-class Context:  # 4D 3: this rank's share of every sequence, and how its queries see the rest
-    """Chapter 10's split: rank i of a cp group holds chunks i and 2 cp - 1 - i of 2 cp, one early,
-    one late, equal work; its attention all-gathers the group's keys and values (backward keeps
-    none: it gathers again). Sequence parallelism then splits a rank's share by tp (inside TP)."""
+def layout_line(mesh, rank):  # the mesh's sizes, and one rank's place and groups (fsdp: dp x cp)
+    grid, names = mesh.mesh, mesh.mesh_dim_names  # 4D 1
+    where = [int(i) for i in (grid == rank).nonzero()[0]]
+    def along(*dims):  # the ranks that share every coordinate with `rank` but these
+        index = tuple(slice(None) if d in dims else i for d, i in enumerate(where))
+        return grid[index].flatten().tolist()
+    groups = [f"{name} {along(d)}" for d, name in enumerate(names)] + [f"fsdp {along(1, 2)}"]
+    return (f"mesh {' x '.join(f'{n} {s}' for n, s in zip(names, grid.shape))} | rank {rank} at "
+            f"{dict(zip(names, where))}: groups " + ", ".join(groups))
+
+
+class Context:
+    """Which tokens of each sequence this rank holds, and how its queries see the rest. Each cp rank
+    holds an early chunk and a late one, so that causal attention costs every rank the same."""
 
     def __init__(self, group, cp_rank, cp, block_size, device):
-        # cp 2, 16 tokens, 4 chunks of 4: rank 0 holds positions 0-3 and 12-15, rank 1 4-7, 8-11.
-        # Gathered in rank order the keys stand as 0-3, 12-15, 4-7, 8-11; order [0-3, 8-15, 4-7]
-        # (indices into the gathered keys) sorts them to 0-15. ends: rank 0 [4, 16], rank 1 [8, 12]
-        every = [chunk_positions(r, cp, block_size) for r in range(cp)]
+        # With cp 2 and 16 tokens in 4 chunks, rank 0 holds positions 0-3 and 12-15, rank 1 4-11.
+        # Gathered in rank order, the keys stand as 0-3, 12-15, 4-7, 8-11; `order` sorts them back
+        # to 0-15. `ends`: rank 0's two chunks see keys up to 4 and 16, rank 1's up to 8 and 12.
+        every = [chunk_positions(r, cp, block_size) for r in range(cp)]  # 4D 3: every rank's
         self.group, self.cp, self.positions = group, cp, every[cp_rank].to(device)
         self.order = torch.cat(every).argsort().to(device)  # gathered -> sequence order
         self.ends = [int(chunk[-1]) + 1 for chunk in self.positions.chunk(2)]
@@ -237,99 +256,98 @@ class Context:  # 4D 3: this rank's share of every sequence, and how its queries
     def share(self, x, y):  # this rank's tokens of each sequence, and their targets
         return x[:, self.positions], y[:, self.positions]
 
-    def attention(self, q, k, v):  # 4D 4: each chunk's queries over every key up to its end
+    def attention(self, q, k, v):  # each chunk's queries over every key up to the chunk's end
         if self.cp == 1:  # the whole sequence is here: plain causal attention
             return causal_attention(q, k, v)
-        return checkpoint(self.gathered_attention, q, k, v, use_reentrant=False)  # recomputed
+        return checkpoint(self.gathered_attention, q, k, v, use_reentrant=False)  # 4D 4: recomputed
 
-    def gathered_attention(self, q, k, v):  # 4D 4: talks: the cp group's keys and values
-        kv = GatherContext.apply(torch.stack([k, v]), self.group)  # (2, B, heads, T, head size)
-        k, v = kv.index_select(-2, self.order)  # the whole sequence, in order of position
+    def gathered_attention(self, q, k, v):  # a collective of the cp group, run again in backward
+        kv = GatherContext.apply(torch.stack([k, v]), self.group)  # 4D 4: every rank's k and v
+        k, v = kv.index_select(-2, self.order)  # each (B, heads, T, head size), in position order
         chunks = q.chunk(2, dim=-2)  # an early chunk's queries and a late one's
         return torch.cat([causal_attention(part, k[..., :end, :], v[..., :end, :], mask)
                           for part, end, mask in zip(chunks, self.ends, self.masks)], dim=-2)
 
 
-def chunk_positions(cp_rank, cp, block_size):  # 4D 3: an early chunk and a late one
-    """The positions context rank cp_rank holds in a sequence of block_size tokens: chunks cp_rank
-    and 2 cp - 1 - cp_rank of 2 cp equal chunks."""
+def chunk_positions(cp_rank, cp, block_size):
+    """The positions of chunks cp_rank and 2 cp - 1 - cp_rank of 2 cp, in block_size tokens."""
     size = block_size // (2 * cp)
     chunks = (cp_rank, 2 * cp - 1 - cp_rank)
-    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
+    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])  # 4D 3
 
 
-class GatherContext(torch.autograd.Function):  # 4D 4: an all-gather that carries gradients
-    """All-gather over the context ranks along the sequence (dim -2), in rank order. Backward: a
-    reduce-scatter, as every rank's queries read each rank's keys: their gradients add up."""
+class GatherContext(torch.autograd.Function):
+    """An all-gather over the cp group along the sequence (dim -2), in rank order, that carries
+    gradients. Its backward is a reduce-scatter that sums, as every rank's queries read each key."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group, n = group, dist.get_world_size(group)
-        parts = x.new_empty((n * x.shape[0], *x.shape[1:]))  # rank r's x at [r * len(x):]
-        dist.all_gather_single(parts, x.contiguous(), group=group)  # talks: every rank's share
+        parts = x.new_empty((n * x.shape[0], *x.shape[1:]))  # rank r's x at rows r * len(x) on
+        dist.all_gather_single(parts, x.contiguous(), group=group)  # 4D 4: a collective of cp ranks
         return torch.cat(parts.chunk(n), dim=-2)
 
     @staticmethod
     def backward(ctx, grad):
         n = dist.get_world_size(ctx.group)
-        parts = torch.cat(grad.chunk(n, dim=-2)).float()  # rank r's at [r * len(mine):]; fp32 sums:
-        mine = parts.new_empty((parts.shape[0] // n, *parts.shape[1:]))  # bf16 would round each
-        dist.reduce_scatter_single(mine, parts, group=ctx.group)  # talks: sums, each rank its own
+        parts = torch.cat(grad.chunk(n, dim=-2)).float()  # rank by rank, in fp32, because a sum
+        mine = parts.new_empty((parts.shape[0] // n, *parts.shape[1:]))  # in bf16 would round
+        dist.reduce_scatter_single(mine, parts, group=ctx.group)  # each rank gets its part, summed
         return mine.to(grad.dtype), None
 
 
 @dataclasses.dataclass
 class Data:
     windows: "Windows"  # this rank's training batches
-    val: np.ndarray  # held out: the last --val-fraction of the tokens, or a folder's val.bin
+    val: np.ndarray  # the last --val-fraction of the tokens, or a folder's val.bin
     vocab_size: int
     itos: dict  # id -> text, from a nanoGPT folder's meta.pkl; None for bytes or plain ids
-    baseline: float  # the loss of predicting each token by its frequency: the loss to beat
+    baseline: float  # the loss of predicting each token by its frequency, the loss to beat
 
 
 def build_data(run):
-    """This rank's training windows and the validation tokens (--debug: a collective)."""
+    """This rank's training windows and the validation tokens; a collective with --debug."""
     args = run.args
-    train, val, vocab_size, itos = load_data(args, run.dp_size)  # PP 3: a batch per column
+    train, val, vocab_size, itos = load_data(args, run.dp_size)  # PP 3: a batch per replica
     windows = Windows(train, args.block_size, args.batch_size, run.dp_rank, run.dp_size,
-                      args.seed)  # PP 3: each column its own windows, the same on every stage
+                      args.seed)  # PP 3: its ranks are the replicas; their stages read alike
     baseline = unigram_loss(train, val, vocab_size)
     unit = "byte" if vocab_size == 256 else "token"
     print0(run.is_main, f"data {args.data or 'Python standard library'} | {len(train):,} train "
                         f"/ {len(val):,} val tokens | vocab {vocab_size} | "
                         f"{unit}-frequency baseline loss {baseline:.4f}")
     if args.debug:
-        log_windows(run, windows)  # talks: rank 0 prints every rank's
+        log_windows(run, windows)  # a collective: rank 0 prints every rank's windows
     return Data(windows, val, vocab_size, itos, baseline)
 
 
 class Windows:
-    """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
-    block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
-    ranks round-robin: each token at most once an epoch, on one rank (a DataLoader's equivalent:
-    DistributedSampler(drop_last=True) and set_epoch(epoch)). Micro-batch k depends on k and the
-    ranks alone, so a run resumed with as many ranks reads what the uninterrupted one would have."""
+    """This rank's training batches. Each epoch cuts the tokens into windows that do not overlap,
+    from a random offset, shuffles them (seeded by seed + epoch), deals them to the ranks in turn as
+    DistributedSampler(drop_last=True) with set_epoch(epoch) would. Micro-batch k depends only on
+    k, seed and dp ranks: a run resumed with as many replicas reads what an unbroken run would."""
 
     def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
         self.tokens, self.block, self.batch = tokens, block_size, batch_size
         self.rank, self.world, self.seed = rank, world_size, seed
-        per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size  # at any offset
-        # as many micro-batches on every rank: a rank with one more would wait in its collectives
-        self.per_epoch = per_rank // batch_size  # micro-batches per rank per epoch
+        # The windows that fit whatever the offset (at most block_size), split evenly over ranks.
+        per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size
+        self.per_epoch = per_rank // batch_size  # per rank: all ranks change epoch together
         self.span = np.arange(block_size + 1)
         self.epoch, self.starts = None, None
 
-    def starts_of_epoch(self, epoch):  # DDP 4: every rank its own share of the windows
+    def starts_of_epoch(self, epoch):
         """The first token of every window this rank reads in `epoch`, in order."""
-        # seeded by epoch, not by rank: every rank draws the same order, then keeps its own slice
+        # Seeded by epoch, not by rank, so every rank draws the same order and keeps its own part.
         g = torch.Generator().manual_seed(self.seed + epoch)  # DDP 5: a new order each epoch
         offset = int(torch.randint(0, self.block + 1, (1,), generator=g))
         count = self.per_epoch * self.batch * self.world
         order = torch.randperm((len(self.tokens) - offset) // (self.block + 1), generator=g)[:count]
+        # DDP 4: this rank keeps every world_size-th window of the order, starting at its rank.
         return (offset + order * (self.block + 1))[self.rank::self.world].numpy()
 
     def rows(self, k):
-        """Micro-batch k of this rank: (B, block_size + 1) token ids, inputs and the next token."""
+        """Micro-batch k of this rank: a (B, block_size + 1) tensor of token ids, B windows."""
         epoch, i = divmod(k, self.per_epoch)
         if epoch != self.epoch:
             self.epoch, self.starts = epoch, self.starts_of_epoch(epoch)
@@ -338,40 +356,39 @@ class Windows:
 
 
 def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, then filled
-    """The sharded model (1/N of every parameter here; no rank ever holds it whole), and AdamW."""
+    """This rank's stage of the model, sharded over the stage's dp group, and its AdamW."""
     args = run.args
     with torch.device("meta"):  # FSDP 2: shapes and dtypes, no memory
         raw_model = Stage(GPT(**model_config(args, vocab_size)), run.stage, args.pp,  # 4D 3
-                          run.context)  # PP 5; the split the schedule's forwards see
+                          run.context)  # PP 5; the schedule's forwards use this Context
     shard(run, raw_model)  # FSDP 2: before the optimizer, which must see the shards
     raw_model.to_empty(device=run.device)  # FSDP 2: this rank's shards, not yet filled
-    init_shards(raw_model, args.seed, args.n_layer)  # PP 5: one process's weights, the GPT's depth
+    # PP 5: from --seed alone on every rank, so that any layout starts from one process's weights
+    init_shards(raw_model, args.seed, args.n_layer)  # n_layer: the GPT's depth, not the stage's
     raw_model.grad_checkpointing = args.grad_checkpointing
     optimizer = make_optimizer(raw_model, args, run.device)
     torch.manual_seed(args.seed + dropout_stream(run))  # 4D 5: by rank, or by tp group
     print0(run.is_main, f"model {raw_model.whole_params:,} parameters | "  # PP 5: the GPT's
                         f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
                         f"context {args.block_size}")
-    held = [None] * run.world_size  # PP 5: what every rank holds, gathered for rank 0's line
-    dist.all_gather_object(held, stage_holding(run, raw_model))  # rank 0 prints every stage's
+    held = [None] * run.world_size  # PP 5: what every rank holds, for rank 0's line
+    dist.all_gather_object(held, stage_holding(run, raw_model))  # a collective: every rank gets all
     print0(run.is_main, memory_line(raw_model, held))  # PP 5: what each stage holds
     print0(run.is_main, traffic_line(run, vocab_size))  # 4D 6: and what each group sends
     return raw_model, optimizer
 
 
-def shard(run, model):  # 4D 5: each block split by TP in its tp group, then FSDP over dp x cp
-    """parallelize_module splits each block's four matrices, and the tied embedding and head by
-    vocabulary, across the tp ranks (DTensors on the tp mesh; chapter 8); then fully_shard shards
-    every parameter of the stage over its dp x cp ranks (FSDP: a block's weights gathered before
-    its forward, its gradients reduce-scattered after its backward), a block at a time."""
+def shard(run, model):  # FSDP 2: every block a group of its own, then the root
+    """TP, then FSDP: parallelize_module splits each block's matrices across the tp group, and the
+    tied embedding and head by vocabulary; fully_shard then shards the stage across dp x cp."""
     sp = run.args.sequence_parallel == "on"
-    # 4D 5: FSDP over dp and cp as one dim (chapter 10: the cp ranks of a replica hold the same
-    # weights, and their gradients add up), not over dp alone
+    # 4D 5: the cp ranks hold the same weights, so FSDP shards across dp x cp. Its average of their
+    # gradients is the gradient of the mean loss over all tokens, as each holds as many tokens.
     mesh = run.mesh["dp", "cp"]._flatten("dp_cp")  # 4D 5
     reshard = run.args.reshard_after_forward == "yes"
     for i, block in enumerate(model.blocks.values()):  # PP 5: the stage's blocks
         last = i == len(model.blocks) - 1  # its backward comes first: no gather in between
-        if run.args.tp > 1:  # 4D 5: --tp 1 is chapter 9's stages alone
+        if run.args.tp > 1:  # 4D 5: --tp 1 leaves the blocks whole
             parallelize_module(block, run.mesh["tp"], block_plan(sp))  # collectives in forward
         fully_shard(block, mesh=mesh, mp_policy=run.policy,
                     reshard_after_forward=reshard and not last)  # hooks
@@ -379,46 +396,44 @@ def shard(run, model):  # 4D 5: each block split by TP in its tp group, then FSD
     if run.args.tp > 1 and plan:
         parallelize_module(model, run.mesh["tp"], plan)  # collectives in forward
         if model.tok_emb is not None and model.head is not None:  # --pp 1: one matrix again
-            model.head.weight = model.tok_emb.weight  # each split it by rows alike
+            model.head.weight = model.tok_emb.weight  # both split the vocabulary alike
     fully_shard(model, mesh=mesh, mp_policy=run.policy)  # the root: whole from forward to backward
 
 
-def block_plan(sp):  # 4D 5: chapter 8's split of a block, then its sequence parallelism
-    """Column-wise: q, k, v (whole heads: GPT.qkv orders its outputs head by head) and the MLP's
-    first matrix, each rank its share of the outputs from the whole input. Row-wise: attn.proj and
-    the MLP's second matrix give partial sums, which one all-reduce adds up. sp: a reduce-scatter
-    instead, each rank the sum for its part of this cp rank's tokens, which the norms and dropout
-    work on alone; an all-gather makes them whole for the next split (the context rides along)."""
+def block_plan(sp):
+    """TP's plan for one block. Column-wise: q, k, v (whole heads, as GPT.qkv orders its outputs
+    head by head) and the MLP's first matrix. Row-wise: attn.proj and the MLP's second matrix, whose
+    partial sums an all-reduce adds up. With sequence parallelism (sp), a reduce-scatter leaves each
+    rank the sums for its part of the tokens instead; an all-gather joins them before the next."""
     if not sp:
-        return {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+        return {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),  # 4D 5
                 "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
     whole = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    with_context = PrepareModuleInput(input_layouts=(Shard(1), None),  # attn(x, context)
+    with_context = PrepareModuleInput(input_layouts=(Shard(1), None),  # attn(x, context): gathers x
                                       desired_input_layouts=(Replicate(), None))
     return {"ln1": SequenceParallel(), "attn": with_context, "attn.qkv": ColwiseParallel(),
-            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),  # each rank its tokens' sum
+            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),  # 4D 5: reduce-scatter by token
             "ln2": SequenceParallel(), "mlp": whole, "mlp.0": ColwiseParallel(),
             "mlp.2": RowwiseParallel(output_layouts=Shard(1))}
 
 
-def ends_plan(model, sp):  # 4D 5: the ends of the model this stage holds, split by vocabulary
-    """The tied embedding and head, each rank a share of the vocabulary's rows (chapter 8), for
-    what this stage holds: the embeddings on the first, the final norm and head on the last. sp:
-    the embedding's sum goes straight to each rank's part of the tokens, the positions sliced
-    alike; the head's logits stay split (a DTensor) for loss parallel."""
-    stream = Shard(1) if sp else Replicate()  # (B, T, C): by sequence, or whole on every rank
-    plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+def ends_plan(model, sp):
+    """TP's plan for the ends this stage holds (the embeddings on the first stage, the final norm
+    and head on the last): the tied matrix split by vocabulary. With sp, the embedding's sums go to
+    each rank's part of the tokens. The head's logits stay split by vocabulary for loss parallel."""
+    stream = Shard(1) if sp else Replicate()  # activations (B, T, C): split by position, or whole
+    plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),  # 4D 5
             "head": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1),
                                     use_local_output=False)}  # the logits: split by vocabulary
     if sp:
         plan["pos_emb"] = PrepareModuleOutput(output_layouts=Replicate(),
-                                              desired_output_layouts=Shard(0))  # (T, C): my part
+                                              desired_output_layouts=Shard(0))  # its positions
         plan["ln_f"] = SequenceParallel()
     return {name: style for name, style in plan.items() if getattr(model, name) is not None}
 
 
 @torch.no_grad()
-def init_shards(model, seed, n_layer):  # PP 5: n_layer, the GPT's: a stage holds fewer blocks
+def init_shards(model, seed, n_layer):  # PP 5: n_layer is the GPT's; a stage holds fewer blocks
     """Fill this rank's shards with one process's initial weights: each parameter whole from the
     seed, one at a time; each rank keeps its slice, sending nothing (src_data_rank=None)."""
     for name, p in model.named_parameters():
@@ -427,22 +442,19 @@ def init_shards(model, seed, n_layer):  # PP 5: n_layer, the GPT's: a stage hold
         p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))  # mine
 
 
-def dropout_stream(run):  # 4D 5: which ranks draw the same dropout masks
-    """This rank's offset to the dropout seed. Where the activations dropout acts on are whole on
-    every rank of a tp group (--sequence-parallel off), the group draws alike, or its copies drift
-    apart; sequence parallel, each rank drops out its own part of the sequence: by rank."""
-    return run.rank if run.args.sequence_parallel == "on" else run.rank // run.args.tp
+def dropout_stream(run):
+    """The dropout seed's offset: by rank, or by tp group where its ranks hold copies (sp off)."""
+    return run.rank if run.args.sequence_parallel == "on" else run.rank // run.args.tp  # 4D 5
 
 
 def resumed_step(run, raw_model, optimizer, data):
-    """A collective: the step to go on from, 0 or --resume's after loading it. Rank 0 decides
-    whether `--resume auto` finds a checkpoint; all ranks load it, or all stop with one line."""
+    """A collective: the step to go on from, 0 or --resume's; every rank loads it, or all stop."""
     path, state, problem = resume_path(run), None, None  # FSDP 3: read the small file, agree,
     try:  # and only then load the shards, a collective
         state = read_run_state(path, run, data) if path else None
     except InputError as err:  # told to every rank below, so that none waits for this one
         problem = str(err)
-    step = agree_on_start(state["step"] if state else 0, problem, path)  # FSDP 3; talks
+    step = agree_on_start(state["step"] if state else 0, problem, path)  # FSDP 3: a collective
     if path:
         load_shards(path, state, run, raw_model, optimizer)  # FSDP 3: every rank, at once
         print0(run.is_main, f"resumed from {path} at step {step}")
@@ -450,9 +462,8 @@ def resumed_step(run, raw_model, optimizer, data):
 
 
 def resume_path(run):
-    """A collective: the checkpoint to resume from, or None. --resume auto: the --save checkpoint
-    if it exists (so that a restart after a crash runs the same command and goes on from the last
-    checkpoint). Rank 0 looks and tells the rest: ranks that looked on their own could disagree."""
+    """The checkpoint to resume from, or None. `auto` (a collective) takes --save if rank 0 finds
+    it, so a restart after a crash reruns the same command; ranks looking alone could disagree."""
     resume, save = run.args.resume, run.args.save
     if resume != "auto":
         return resume and newest_complete_step(resume, run.is_main) or resume  # FSDP 3: a step
@@ -464,13 +475,13 @@ def resume_path(run):
 
 
 def agree_on_start(start, error, path):
-    """Every rank resumed from the same step, or all stop with the same line (a rank on a node that
-    cannot see the checkpoint, or sees another file: checkpoints need a shared filesystem)."""
+    """A collective: the same step on every rank, or all stop with one line. A rank fails alone
+    where its node cannot see the checkpoint, or sees another file than the other nodes."""
     outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, (start, error))  # DDP 7: a collective, so no rank hangs
+    dist.all_gather_object(outcomes, (start, error))  # DDP 7: every rank gets every outcome
     failed = [(rank, problem) for rank, (_, problem) in enumerate(outcomes) if problem]
     if failed and len(failed) == len(outcomes) and len({p for _, p in failed}) == 1:
-        raise InputError(failed[0][1])  # the same problem everywhere: the checkpoint itself
+        raise InputError(failed[0][1])  # the same problem on every rank: the checkpoint's own
     if failed:
         raise InputError(f"rank {failed[0][0]}: {failed[0][1]} (every rank reads --resume: on "
                          "several nodes it must be on a filesystem they share, docs/multinode.md)")
@@ -493,9 +504,9 @@ def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
     optim_state = as_stage(optim_state, own_names)  # PP 6: back to this stage's names
     set_state_dict(raw_model, optimizer, model_state_dict=model_state,  # into my shards
                    optim_state_dict=optim_state)
-    if not shards_finite(raw_model):  # talks: every rank gets the same answer
+    if not shards_finite(raw_model):  # a collective: every rank gets the same answer
         raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
-    saved, args = state["args"], run.args  # 4D 7: streams only at the layout that saved them
+    saved, args = state["args"], run.args  # 4D 7: random states only at the layout that saved them
     if [saved.get(k) for k in ("pp", "cp", "tp", "sequence_parallel")] + [len(state["rng"])] == [
             args.pp, args.cp, args.tp, args.sequence_parallel, run.world_size]:
         restore_rng(state["rng"][run.rank], run.device)  # FSDP 3: this rank's streams
@@ -511,78 +522,73 @@ def shards_finite(model):  # FSDP 3
 
 def wrap_model(run, raw_model):  # FSDP 4: no wrapper: the sharded model trains itself
     """The model that trains: the sharded raw_model, compiled with --compile. Two handles to one
-    set of shards: `raw_model` (saved, exported) and `model`, the same or its compiled form."""
-    for block in raw_model.blocks.values() if run.args.compile else []:  # PP 1: in place, so the
-        block.compile(backend=run.args.compile_backend)  # schedule still sees an FSDP module
+    set of shards: `raw_model` (saved, exported) and `model`, the very same module object."""
+    for block in raw_model.blocks.values() if run.args.compile else []:  # PP 1: in place, so
+        block.compile(backend=run.args.compile_backend)  # the schedule gets an FSDP module
     return raw_model
 
 
-def pipeline_schedule(run, model):  # PP 1: the stage, in a schedule of the step's micro-batches
-    """This rank's stage in a schedule of --grad-accum micro-batches, which sends each one's
-    activations to the next stage and their gradients back; FSDP reduce-scatters once, after the
-    last backward. The schedule divides the gradients by K: one process's mean of micro-batches."""
+def pipeline_schedule(run, model):
+    """This rank's stage in a schedule of K = --grad-accum micro-batches. After the last backward
+    FSDP reduce-scatters once; the schedule then divides the gradients by K, for the mean loss."""
     inputs, outputs = stage_shapes(run, model)  # given, so no forward is run to infer them
     stage = PipelineStage(model, run.stage, run.args.pp, run.device, inputs, outputs,
-                          group=run.mesh.get_group("pp"))
+                          group=run.mesh.get_group("pp"))  # PP 1: sends along the pp group
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[run.args.schedule]
-    return kind(stage, run.args.grad_accum, loss_fn=mean_token_loss)
+    return kind(stage, run.args.grad_accum, loss_fn=mean_token_loss)  # PP 1: K micro-batches
 
 
 def evaluate(run, model, val):  # FSDP 5: every rank runs as many forwards
     """The mean validation loss per token, exact at any world size; a collective. Each forward
-    all-gathers with every rank, so fewer batches are padded with targets of -100: counted 0."""
+    needs every rank of its groups, so fewer batches are padded with targets of -100: counted 0."""
     batches = list(validation_batches(run, val))  # DDP 4: disjoint slices
     most = torch.tensor(len(batches), device=run.device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most batches any rank holds
     x = torch.zeros(1, run.args.block_size, dtype=torch.long, device=run.device)
     batches += [(x, torch.full_like(x, -100))] * (int(most) - len(batches))
     batches = [run.context.share(x, y) for x, y in batches]  # 4D 3: this rank's tokens
-    return mean_loss_over_ranks(run, model, batches)  # PP 7
+    return mean_loss_over_ranks(run, model, batches)  # PP 7: through the pipeline; a collective
 
 
 def validation_batches(run, val):
     """This rank's validation batches, (inputs, targets) on its device: the first --eval-windows
-    non-overlapping windows of the validation tokens, dealt to the ranks round-robin: disjoint
-    slices, never padded with repeats as a DistributedSampler pads them, so each counts once."""
+    windows, dealt to the ranks in turn and never padded with repeats, so each counts once."""
     args = run.args
     starts = np.arange(0, len(val) - args.block_size, args.block_size + 1)[:args.eval_windows]
-    mine = starts[run.dp_rank::run.dp_size]  # PP 3: by column
+    mine = starts[run.dp_rank::run.dp_size]  # PP 3: by replica: its stages take the same ones
     for i in range(0, len(mine), args.batch_size):
         rows = val[mine[i:i + args.batch_size, None] + np.arange(args.block_size + 1)]
         yield on_device(torch.from_numpy(rows.astype(np.int64)), run.device)
 
 
 @torch.no_grad()
-def mean_loss_over_ranks(run, model, batches):  # PP 7; FSDP 1: no autocast; DDP 9: sum, divide
-    """The mean cross-entropy per target over all ranks' batches (inputs, targets): each rank
-    sums its own, one all-reduce adds the sums and the counts up. A collective: every rank calls
-    it (evaluate() says how many batches each rank may bring)."""
+def mean_loss_over_ranks(run, model, batches):  # PP 7: run; FSDP 1: no autocast; DDP 9: SUM
+    """A collective: the mean cross-entropy per target over all ranks' batches (inputs, targets).
+    Each rank sums its own losses and counts them; one all-reduce adds those up over the ranks."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
     for x, y in batches:
         logits = pipeline_forward(run, model, x)  # PP 7: None but on the last stage
         if logits is None:  # PP 7: only the last stage scores; the others add 0
             continue
-        with loss_parallel():  # 4D 8: from each rank's share of the logits
+        with loss_parallel():  # 4D 8: from this rank's logits, split by vocabulary
             loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
-        totals[0] += local(loss)  # 4D 8
+        totals[0] += local(loss)  # 4D 8: a tp group adds tp copies of its sum, and of its count
         totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token
-    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # 4D 8: a tp group's sums tp times, counts too
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # DDP 9: all ranks' sums, divided below
     free_gathered_weights(model)  # FSDP 5: forwards without a backward leave them
     model.train()
     return (totals[0] / totals[1]).item()
 
 
-@torch.no_grad()  # PP 7: a pipeline without a schedule: receive, run, send
-def pipeline_forward(run, model, x, context=None):  # 4D 3: None: the run's split
-    """A forward through every stage of this rank's pp column (a collective of it): stage 0 embeds
-    the token ids x (B, T); every later stage receives the activations (B, T, C) from the stage
-    before, runs its blocks and sends them on. Returns the logits on the last stage, else None."""
+@torch.no_grad()
+def pipeline_forward(run, model, x, context=None):  # 4D 3: None: the run's Context
+    """A forward through the replica's stages, a collective: the last stage's logits, else None."""
     group, last = run.mesh.get_group("pp"), run.args.pp - 1
-    if run.stage > 0:  # every stage knows x: its shape is the shape of what arrives
+    if run.stage > 0:  # every stage knows x (B, T): the activations that arrive are (B, T, C)
         h = torch.empty(*stream_shape(run, x.shape), dtype=activation_dtype(run),  # 4D 6
                         device=run.device)
-        dist.recv(h, group=group, group_src=run.stage - 1)  # waits for the stage before
+        dist.recv(h, group=group, group_src=run.stage - 1)  # PP 7: waits for the stage before
         x = h
     out = model(x, context)  # 4D 3
     if run.stage == last:
@@ -591,24 +597,29 @@ def pipeline_forward(run, model, x, context=None):  # 4D 3: None: the run's spli
     return None
 
 
-def train_step(run, schedule, model, optimizer, windows, step):  # PP 1: the schedule steps
-    """One optimizer step over --grad-accum micro-batches; a collective. Returns the loss (mean
-    over all ranks) and the gradient norm before clipping, both device tensors."""
+def stream_shape(run, size):  # a stage sends (B, T, C) for ids (B, T), or (B, T / tp, C) with sp
+    split = run.args.tp if run.args.sequence_parallel == "on" else 1
+    return size[0], size[1] // split, run.args.n_embd  # 4D 6
+
+
+def train_step(run, schedule, model, optimizer, windows, step):
+    """A collective: one optimizer step; returns the global batch's loss and the unclipped norm."""
     args = run.args
     # PP 1: K micro-batches in a row, (K x B, T), cut by the schedule; stage 0 reads x, the last y
     rows = torch.cat([windows.rows(step * args.grad_accum + i) for i in range(args.grad_accum)])
-    x, y = run.context.share(*on_device(rows, run.device))  # 4D 3: this rank's tokens of each
+    x, y = run.context.share(*on_device(rows, run.device))  # 4D 3: this rank's tokens, targets
     first, last, losses = run.stage == 0, run.stage == args.pp - 1, []
     inputs, target = ((x,) if first else ()), (y if last else None)
-    with loss_parallel():  # 4D 8: the loss from the vocabulary's shares, and its backward
+    with loss_parallel():  # 4D 8: the loss and its backward from logits split by vocabulary
         schedule.step(*inputs, target=target, losses=losses if last else None,
-                      return_outputs=False)  # each cp rank's mean: every rank has as many targets
-    losses = [local(part) for part in losses]  # 4D 8: loss_parallel's losses, as tensors
+                      return_outputs=False)  # each cp rank's mean, over as many tokens as all
+    losses = [local(part) for part in losses]  # 4D 8: plain tensors, a copy on each tp rank
     loss = torch.stack(losses).mean() if last else torch.zeros((), device=run.device)
-    sum_tied_gradients(run, model)  # PP 4
+    sum_tied_gradients(run, model)  # PP 4: a collective of the two ends
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, args)
-    grad_norm = clip_gradients(run, model, args.clip or float("inf"))  # PP 8
+    grad_norm = clip_gradients(run, model, args.clip or float("inf"))  # PP 8: a collective
+    # tp cancels: mean_over_ranks sums tp copies of each loss, and divides by pp x dp x cp x tp
     loss = mean_over_ranks(loss) * args.pp  # PP 1: the other stages add 0: the last stage's mean
     stop_if_diverged(run, step, loss, grad_norm)
     optimizer.step()  # FSDP 1
@@ -616,40 +627,37 @@ def train_step(run, schedule, model, optimizer, windows, step):  # PP 1: the sch
     return loss, grad_norm
 
 
-def sum_tied_gradients(run, model):  # PP 4: one matrix, two copies: the sum of both gradients
-    """A collective of this column's first and last stage: the GPT's one embedding and head matrix
-    is two copies here; each gets the sum of both gradients, so both take the one matrix's steps."""
+def sum_tied_gradients(run, model):
+    """A collective of the two end stages: each tied copy gets the sum of both copies' gradients."""
     if run.tied is not None:  # None: a middle stage, or --pp 1 (one matrix, one gradient)
         copy = model.tok_emb.weight if run.stage == 0 else model.head.weight
-        dist.all_reduce(copy.grad.to_local(), op=dist.ReduceOp.SUM, group=run.tied)  # both copies
+        dist.all_reduce(copy.grad.to_local(), op=dist.ReduceOp.SUM, group=run.tied)  # PP 4: SUM
 
 
-def local(loss):  # 4D 8: loss_parallel's loss, the same on each rank of a tp group
-    return loss.to_local() if isinstance(loss, DTensor) else loss
+def local(loss):  # loss_parallel's loss, the same on each rank of a tp group
+    return loss.to_local() if isinstance(loss, DTensor) else loss  # 4D 8
 
 
-def clip_gradients(run, model, max_norm):  # 4D 9: over every stage, shard and mesh
-    """clip_grad_norm_ over the whole model: each stage's squared norm over its shards, per mesh
-    (FSDP's dp x cp and, for what TP split, dp x cp x tp: clip_grad_norm_ cannot mix them), summed
-    over the stages, the tied matrix counted once. Returns the norm before clipping, everywhere."""
+def clip_gradients(run, model, max_norm):
+    """The whole model's clip_grad_norm_: the stages' squared norms summed, the tied matrix once."""
     twin = model.head.weight if run.stage > 0 and model.head is not None else None  # PP 4
-    on_mesh = {}  # 4D 9: by mesh
+    on_mesh = {}  # 4D 9: FSDP's dp x cp mesh, or dp x cp x tp where TP split the parameter
     for p in model.parameters():
         on_mesh.setdefault(p.device_mesh, []).append(p)
     norms = [nn.utils.get_total_norm([p.grad for p in ps if p is not twin])
-             for ps in on_mesh.values()]  # each mesh's, a DTensor over its ranks
-    norm = sum(n.full_tensor() ** 2 for n in norms)  # talks: each mesh's ranks; the stage's
-    dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=run.mesh.get_group("pp"))  # all stages
+             for ps in on_mesh.values()]  # one per mesh: get_total_norm cannot mix meshes
+    norm = sum(n.full_tensor() ** 2 for n in norms)  # each a collective: the stage's squared norm
+    dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=run.mesh.get_group("pp"))  # PP 8: stages
     norm = norm.sqrt()
     for ps in on_mesh.values():  # 4D 9
         nn.utils.clip_grads_with_norm_(ps, max_norm, norm)
     return norm
 
 
-def mean_over_ranks(value):  # DDP 9
-    """A collective: the average of a scalar tensor over all ranks (SUM, then divide)."""
+def mean_over_ranks(value):
+    """A collective: the mean of a scalar tensor over all ranks, summed then divided."""
     value = value.detach().clone().float()
-    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # every rank gets the sum of all ranks'
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # DDP 9: every rank gets the sum of all ranks'
     return value / dist.get_world_size()
 
 
@@ -657,7 +665,7 @@ def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every ran
     """A collective: rank 0 writes DIR/step-N/run.json (step, flags, vocabulary, every rank's RNG),
     every rank its shards of weights and AdamW state (DCP: no gather; .metadata last marks it
     complete). Failed: SaveFailed on every rank, the folder removed, the previous step intact."""
-    rng_states = [None] * run.world_size  # DDP 11: each rank has its own dropout stream
+    rng_states = [None] * run.world_size  # DDP 11: each rank's RNG draws its own dropout masks
     dist.all_gather_object(rng_states, rng_state(run.device))  # so rank 0 can save them all
     folder = os.path.join(run.args.save, f"step-{step:06d}")  # FSDP 3: a folder per step
     if not shards_finite(raw_model):  # a collective: every rank gets the same answer
@@ -665,20 +673,20 @@ def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every ran
     state = dict(zip(("model", "optimizer"), get_state_dict(raw_model, optimizer)))  # mine
     as_whole_model(run, raw_model, state["optimizer"])  # PP 6: named as the whole model names it
     try:  # rank 0 writes run.json, then every rank its shards
-        save_on_rank_0(lambda: write_file(os.path.join(folder, "run.json"),  # talks
+        save_on_rank_0(lambda: write_file(os.path.join(folder, "run.json"),  # a collective
                                           run_state(run, data, step, rng_states)), run.is_main)
         dcp.save(state, checkpoint_id=folder)  # every rank its shards; .metadata last, by rank 0
     except (SaveFailed, OSError, RuntimeError, CheckpointException) as err:  # DCP: on every rank
-        save_on_rank_0(lambda: shutil.rmtree(folder, ignore_errors=True), run.is_main)  # talks
+        save_on_rank_0(lambda: shutil.rmtree(folder, ignore_errors=True), run.is_main)  # collective
         failed = SaveFailed(f"cannot save {folder}: {first_reason(err, folder, state)}")
         raise (err if isinstance(err, SaveFailed) else failed) from None
-    save_on_rank_0(lambda: drop_older_steps(run.args.save, folder), run.is_main)  # talks
+    save_on_rank_0(lambda: drop_older_steps(run.args.save, folder), run.is_main)  # a collective
     print0(run.is_main, f"step {step}/{run.args.max_steps} | saved {folder}")
 
 
-def save_on_rank_0(write, is_main):  # DDP 12: one writer; every rank waits and learns the outcome
+def save_on_rank_0(write, is_main):
     """A collective: rank 0 calls write(); every rank waits for it and raises what it raised.
-    Never call it inside `if is_main:`: the other ranks would not reach the broadcast."""
+    Never call it inside `if is_main:`, because the other ranks would not reach the broadcast."""
     error = None
     if is_main:
         try:
@@ -686,28 +694,28 @@ def save_on_rank_0(write, is_main):  # DDP 12: one writer; every rank waits and 
         except Exception as err:  # sent to every rank below, so that none goes on alone
             error = err
     outcome = [error]
-    dist.broadcast_object_list(outcome, src=0)  # every rank waits here for rank 0's write
+    dist.broadcast_object_list(outcome, src=0)  # DDP 12: every rank waits here for rank 0's write
     if outcome[0] is not None:
         raise outcome[0]
 
 
-def leave_distributed():  # DDP 13: leave the process group on every path, error or not
-    """Free what a failed run left (a model's hooks may hold the group), then leave the group."""
+def leave_distributed():
+    """Free what a failed run left (its DDP model may still hold the group), then leave it."""
     gc.collect()
     if dist.is_initialized():
-        dist.destroy_process_group()  # waits for no one: each rank leaves on its own
+        dist.destroy_process_group()  # DDP 13: not a collective; each rank leaves on its own
 
 
 # --------------------------------------------------------------------------------- the model: a GPT
-def causal_attention(q, k, v, causal=None):  # 4D 4: causal: Context's mask
-    """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
-    attention on GPUs: no causal mask is built). No dropout on the attention weights: on a CPU it
+def causal_attention(q, k, v, causal=None):  # 4D 4: causal, the mask Context passes, or None
+    """softmax(q k^T / sqrt(d)) v over earlier positions, in PyTorch's fused kernel, with a mask
+    where q is shorter than k (Context's chunks). No dropout on the attention weights: on a CPU it
     forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
-    bf16 CPU backward kernel is 3x slower than the fp32 one (measured: docs/performance.md)."""
-    # 4D 4: q holds the last positions of k's sequence. The lower-right mask aligns the last
-    # query with the last key: queries 12-15 over 16 keys, query 12 reads keys 0-12 (is_causal=True
-    # would align the first query with the first key: key 0 alone, and train wrong)
-    if causal is None and q.shape[-2] != k.shape[-2]:  # as many queries as keys: is_causal
+    bf16 CPU backward kernel measured 3x slower than the fp32 one."""
+    # 4D 4: where q holds the last positions of k's sequence, a lower-right mask aligns the last
+    # query with the last key: of queries 12-15 over 16 keys, query 12 reads keys 0-12.
+    # is_causal=True would align the first query with the first key, and train wrong.
+    if causal is None and q.shape[-2] != k.shape[-2]:  # equal lengths use is_causal, no mask
         causal = causal_lower_right(q.shape[-2], k.shape[-2])
     cpu = q.device.type == "cpu"  # 4D 4: one call, one mask, on every device
     with torch.autocast("cpu", enabled=False) if cpu else contextlib.nullcontext():
@@ -723,10 +731,9 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(n_embd, 3 * n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
 
-    def forward(self, x, context=None):  # 4D 3: context: this rank's share of the sequence
+    def forward(self, x, context=None):  # 4D 3: context, the tokens of each sequence held here
         B, T, C = x.shape
-        # qkv's outputs come head by head (head 0's q, k, v, then head 1's...): equal parts are
-        # whole heads, as a tensor-parallel split by heads needs; -1: the heads this module holds
+        # qkv's outputs hold each head's q, k and v side by side; -1 counts the heads (n_head).
         qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
         q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
         if context is None:  # 4D 3: the whole sequence is here
@@ -747,8 +754,8 @@ class Block(nn.Module):
                                  nn.Linear(4 * n_embd, n_embd))
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x, context=None):  # 4D 3
-        x = x + self.drop(self.attn(self.ln1(x), context))
+    def forward(self, x, context=None):
+        x = x + self.drop(self.attn(self.ln1(x), context))  # 4D 3
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
@@ -764,14 +771,12 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # weight tying: one matrix embeds and un-embeds
-        if not self.head.weight.is_meta:  # on the meta device there is nothing to fill yet
+        if not self.head.weight.is_meta:  # a weight with no storage (is_meta) cannot be filled
             self.init_weights(seed=0)
 
     @torch.no_grad()
     def init_weights(self, seed):
-        """Every parameter from initial_value(): the same weights for the same seed, whether
-        the model is made whole here or one parameter at a time (a sharded build, where each rank
-        fills only its own slice)."""
+        """Set every parameter to initial_value(), so the same seed gives the same weights."""
         for name, p in self.named_parameters():
             p.copy_(initial_value(name, p.shape, seed, len(self.blocks)))
 
@@ -802,9 +807,9 @@ class GPT(nn.Module):
 
 
 def initial_value(name, shape, seed, n_layer):
-    """The initial value of parameter `name`, GPT-2's scheme: N(0, 0.02) for matrices (residual
-    projections shrink with depth), zero biases, unit norm weights. Each parameter draws from a
-    generator of its own, seeded by (seed, name), so any one can be made without the others."""
+    """The initial value of parameter `name` in GPT-2's scheme: N(0, 0.02) for matrices, std
+    0.02 / sqrt(2 x layers) for residual projections, zero biases, LayerNorm weights of one. Each
+    draws from a generator seeded by (seed, name), so its value depends on nothing else."""
     if name.endswith(".bias"):
         return torch.zeros(shape)
     if len(shape) == 1:  # a LayerNorm's weight
@@ -815,13 +820,13 @@ def initial_value(name, shape, seed, n_layer):
     return torch.randn(shape, generator=generator) * std
 
 
-class Stage(nn.Module):  # PP 5: a run of the GPT's blocks, and the ends of the model it holds
+class Stage(nn.Module):
     """Stage `stage` of `pp` of a GPT: its consecutive blocks under their own indices (blocks.2
     stays blocks.2, so a checkpoint knows nothing of the stages), the embeddings on the first
     stage, the final norm and the head on the last. Its forward takes token ids (first stage) or
     the previous stage's activations, and returns activations, or the logits (last stage)."""
 
-    def __init__(self, gpt, stage, pp, context):  # 4D 3: the split of the run's forwards
+    def __init__(self, gpt, stage, pp, context):  # 4D 3: the run's Context, for its forwards
         super().__init__()
         self.context = context  # 4D 3
         first, last = stage == 0, stage == pp - 1
@@ -831,13 +836,13 @@ class Stage(nn.Module):  # PP 5: a run of the GPT's blocks, and the ends of the 
         self.grad_checkpointing = False  # True: recompute each block's activations in backward
         self.tok_emb, self.pos_emb, self.drop = (gpt.tok_emb, gpt.pos_emb, gpt.drop) if first \
             else (None, None, None)
-        self.blocks = nn.ModuleDict({str(i): gpt.blocks[i]
+        self.blocks = nn.ModuleDict({str(i): gpt.blocks[i]  # PP 5: this stage's run of blocks
                                      for i in stage_blocks(len(gpt.blocks), pp, stage)})
         self.ln_f, self.head = (gpt.ln_f, gpt.head) if last else (None, None)
 
-    def forward(self, x, context=None):  # 4D 3: None: the run's split (the schedule's forwards)
+    def forward(self, x, context=None):  # None: the run's Context (the schedule's forwards)
         context = context or self.context  # 4D 3: the tokens' places in the whole sequence
-        if self.tok_emb is not None:  # token ids (B, T) -> the residual stream (B, T, C)
+        if self.tok_emb is not None:  # the first stage: token ids (B, T) -> activations (B, T, C)
             x = self.drop(self.tok_emb(x) + self.pos_emb(context.positions))  # 4D 3
         for block in self.blocks.values():
             if self.grad_checkpointing and self.training:  # keep block inputs; recompute the rest
@@ -847,52 +852,50 @@ class Stage(nn.Module):  # PP 5: a run of the GPT's blocks, and the ends of the 
         return x if self.head is None else self.head(self.ln_f(x))
 
 
-def stage_blocks(n_layer, pp, stage):  # PP 5: contiguous, as even as can be
+def stage_blocks(n_layer, pp, stage):
     """The indices of the blocks that `stage` holds: the stages cut the blocks in order, into runs
     of equal length, the earlier stages one block more when pp does not divide n_layer."""
     size, extra = divmod(n_layer, pp)
     first = stage * size + min(stage, extra)
-    return range(first, first + size + (stage < extra))
+    return range(first, first + size + (stage < extra))  # PP 5: consecutive, as even as can be
 
 
-def mean_token_loss(logits, targets):  # PP 1: the last stage's loss, per micro-batch
+def mean_token_loss(logits, targets):
     """The mean cross-entropy per token of logits (B, T, vocab) against targets (B, T)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())  # PP 1: last stage
 
 
 # -------------------------------------------- beyond the core: debugging, the benchmark, the report
-def log_windows(run, windows):  # DDP 14: --debug, which windows each rank reads
-    """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
-    that lines from several processes never splice into each other."""
+def log_windows(run, windows):
+    """A collective: rank 0 prints each rank's windows, in rank order, so lines never splice."""
     line = (f"[rank {run.rank}] stage {run.stage}, dp {run.dp_rank}, cp "  # 4D 2
             f"{run.mesh.get_local_rank('cp')}, tp {run.mesh.get_local_rank('tp')}: "
             f"{windows.per_epoch} micro-batches per epoch, "
             f"first windows at tokens {windows.starts_of_epoch(0)[:4].tolist()}")
     lines = [None] * run.world_size
-    dist.all_gather_object(lines, line)  # to rank 0, which prints them in rank order
+    dist.all_gather_object(lines, line)  # DDP 14: every rank gets all lines; rank 0 prints
     print0(run.is_main, "\n".join(lines))
 
 
-def benchmark(run, schedule, model, optimizer, windows):  # PP 1
+def benchmark(run, schedule, model, optimizer, windows):  # PP 1: steps through the schedule
     """--benchmark: 5 warm-up steps, then --max-steps timed ones; median ms/step and tokens/s."""
     times = []
     for step in range(5 + run.args.max_steps):
         start = time.perf_counter()
-        loss, _ = train_step(run, schedule, model, optimizer, windows, step)  # PP 1; talks
+        loss, _ = train_step(run, schedule, model, optimizer, windows, step)  # PP 1: a collective
         loss.item()  # wait for the device: the step is over
         times.append(time.perf_counter() - start)
     result = {**pace_keys(statistics.median(times[5:]), tokens_per_step(run)),
               "timed_steps": run.args.max_steps}
-    log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
+    log_peak_gpu_memory(run)  # a collective on GPUs: every rank's peak
     print0(run.is_main, f"benchmark | {result['step_ms']} ms/step | "
                         f"{result['throughput']:,.0f} tok/s")
     print0(run.is_main, summary_line(result))
 
 
 def report(run, raw_model, data, val_loss, meter):
-    """The done line, the summary line, and a taste of what it learned, printed by rank 0; on GPUs
-    first every rank's peak memory (a collective)."""
-    log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
+    """Every rank's GPU peak (a collective on GPUs), then rank 0's done line, summary, sample."""
+    log_peak_gpu_memory(run)  # a collective on GPUs: every rank's peak
     summary = {**meter.summary(), "val_loss": val_loss, "baseline_loss": data.baseline}
     unit = "byte" if data.vocab_size == 256 else "token"
     print0(run.is_main, f"done | val loss {val_loss:.4f} ({unit}-frequency baseline "
@@ -900,7 +903,7 @@ def report(run, raw_model, data, val_loss, meter):
                         f"{summary['train_s']:.1f} s of training")
     print0(run.is_main, summary_line(summary))
     if run.args.export:  # FSDP 8: one plain file, for one-process sampling
-        export(run, raw_model, data)  # talks: every rank's shards to rank 0
+        export(run, raw_model, data)  # a collective: every rank's shards to rank 0
     if unit == "byte" or data.itos:  # FSDP 5: every rank generates: each forward gathers weights
         raw_model.eval()
         start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
@@ -909,15 +912,14 @@ def report(run, raw_model, data, val_loss, meter):
         print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 5
 
 
-def export(run, raw_model, data):  # PP 6: by stage; FSDP 8: one plain file
-    """A collective: each stage all-gathers its whole parameters and its first rank sends them to
-    rank 0's CPU, which writes --export as one process saves it (train_ddp_minigpt.py --sample)."""
-    if not shards_finite(raw_model):  # talks: every rank gets the same answer
+def export(run, raw_model, data):  # FSDP 8: one plain file, as one process saves it
+    """A collective: every rank's shards to rank 0's CPU, which writes one plain state_dict."""
+    if not shards_finite(raw_model):  # a collective: every rank gets the same answer
         raise SaveFailed(f"not exporting {run.args.export}: the weights are not finite")
-    options = StateDictOptions(full_state_dict=True)  # PP 6: every rank its whole stage
+    options = StateDictOptions(full_state_dict=True)  # PP 6: each rank gathers its stage whole
     redistribute = logging.getLogger("torch.distributed.tensor._redistribute")  # 4D 5: it warns
-    level = redistribute.level  # that each block matrix's gather takes two all-gathers, one per
-    redistribute.setLevel(logging.ERROR)  # dim: true, and once, here; silenced for this call only
+    level = redistribute.level  # that gathering a matrix split two ways takes two all-gathers,
+    redistribute.setLevel(logging.ERROR)  # one per dim: true here, so silenced for this call only
     try:
         stage = get_model_state_dict(raw_model, options=options)  # all-gathers within the stage
     finally:
@@ -927,23 +929,23 @@ def export(run, raw_model, data):  # PP 6: by stage; FSDP 8: one plain file
     first = run.rank % (run.world_size // run.args.pp) == 0  # 4D 1: a stage's first rank sends
     dist.gather_object(stage if first else {}, stages, dst=0)  # PP 6: to rank 0
     weights = {k: v for part in stages or [] for k, v in part.items()}  # in the GPT's order
-    save_on_rank_0(lambda: write_export(run, weights, data), run.is_main)  # talks
+    save_on_rank_0(lambda: write_export(run, weights, data), run.is_main)  # a collective
 
 
-@torch.no_grad()  # PP 7: each new token is a forward through every stage
+@torch.no_grad()
 def generate(run, model, idx):
-    """Append --max-new-tokens tokens to idx (1, T); a collective of the pp column. The last stage
+    """Append --max-new-tokens tokens to idx (1, T); a collective of every rank. The last stage
     draws each token from its logits and sends it to every stage of the column."""
     args = run.args
-    whole = Context(None, 0, 1, args.block_size, run.device)  # 4D 10: cp 1: each rank all tokens
+    whole = Context(None, 0, 1, args.block_size, run.device)  # 4D 10: cp 1, every rank all tokens
     for _ in range(args.max_new_tokens):
-        window = idx[:, -args.block_size:]  # 4D 10: padded on the right to --block-size, which
-        padded = F.pad(window, (0, args.block_size - window.shape[1]))  # SP splits in tp parts;
+        window = idx[:, -args.block_size:]  # 4D 10: padded on the right to --block-size, so that
+        padded = F.pad(window, (0, args.block_size - window.shape[1]))  # sp can split it by tp;
         logits = pipeline_forward(run, model, padded, whole)  # causal: no token reads the padding
         token = torch.zeros(1, 1, dtype=torch.long, device=run.device)
-        if logits is not None:
+        if logits is not None:  # the last stage draws the token; the broadcast sends it to all
             logits = logits[:, window.shape[1] - 1]  # 4D 10: the last token's
-            logits = logits.full_tensor() if isinstance(logits, DTensor) else logits  # talks: tp
+            logits = logits.full_tensor() if isinstance(logits, DTensor) else logits  # all-gather
             token = next_token(logits, args.temperature, args.top_k)
         dist.broadcast(token, group=run.mesh.get_group("pp"), group_src=args.pp - 1)  # to all
         idx = torch.cat([idx, token], dim=1)
@@ -951,12 +953,11 @@ def generate(run, model, idx):
 
 
 def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
-    """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in rank
-    order (measured: weights, gradients, optimizer state, activations; docs/fsdp.md)."""
+    """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in order."""
     if run.device.type != "cuda":
         return
     peaks = [None] * run.world_size
-    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # for rank 0
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # DDP 16
     print0(run.is_main, "peak GPU memory per rank (max_memory_allocated): " +
            ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
 
@@ -965,11 +966,11 @@ def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
 
 
 # ---------------------------------------- guards: each stops one thing going wrong in production
-def avoid_known_failures(args):  # guard: every guard, in one place, before the group is joined
+def avoid_known_failures(args):  # guard: all guards, in one place, before the group is joined
     """Exit code 2 for a launch that could never join a group; a workaround for each known fault."""
     if torch.__version__ < "2.13":  # 4D 4: GatherContext's collectives, from torch 2.13 on
         sys.stderr.write(f"error: this chapter needs torch 2.13 or newer: {torch.__version__}\n")
-        sys.exit(2)  # as refuse_a_bad_launch: a launch that cannot work (a TorchVersion compares)
+        sys.exit(2)  # as refuse_a_bad_launch; torch.__version__ compares as a version, not text
     refuse_a_bad_launch(args.device)  # guard: no torchrun, or more processes than GPUs
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     backend = "nccl" if cuda else "gloo"
@@ -1009,12 +1010,12 @@ def refuse_a_bad_launch(device_name):  # guard: a process that could never join 
 
 
 def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo
-    """The debug level to run at, from the shell's: --debug asks DETAIL (NCCL) or INFO (gloo); a
-    shell's DETAIL on gloo, where it crashes DDP, becomes INFO with one warning from rank 0."""
+    """The debug level to run at, starting from the shell's. --debug asks for DETAIL on NCCL and
+    INFO on gloo. DETAIL crashes DDP on gloo, so there it becomes INFO, with one warning."""
     if debug:
         level = dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO
     if backend == "gloo" and level == dist.DebugLevel.DETAIL:  # the shell's
-        if os.environ["RANK"] == "0":  # before the group: torchrun's RANK says who logs
+        if os.environ["RANK"] == "0":  # no group yet, so torchrun's RANK says who logs
             print("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on gloo "
                   "(docs/troubleshooting.md): going on at INFO", flush=True)
         level = dist.DebugLevel.INFO
@@ -1022,8 +1023,8 @@ def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=D
 
 
 def avoid_page_faults_on_cpu():  # guard: glibc returning freed memory at once
-    """On Linux CPUs (glibc), keep freed memory in the process: glibc hands each step's tens of MB
-    (the logits) back to the OS, and page faults cost 10-30% of a step (docs/performance.md)."""
+    """On Linux CPUs (glibc), keep freed memory in the process. Otherwise glibc hands each step's
+    tens of MB (the logits) back to the OS, and the page faults cost 10-30% of a step."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -1072,12 +1073,12 @@ def parse_args(argv=None):
     a("--dropout", type=float, default=0.0, metavar="P", help="dropout probability (default: 0.0)")
     a("--grad-checkpointing", action="store_true",
       help="recompute each block's activations in backward: less memory, more time")
-    a("--compile", action="store_true", help="torch.compile the model (default: off)")
+    a("--compile", action="store_true", help="torch.compile each block, in place (default: off)")
     a("--compile-backend", default="inductor", metavar="NAME",
       help="torch.compile backend (default: inductor)")
     a = p.add_argument_group("training").add_argument
-    a("--batch-size", type=positive(int), default=16, metavar="B",  # PP 3: per column
-      help="sequences per micro-batch, per dp column: every stage of a column works on the same "
+    a("--batch-size", type=positive(int), default=16, metavar="B",  # PP 3: per replica
+      help="sequences per micro-batch, per replica: every stage of a replica works on the same "
            "ones (default: 16)")
     a("--grad-accum", type=positive(int), default=4, metavar="K",  # PP 1
       help="micro-batches per optimizer step: the pipeline's; the more, the smaller its bubble "
@@ -1095,7 +1096,8 @@ def parse_args(argv=None):
     a("--clip", type=positive(float, zero_ok=True), default=1.0, metavar="NORM",
       help="clip the gradient norm to NORM, 0 = off (default: 1.0)")
     a("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
-      help="autocast dtype; auto: bf16 (or fp16) on GPUs, off on CPUs (default: auto)")
+      help="the compute dtype of FSDP's policy; auto: bf16 on GPUs that have it natively, else "
+           "off (fp32); fp16 is refused (default: auto)")
     a("--seed", type=int, default=0, help="seeds the weights, data order, dropout (default: 0)")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto",
       help="auto = cuda if there is one, else cpu (default: auto)")
@@ -1117,7 +1119,7 @@ def parse_args(argv=None):
       help="the order of a step's micro-batches: gpipe (all forwards, then all backwards) or "
            "1f1b (after a warm-up, one forward and one backward in turn: fewer activations "
            "held) (default: 1f1b)")
-    a("--reshard-after-forward", choices=["yes", "no"], default="no",  # PP 1: no, unlike ch. 7
+    a("--reshard-after-forward", choices=["yes", "no"], default="no",  # PP 1: no by default
       help="yes: free each block's gathered weights after each forward (ZeRO-3); no: keep them "
            "until the step's backwards end (one all-gather per block and step, not one per "
            "micro-batch; more memory) (default: no)")
@@ -1132,7 +1134,8 @@ def parse_args(argv=None):
     a("--save", default="checkpoints/minigpt_4d", metavar="DIR",  # 4D 7
       help="checkpoint folder of step-N folders, '' for none (default: %(default)s)")
     a("--export", default="checkpoints/minigpt_4d.pt", metavar="PATH",  # 4D 7
-      help="the final weights in one file, chapter 3's format, '' for none (default: %(default)s)")
+      help="the final weights in one plain file, which --sample reads, '' for none "
+           "(default: %(default)s)")
     a("--save-every", type=positive(int, zero_ok=True), default=0, metavar="N",
       help="also save every N steps, 0 = only at the end (default: 0)")
     a("--resume", metavar="DIR",  # FSDP 3
@@ -1161,7 +1164,7 @@ def parse_args(argv=None):
     if args.block_size % (2 * args.cp):  # 4D 3: 2 x cp equal chunks
         p.error(f"--block-size {args.block_size} must be a multiple of 2 x --cp = {2 * args.cp}: "
                 f"each sequence is cut into {2 * args.cp} equal chunks")
-    split = args.tp if args.sequence_parallel == "on" else 1  # 4D 5: a cp share in tp parts
+    split = args.tp if args.sequence_parallel == "on" else 1  # 4D 5: a cp rank's tokens by tp
     if args.block_size // args.cp % split:
         p.error(f"--sequence-parallel on splits a cp rank's {args.block_size // args.cp} tokens "
                 f"in --tp {args.tp} parts: give a --block-size that --cp x --tp divides, or "
@@ -1287,8 +1290,8 @@ def on_device(rows, device):
 
 # -------------------------------------------------------------- precision, optimizer, schedule
 def amp_dtype(choice, device):
-    """The autocast dtype, or None for fp32. bf16 has fp32's range: no loss scaling. fp16 needs a
-    GradScaler. Only native bf16 counts: V100s and T4s emulate it, slower than fp16."""
+    """The autocast dtype, or None for fp32. bf16 has fp32's range, so it needs no loss scaling;
+    fp16 needs a GradScaler. Only native bf16 counts: V100s and T4s emulate it, slower than fp16."""
     native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
     if choice == "auto":
         if device.type != "cuda":
@@ -1359,8 +1362,7 @@ def all_finite(state_dict):
 
 
 def state_bytes(state):
-    """About the bytes a checkpoint of `state` takes on disk: its tensors', in nested dicts and
-    lists (a DTensor counts whole)."""
+    """About the bytes a checkpoint of `state` takes: its tensors', in nested dicts and lists."""
     if torch.is_tensor(state):
         return state.nbytes
     if isinstance(state, bytes):  # a file's bytes, ready to write
@@ -1425,7 +1427,7 @@ def free_gathered_weights(model):  # FSDP 5: --reshard-after-forward no keeps th
 
 
 def write_export(run, weights, data):  # FSDP 8: rank 0's part of --export
-    """Write the gathered weights to --export in chapter 3's checkpoint format, atomically."""
+    """Write the gathered weights to --export in the one-file format --sample reads, atomically."""
     path, step = run.args.export, run.args.max_steps
     state = {"model": weights, "optimizer": {}, "scaler": {}, "step": step, "args": vars(run.args),
              "config": model_config(run.args, data.vocab_size), "itos": data.itos, "rng": []}
@@ -1513,11 +1515,11 @@ def read_run_state(path, run, data):  # FSDP 3
     return state
 
 
-def as_whole_model(run, model, optim_state):  # PP 6: a checkpoint that knows no stages
-    """Rename this stage's optimizer state in place as chapter 7 names the whole model's (the tied
+def as_whole_model(run, model, optim_state):
+    """Rename this stage's optimizer state in place as one process names the whole model's (the tied
     matrix's under tok_emb.weight, as one process keeps it; param groups listing the whole model's
     parameters, so that every stage writes the same); return the stage's own lists of names."""
-    if "head.weight" in optim_state["state"] and run.args.pp > 1:  # the last stage's copy
+    if "head.weight" in optim_state["state"] and run.args.pp > 1:  # PP 6: the last stage's copy
         optim_state["state"]["tok_emb.weight"] = optim_state["state"].pop("head.weight")
     own_names = [group["params"] for group in optim_state["param_groups"]]
     for group, names in zip(optim_state["param_groups"], model.whole_groups):
@@ -1525,17 +1527,17 @@ def as_whole_model(run, model, optim_state):  # PP 6: a checkpoint that knows no
     return own_names
 
 
-def as_stage(optim_state, own_names):  # PP 6: back to this stage's names
+def as_stage(optim_state, own_names):
     """The optimizer state as_whole_model() renamed, as this stage's optimizer names it."""
     moments = optim_state["state"]
-    if "head.weight" in own_names[0] and "tok_emb.weight" not in own_names[0]:
+    if "head.weight" in own_names[0] and "tok_emb.weight" not in own_names[0]:  # PP 6: last stage
         moments["head.weight"] = moments.pop("tok_emb.weight")
     for group, names in zip(optim_state["param_groups"], own_names):
         group["params"] = names
     return optim_state
 
 
-def stage_holding(run, model):  # PP 5: what this rank holds
+def stage_holding(run, model):
     """(dp rank, stage, the parts of the model it holds, the parameters of its shards)."""
     blocks = list(model.blocks)
     span = f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}"
@@ -1546,9 +1548,10 @@ def stage_holding(run, model):  # PP 5: what this rank holds
     return first, run.stage, ", ".join(parts), mine  # PP 5: for rank 0's memory line
 
 
-def memory_line(model, held):  # PP 5: what a rank of each stage holds, against DDP's full copy
+def memory_line(model, held):
     """Bytes of weights + gradients + AdamW's two moments (fp32: 4 copies) held by the first rank
-    of each stage, from every rank's stage_holding(), and the parts of the model it holds."""
+    of each stage, from every rank's stage_holding(), and the parts of the model it holds. "DDP"
+    in the line is what a rank would hold with the whole model on every rank, for comparison."""
     stages = [f"stage {stage} ({parts}) {16 * n / 2**20:.2f} MiB, {n:,} parameters"
               for first, stage, parts, n in held if first]  # 4D 1
     where, whole = next(model.parameters()).device.type, model.whole_params
@@ -1556,19 +1559,20 @@ def memory_line(model, held):  # PP 5: what a rank of each stage holds, against 
             f"(of {whole:,}; DDP: {16 * whole / 2**20:.2f} MiB)")
 
 
-def traffic_line(run, vocab_size):  # 4D 6: what rank 0 sends in a step, group by group
+def traffic_line(run, vocab_size):  # what rank 0 sends in a step, group by group
     """The bytes rank 0 (stage 0) sends per optimizer step in each of its groups, without
-    --grad-checkpointing (docs/4d.md): tp, per block and micro-batch 4 collectives of the stream
-    (B, T / cp, C), 1 more for the embedding (and the head at --pp 1), each sending (tp - 1) / tp of
-    it twice (an all-reduce, or an all-gather and a reduce-scatter); cp, per block and micro-batch
-    K and V gathered twice (forward, backward's recompute), their fp32 gradients reduce-scattered;
-    pp, the stream to stage 1 per micro-batch, the tied gradient's shard (fp32) with the last."""
+    --grad-checkpointing. tp: per block and micro-batch, 4 collectives of the activations
+    (B, T / cp, C), 1 more for the embedding (and the head at --pp 1), each sending (tp - 1) / tp
+    of them twice (an all-reduce, or an all-gather and a reduce-scatter). cp: per block and
+    micro-batch, K and V gathered twice (forward, and backward's recompute), their fp32 gradients
+    reduce-scattered. pp: the activations to stage 1 per micro-batch, and the tied gradient's shard
+    (fp32) to the last stage."""
     args, K, tp, cp = run.args, run.args.grad_accum, run.args.tp, run.args.cp
     width, blocks = activation_dtype(run).itemsize, len(stage_blocks(args.n_layer, args.pp, 0))
     stream = args.batch_size * args.block_size // cp * args.n_embd * width
     tp_ops = (4 * blocks + 1 + (args.pp == 1)) * K
     kv = 2 * stream / tp  # K and V of this rank's heads and tokens
-    sent = {"tp": 2 * tp_ops * stream * (tp - 1) / tp,
+    sent = {"tp": 2 * tp_ops * stream * (tp - 1) / tp,  # 4D 6
             "cp": blocks * K * (cp - 1) * kv * (2 + 4 / width),
             "pp": (K * math.prod(stream_shape(run, (args.batch_size, args.block_size // cp)))
                    * width + vocab_size * args.n_embd * 4 / (run.world_size // args.pp))
@@ -1578,43 +1582,22 @@ def traffic_line(run, vocab_size):  # 4D 6: what rank 0 sends in a step, group b
         + f" (tp: {tp_ops} collectives of {stream / 2**20:.3f} MiB; FSDP's gathers aside)")
 
 
-def layout_line(mesh, rank):  # 4D 1: where one rank sits, and whom it talks to
-    """The mesh's sizes, and for `rank` its coordinates and the ranks of each group it belongs to:
-    along one dim, the ranks that differ from it in that coordinate alone (FSDP's: dp and cp)."""
-    grid, names = mesh.mesh, mesh.mesh_dim_names
-    where = [int(i) for i in (grid == rank).nonzero()[0]]
-
-    def along(*dims):  # the ranks that share every coordinate with `rank` but these
-        index = tuple(slice(None) if d in dims else i for d, i in enumerate(where))
-        return grid[index].flatten().tolist()
-    groups = [f"{name} {along(d)}" for d, name in enumerate(names)] + [f"fsdp {along(1, 2)}"]
-    return (f"mesh {' x '.join(f'{n} {s}' for n, s in zip(names, grid.shape))} | rank {rank} at "
-            f"{dict(zip(names, where))}: groups " + ", ".join(groups))
-
-
-def stage_shapes(run, model):  # PP 1: what a micro-batch brings to a stage, and what it sends
+def stage_shapes(run, model):
     """Meta tensors of a micro-batch's input to this stage (token ids on the first, activations
     after) and of its output (activations, logits on the last)."""
-    size = (run.args.batch_size, run.args.block_size // run.args.cp)  # 4D 6: a cp share
+    size = (run.args.batch_size, run.args.block_size // run.args.cp)  # 4D 6: a cp rank's tokens
     ids = torch.empty(*size, dtype=torch.long, device="meta")  # the first stage's input
     stream = stream_shape(run, size)  # 4D 6: sequence parallel, split by tp too
     inputs, outputs = (torch.empty(*shape, dtype=activation_dtype(run), device="meta",
                                    requires_grad=True)  # floats: gradients come back
                        for shape in (stream, stream if model.head is None else  # 4D 6
                                      (*size, model.head.out_features)))
-    return ids if run.stage == 0 else inputs, outputs
+    return ids if run.stage == 0 else inputs, outputs  # PP 1: what a stage gets, and sends
 
 
-def stream_shape(run, size):  # 4D 6: what goes between stages
-    """The shape of the activations of token ids of shape `size` (B, T) on one rank: (B, T, C),
-    or sequence parallel (B, T / tp, C): each rank of a tp group sends its own part on."""
-    split = run.args.tp if run.args.sequence_parallel == "on" else 1
-    return size[0], size[1] // split, run.args.n_embd
-
-
-def activation_dtype(run):  # PP 7: what goes between stages
+def activation_dtype(run):
     """The dtype of the activations a stage sends: FSDP's compute dtype, or fp32."""
-    return run.policy.param_dtype or torch.float32
+    return run.policy.param_dtype or torch.float32  # PP 7: what goes between stages
 
 
 # --------------------------------------------------------------------------- logging and timing
@@ -1667,8 +1650,7 @@ def gpu_peak_flops(run):
 
 
 class Meter:
-    """The training clock and the log line. Time between log lines counts training only:
-    main() stops the clock for evaluation and checkpoints."""
+    """The training clock and the log line; main() stops the clock for evaluation and saving."""
 
     def __init__(self, run, raw_model, start):
         self.args, self.tokens = run.args, tokens_per_step(run)
@@ -1684,8 +1666,7 @@ class Meter:
         self.clock.start()
 
     def log_line(self, step, loss, grad_norm):
-        """step N/M | loss | lr | grad norm | ms/step | tok/s, and MFU on CUDA, over the steps
-        since the last log line (docs/conventions.md)."""
+        """step N/M | loss | lr | grad norm | ms/step | tok/s (and MFU), since the last log line."""
         self.intervals.append((step - self.last_step, self.clock.lap()))
         self.last_step = step
         step_s = self.intervals[-1][1] / self.intervals[-1][0]
@@ -1697,7 +1678,7 @@ class Meter:
         return line
 
     def summary(self):
-        """Steps, seconds and tokens/s of training, and the median pace (docs/conventions.md)."""
+        """Steps, seconds and tokens/s of training, and the median pace."""
         steps, train_s = sum(n for n, _ in self.intervals), sum(s for _, s in self.intervals)
         timed = self.intervals[1:] or self.intervals  # the first interval is the warm-up
         step_s = statistics.median([s / n for n, s in timed]) if timed else 0.0
@@ -1707,8 +1688,7 @@ class Meter:
 
 
 def pace_keys(step_s, tokens_per_step):
-    """The summary keys benchmark_scaling.py reads (docs/conventions.md): the median ms per
-    optimizer step, and the throughput of all ranks it implies."""
+    """The summary keys benchmark_scaling.py reads: median ms per step, all ranks' tokens/s."""
     return {"step_ms": round(1000 * step_s, 3), "per_step": tokens_per_step,
             "throughput_unit": "tokens/s",
             "throughput": round(tokens_per_step / step_s, 1) if step_s else 0.0}
@@ -1774,13 +1754,14 @@ def encode(text, itos):
     return [stoi[c] for c in text]
 
 
-def next_token(logits, temperature, top_k):  # PP 7: what GPT.generate draws, per token
-    """A token id (1, 1) drawn from the logits (1, vocab) of the last position."""
+def next_token(logits, temperature, top_k):
+    """A token id (1, 1) drawn from the logits (1, vocab) of the last position, as GPT.generate
+    draws it."""
     logits = logits / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(logits.softmax(-1), 1)
+    return torch.multinomial(logits.softmax(-1), 1)  # PP 7: on the last stage
 
 
 def decode(ids, itos):
@@ -1819,5 +1800,7 @@ if __name__ == "__main__":
         sys.stderr.write(f"error: {err}\n")  # one write: lines from several ranks never splice
         code = err.code
     finally:
+        # A rank that fails mid-step leaves the group here and exits with a non-zero code. torchrun
+        # then stops the other ranks, which wait in their next collective until it does.
         leave_distributed()  # DDP 13
     sys.exit(code)

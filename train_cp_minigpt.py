@@ -1,47 +1,54 @@
-"""Chapter 10: the chapter-7 GPT trainer with context parallelism (CP) inside FSDP: each sequence's
-tokens split across --cp ranks, on a 2-D mesh of (dp, cp) ranks, for contexts whose activations no
-longer fit on one device. The same math as one process.
+"""Chapter 10: context parallelism (CP) inside FSDP. Each training sequence is split across --cp
+ranks, for contexts whose activations no longer fit on one device: the same math as one process.
 
     torchrun --standalone --nproc_per_node=2 train_cp_minigpt.py --cp 2    # 1 x 2: CPU or 2 GPUs
     torchrun --standalone --nproc_per_node=4 train_cp_minigpt.py --cp 2    # 2 x 2: CPU or 4 GPUs
     torchrun --standalone --nproc_per_node=gpu train_cp_minigpt.py --cp 8 --block-size 16384
     ./launch_multinode_ddp.sh --nnodes 2 --nproc-per-node 8 --master-addr N0 \
         train_cp_minigpt.py --cp 8 --block-size 16384
-    python train_ddp_minigpt.py --sample --ckpt checkpoints/minigpt_cp.pt --prompt "def main("
+    python train_cp_minigpt.py --sample --ckpt checkpoints/minigpt_cp.pt --prompt "def main("
 
-The multi-node line prints the torchrun command to run on each node (chapter 4): with --cp 8,
-each node is one cp group. Sampling runs in one plain process. Default data: the first 2,000,000
+The multi-node line prints the torchrun command to run on each node; with --cp 8, each node holds
+one row of the mesh. Sampling runs in one plain process. Default data: the first 2,000,000
 bytes of this Python's own standard library, one token per byte (vocab 256), so nothing is
 downloaded; `--data` also takes a text file, a .bin of uint16 token ids, or a nanoGPT folder.
 
 Read it top-down: main(), then its core steps in the order it calls them, the model, and what goes
-beyond the core (debugging, the benchmark, the report). All that talks to other processes is above
-the line that ends `the plumbing`; below it, guards, flags, data, files, logging, sampling, errors.
+beyond the core (debugging, the benchmark, the report). Every call that communicates with other
+ranks sits above the line that ends `the plumbing`. Below it is code a single process would run
+the same way: guards, flags, data, files, logging, sampling, errors.
 
-Tags: `# CP k` marks each line CP changes in the FSDP trainer, numbered in reading order:
-  CP 1  --cp N: a (world / N, N) mesh ("dp", "cp"); a row is consecutive ranks, one node
-  CP 2  data and global batch by the dp row: a row's ranks share its sequences
-  CP 3  Context: rank i holds chunks i and 2N - 1 - i of each sequence; loss, evaluation on them
-  CP 4  GatherContext: all-gather K, V (backward: reduce-scatter); keys up to each chunk's end
-  CP 5  --cp-rotate ring: K, V passed rank to rank, softmaxes merged by log-sum-exp
-  CP 6  the model takes a context: global positions; attention over gathered keys, lower-right
-  CP 7  its checkpoint and export names: the FSDP trainer's formats
-What CP saves: each rank holds 1/cp of every sequence's activations, its own q, k, v included;
-backward gathers each block's keys and values again, one block at a time. Positions are global.
-Kept from the DDP trainer (chapter 3), where they mark the same lines (8, 10, 15: DDP's wrapper,
-no_sync and replica check, which FSDP 4 and 7 replace):
-  DDP 1  join the group torchrun started             DDP 9   SUM over ranks, then divide
-  DDP 2  one GPU per process, by LOCAL_RANK          DDP 11  every rank's RNG state, saved
-  DDP 3  is_main: rank 0 alone logs and saves        DDP 12  rank 0 writes, every rank waits
-  DDP 4  each rank its own windows of an epoch       DDP 13  leave the group on every path
-  DDP 5  one shuffled order, the same on all ranks   DDP 14  --debug: each rank's windows
-  DDP 6  dropout seeded by rank                      DDP 16  every rank's peak GPU memory
-  DDP 7  resume: rank 0 looks, every rank agrees
-Kept from the FSDP trainer (chapter 7), where they mark the same lines:
-  FSDP 1  bf16 by FSDP's MixedPrecisionPolicy        FSDP 5  every rank runs every forward
-  FSDP 2  built on the meta device, then sharded     FSDP 6  the norm: a DTensor, made whole
-  FSDP 3  DCP checkpoints: every rank its shards     FSDP 7  --grad-sync: sharded, or whole
-  FSDP 4  no wrapper: fully_shard hooks the model    FSDP 8  --export: one plain file
+Terms. A rank is one of the processes torchrun starts, numbered from 0; the world size is how many
+there are. A process group is a set of ranks that communicate with each other. A collective is a
+call that every rank of a group makes, in the same order, and each rank waits in it for the others.
+So when one rank fails mid-step, the others wait in their next collective until torchrun stops them
+or --dist-timeout runs out. An all-reduce sums a tensor over a group and gives every rank the sum.
+An all-gather gives every rank the tensors of all the ranks. A reduce-scatter sums the ranks'
+tensors and gives each rank one slice of the sum. FSDP splits every parameter across all the ranks;
+the slice a rank holds is its shard, and a DTensor is a tensor that knows how it is split. The mesh
+lays the ranks out as a 2-D grid of world size / cp rows of cp ranks each. Rank r sits in row
+r // cp as its rank r % cp, so a row's ranks are consecutive. Each row reads its own sequences: the
+rows are data parallel (dp), and the code calls a row a replica. Context parallelism (cp) splits
+each sequence across the ranks of its row. The sequence is cut into 2 x cp equal chunks, and rank i
+of a row holds chunks i and 2 x cp - 1 - i, one early and one late, so that every rank does the
+same attention work. A micro-batch is one of the --grad-accum batches whose gradients add up before
+an optimizer step. The causal mask lets each query attend to keys at its own and earlier positions.
+
+What CP saves: each rank holds 1/cp of every sequence's activations, its own queries, keys and
+values included. Backward gathers each block's keys and values again, one block at a time. Each
+token keeps its position in the whole sequence, so its position embedding is the one-process one.
+
+Tags: `# CP k` marks each line that context parallelism adds or changes, in reading order:
+  CP 1   --cp N: the mesh of world size / N rows, each of N consecutive ranks ("dp", "cp")
+  CP 2   data by row: the ranks of a row read the same sequences, and batch sizes count rows
+  CP 3   Context: this rank's two chunks of each sequence; the loss and evaluation on them
+  CP 4   GatherContext: keys and values all-gathered, their gradients reduce-scattered
+  CP 5   --cp-rotate ring: keys and values passed from rank to rank, one rank's at a time
+  CP 6   the model takes a Context: positions in the whole sequence, a lower-right causal mask
+  CP 7   the default --save and --export paths; the files keep the formats of --cp 1
+Lines tagged DDP k or FSDP k come from chapters 3 and 7, unchanged; each says on its line what that
+line does.
+See also docs/cp.md: the split, the gather and the ring explained and measured.
 """
 import argparse
 import contextlib
@@ -83,57 +90,57 @@ from torch.utils.checkpoint import checkpoint
 # ------------------- the distributed lesson: main(), then its core steps in the order it calls them
 def main(argv=None):
     args = parse_args(argv)
-    if args.sample:  # inference: one plain process, no process group
+    if args.sample:  # sampling runs in one plain process, with no process group
         return sample(args)
     avoid_known_failures(args)  # guard: refuses a bad launch, avoids known failures
-    # setup: one process per device, joined in one group; rank 0 logs and saves. A step that
-    # "talks" waits for the others: every rank calls it, in the same order
-    device, rank, world_size = init_distributed(args.device, args.dist_timeout)  # talks
-    run = make_run(args, device, rank, world_size)
-    # data: each data-parallel replica reads its own windows of the training tokens
-    data = build_data(run)  # talks with --debug: rank 0 prints each rank's windows
-    # model: one process's initial weights, whole or sharded, resumed if asked, then wrapped
-    raw_model, optimizer = build_model(run, data.vocab_size)  # talks where the model is sharded
-    start = resumed_step(run, raw_model, optimizer, data)  # talks: rank 0 finds it, all agree
-    model = wrap_model(run, raw_model)  # talks under DDP (rank 0's weights to all); FSDP: silent
+    # Setup: one process per device, one group. Every rank calls the collectives in the same order.
+    device, rank, world_size = init_distributed(args.device, args.dist_timeout)  # DDP 1: join
+    run = make_run(args, device, rank, world_size)  # a collective: the mesh
+    # Data: each replica reads its own windows of the training tokens.
+    data = build_data(run)  # a collective with --debug: rank 0 prints every rank's windows
+    # Model: each rank fills its shards with one process's initial weights, then resumes them.
+    raw_model, optimizer = build_model(run, data.vocab_size)  # a collective: the mesh
+    start = resumed_step(run, raw_model, optimizer, data)  # a collective: all ranks, one step
+    model = wrap_model(run, raw_model)  # the same shards: raw_model, or its compiled form
     if args.benchmark:
-        return benchmark(run, model, optimizer, data.windows)  # talks: training steps, timed
-    # train: log, evaluate and save on schedule
-    val_loss = evaluate(run, model, data.val)  # talks: the loss sums of every rank add up
+        return benchmark(run, model, optimizer, data.windows)  # collectives: timed steps
+    # Train: log, evaluate and save on schedule.
+    val_loss = evaluate(run, model, data.val)  # a collective: every rank's loss sums add up
     print0(run.is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
     meter = Meter(run, raw_model, start)  # the training clock starts now
-    for step in range(start, args.max_steps):  # every step talks
-        loss, grad_norm = train_step(run, model, optimizer, data.windows, step)  # talks
+    for step in range(start, args.max_steps):  # every step runs collectives
+        loss, grad_norm = train_step(run, model, optimizer, data.windows, step)  # collectives
         done = step + 1
         if done % args.log_every == 0 or done == args.max_steps:
             print0(run.is_main, meter.log_line(done, loss.item(), grad_norm.item()))
         meter.stop_clock()  # evaluation and checkpoints are not training time
         if done % args.eval_every == 0 or done == args.max_steps:
-            val_loss = evaluate(run, model, data.val)  # talks
+            val_loss = evaluate(run, model, data.val)  # a collective
             print0(run.is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | "
                                 f"baseline {data.baseline:.4f}")
-        # save: rank 0 writes, every rank waits for it
+        # Save: every rank writes its shards, rank 0 the run's state; all learn whether it worked.
         due = done == args.max_steps or (args.save_every and done % args.save_every == 0)
         if args.save and due:
-            save_checkpoint(run, raw_model, optimizer, data, done)  # talks
+            save_checkpoint(run, raw_model, optimizer, data, done)  # a collective
         meter.start_clock()
-    # cleanup: the summary and a sample; the group is left by __main__'s `finally`
-    report(run, raw_model, data, val_loss, meter)  # talks: GPU peaks; a sharded model's export
+    # Cleanup: the summary and a sample. __main__'s `finally` leaves the process group.
+    report(run, raw_model, data, val_loss, meter)  # a collective: --export gathers the weights
 
 
-def init_distributed(device_name, timeout_s):  # DDP 1: join the group torchrun describes
-    """A collective: join the group torchrun started; returns (device, rank, world size)."""
+def init_distributed(device_name, timeout_s):
+    """A collective: join the process group torchrun started. Returns (device, rank, world size)."""
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device("cpu")
-    if device_name == "cuda":  # DDP 2: one GPU per process, picked by LOCAL_RANK, before CUDA work
-        # LOCAL_RANK numbers the processes of this node (its GPUs: 0, 1...); RANK, of all nodes
+    if device_name == "cuda":
+        # LOCAL_RANK numbers this node's processes from 0, like its GPUs; RANK numbers all nodes'.
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device)  # DDP 2: this process's GPU, before any CUDA work
     backend = "nccl" if device.type == "cuda" else "gloo"
-    # no address given: it reads torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+    # With no address given, it reads torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+    # With NCCL, device_id ties the group to this GPU, so NCCL connects now, not at first use.
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=device if backend == "nccl" else None)  # NCCL: bind it
+                            device_id=device if backend == "nccl" else None)  # DDP 1: join
     return device, dist.get_rank(), dist.get_world_size()
 
 
@@ -144,277 +151,157 @@ class Run:
     device: torch.device
     rank: int
     world_size: int
-    is_main: bool  # rank 0: the one process that logs and writes files
+    is_main: bool  # True on rank 0 alone, the one process that logs and writes files
     amp: str  # FSDP 1: the compute dtype's name ("bfloat16"), or "off"
     policy: MixedPrecisionPolicy  # FSDP 1: casts the gathered weights; no autocast, no scaler
-    mesh: object  # CP 1: the (dp, cp) grid of ranks, a DeviceMesh
-    dp_rank: int  # CP 2: this rank's row: the sequences it reads
-    dp_size: int  # CP 2: the rows, data-parallel replicas: world size / cp
-    context: "Context"  # CP 3: this rank's share of every sequence, and its attention
+    mesh: object  # CP 1: the DeviceMesh of (dp, cp) ranks
+    dp_rank: int  # CP 2: this rank's row, which picks the sequences it reads
+    dp_size: int  # CP 2: the number of rows (replicas), world size / cp
+    context: "Context"  # CP 3: the tokens of each sequence this rank holds, and their attention
 
 
 def make_run(args, device, rank, world_size):
     """This process's Run; logs the run's shape (world size, device, precision, batch)."""
-    is_main = rank == 0  # DDP 3: rank 0 alone logs and saves
+    is_main = rank == 0  # DDP 3: only rank 0 logs and writes files
     amp, policy = mixed_precision(args.amp, device)  # FSDP 1
-    mesh = grid(args.cp, device, world_size)  # CP 1: (world size / cp) x cp ranks
+    mesh = grid(args.cp, device, world_size)  # CP 1: world size / cp rows of cp ranks
     context = Context(mesh["cp"].get_group(), mesh.get_local_rank("cp"), args.cp,
-                      args.block_size, device, args.cp_rotate)  # CP 3: plain values
+                      args.block_size, device, args.cp_rotate)  # CP 3: this rank's chunks
     run = Run(args, device, rank, world_size, is_main, amp, policy, mesh,
               mesh.get_local_rank("dp"), mesh.size(0), context)
     print0(is_main, f"world size {world_size} ({run.dp_size} dp x {args.cp} cp) | device "
                     f"{device} | amp {amp} | {tokens_per_step(run):,} tokens per step "
                     f"({args.batch_size} x {args.block_size} x {args.grad_accum} accumulation x "
-                    f"{run.dp_size} replicas)")  # CP 2: a global batch per row, not per rank
+                    f"{run.dp_size} replicas)")  # CP 2: a row's ranks share each batch
     print0(is_main, split_line(run))  # CP 3: what each rank holds and gathers
     return run
 
 
-def grid(cp, device, world_size):  # CP 1: a 2-D mesh, rows of cp ranks
-    """(world size / cp) x cp ranks: rank r in row r // cp (its replica), column r % cp (its share
-    of each sequence). A row is consecutive ranks, one node's GPUs, so the gathers stay on its
-    links. FSDP shards over both dims flattened into one (shard, in build_model), as torchtitan
-    does; a grid with more dims (chapter 11's pp, tp) flattens the same two (private in 2.14)."""
+def grid(cp, device, world_size):
+    """The mesh: world size / cp rows of cp ranks, rank r in row r // cp as its rank r % cp. A row
+    is consecutive ranks, one node's GPUs, so its gathers stay on the node's links. shard() flattens
+    both dims into one, so FSDP shards over every rank (_flatten is private in torch 2.14)."""
     if world_size % cp:
         raise InputError(f"--cp {cp} does not divide the world size {world_size}: start a "
                          f"multiple of {cp} processes, or give --cp 1")
     shape, names = (world_size // cp, cp), ("dp", "cp")
-    return init_device_mesh(device.type, shape, mesh_dim_names=names)  # a group per row, column
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)  # CP 1: a group per row
 
 
-class Context:  # CP 3: this rank's share of every sequence, and how its queries see the rest
+class Context:
     """Rank i of a row holds chunks i and 2 cp - 1 - i of 2 cp: one early, one late, equal work.
-    Its attention reaches the row's keys and values by an all-gather (backward keeps none: it
-    gathers again), or round a ring (--cp-rotate ring: one peer's at a time)."""
+    Its queries reach the row's keys and values by an all-gather, done again in backward rather
+    than kept, or, with --cp-rotate ring, passed round the row one rank's keys at a time."""
 
     def __init__(self, group, cp_rank, cp, block_size, device, rotate="allgather"):
-        # cp 2, 16 tokens, 4 chunks of 4: rank 0 holds positions 0-3 and 12-15, rank 1 4-7, 8-11.
-        # Gathered in rank order the keys stand as 0-3, 12-15, 4-7, 8-11; order [0-3, 8-15, 4-7]
-        # (indices into the gathered keys) sorts them to 0-15. ends: rank 0 [4, 16], rank 1 [8, 12]
+        # With cp 2 and 16 tokens, rank 0 holds positions 0-3 and 12-15, rank 1 4-7 and 8-11.
+        # Gathered in rank order the keys stand as 0-3, 12-15, 4-7, 8-11, and order sorts them. A
+        # chunk's queries read the keys before its end: 4 and 16 on rank 0, 8 and 12 on rank 1.
         every = [chunk_positions(r, cp, block_size) for r in range(cp)]
         self.group, self.cp, self.positions = group, cp, every[cp_rank].to(device)  # CP 3
-        self.order = torch.cat(every).argsort().to(device)  # CP 4: gathered -> sequence order
+        self.order = torch.cat(every).argsort().to(device)  # CP 4: from rank order to positions
         self.ends = [int(chunk[-1]) + 1 for chunk in self.positions.chunk(2)]  # CP 4
         self.masks = [causal_lower_right(len(self.positions) // 2, end) for end in self.ends]
-        self.cp_rank, self.rotate = cp_rank, rotate  # CP 5: the ring's place, or allgather
+        self.cp_rank, self.rotate = cp_rank, rotate  # CP 5: its place in the ring, if a ring
 
-    def share(self, x, y):  # CP 3: this rank's tokens of each sequence, and their targets
-        return x[:, self.positions], y[:, self.positions]
+    def share(self, x, y):
+        return x[:, self.positions], y[:, self.positions]  # CP 3: this rank's tokens, targets
 
-    def attention(self, q, k, v):  # CP 4: each chunk's queries over every key up to its end
-        if self.cp == 1:  # the whole sequence is here: plain causal attention
+    def attention(self, q, k, v):
+        if self.cp == 1:  # the whole sequence is here, so plain causal attention
             return causal_attention(q, k, v)
         if self.rotate == "ring":  # CP 5: the row's keys come round, one rank's at a time
             return ring_attention(q, k, v, self)
         return checkpoint(self.gathered_attention, q, k, v, use_reentrant=False)  # recomputed
 
-    def gathered_attention(self, q, k, v):  # CP 4: talks: gathers the row's keys and values
-        kv = GatherContext.apply(torch.stack([k, v]), self.group)  # (2, B, heads, T, head size)
-        k, v = kv.index_select(-2, self.order)  # the whole sequence, in order of position
-        chunks = q.chunk(2, dim=-2)  # an early chunk's queries and a late one's
+    def gathered_attention(self, q, k, v):
+        kv = GatherContext.apply(torch.stack([k, v]), self.group)  # CP 4: all-gather over the row
+        k, v = kv.index_select(-2, self.order)  # each (B, heads, T, head size), in position order
+        chunks = q.chunk(2, dim=-2)  # each chunk's queries read the keys up to its end
         return torch.cat([causal_attention(part, k[..., :end, :], v[..., :end, :], mask)
                           for part, end, mask in zip(chunks, self.ends, self.masks)], dim=-2)
 
 
-def chunk_positions(cp_rank, cp, block_size):  # CP 3: an early chunk and a late one
-    """The positions context rank cp_rank holds in a sequence of block_size tokens: chunks cp_rank
-    and 2 cp - 1 - cp_rank of 2 cp equal chunks."""
+def chunk_positions(cp_rank, cp, block_size):
+    """The positions rank cp_rank of a row holds in a sequence of block_size tokens: chunks
+    cp_rank and 2 cp - 1 - cp_rank of 2 cp equal chunks."""
     size = block_size // (2 * cp)
-    chunks = (cp_rank, 2 * cp - 1 - cp_rank)
+    chunks = (cp_rank, 2 * cp - 1 - cp_rank)  # CP 3: an early chunk and a late one
     return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
 
 
-class GatherContext(torch.autograd.Function):  # CP 4: an all-gather that carries gradients
-    """All-gather over the context ranks along the sequence (dim -2), in rank order. Backward: a
-    reduce-scatter, as every rank's queries read each rank's keys: their gradients add up."""
+class GatherContext(torch.autograd.Function):
+    """An all-gather over a row's ranks along the sequence (dim -2), in rank order. Its backward is
+    a reduce-scatter: every rank's queries read each rank's keys, so their gradients add up."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group, n = group, dist.get_world_size(group)
-        parts = x.new_empty((n * x.shape[0], *x.shape[1:]))  # rank r's x at [r * len(x):]
-        dist.all_gather_single(parts, x.contiguous(), group=group)  # talks: every rank's share
+        parts = x.new_empty((n * x.shape[0], *x.shape[1:]))  # rank r's x lands at [r * len(x):]
+        dist.all_gather_single(parts, x.contiguous(), group=group)  # CP 4: over the row's ranks
         return torch.cat(parts.chunk(n), dim=-2)
 
     @staticmethod
     def backward(ctx, grad):
         n = dist.get_world_size(ctx.group)
-        parts = torch.cat(grad.chunk(n, dim=-2)).float()  # rank r's at [r * len(mine):]; fp32 sums:
-        mine = parts.new_empty((parts.shape[0] // n, *parts.shape[1:]))  # bf16 would round each
-        dist.reduce_scatter_single(mine, parts, group=ctx.group)  # talks: sums, each rank its own
+        parts = torch.cat(grad.chunk(n, dim=-2)).float()  # rank by rank; fp32 sums round less
+        mine = parts.new_empty((parts.shape[0] // n, *parts.shape[1:]))  # this rank's slice
+        dist.reduce_scatter_single(mine, parts, group=ctx.group)  # CP 4: my keys' summed gradients
         return mine.to(grad.dtype), None
-
-
-@torch.compiler.disable  # CP 5: kept out of compiled graphs: its sends run eagerly, as written
-def ring_attention(q, k, v, context):  # CP 5: talks: --cp-rotate ring
-    return RingAttention.apply(q, k, v, context)
-
-
-class RingAttention(torch.autograd.Function):  # CP 5: keys and values passed round the row
-    """Ring attention: each rank of a row sends its keys and values on to the next (rank i to
-    i + 1) while its queries read the ones it holds, one rank's at a time; the partial softmaxes
-    merge by their log-sum-exps. A rank holds its K, V and two visitors' (leaving, arriving), never
-    the sequence's. Backward passes them round again with their gradients, which come home summed.
-    K, V travel in the compute dtype, dK, dV in fp32; the math is plain matmuls in fp32, to show
-    it: torch's CP calls the fused attention kernels' variants that return the LSE."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, context):
-        ctx.context, kv, q32, out = context, torch.stack([k, v]), q.float(), None
-        for step in range(context.cp):  # at step s: the keys of rank r - s of the row
-            arriving = pass_on(kv, context) if step < context.cp - 1 else None  # talks
-            rows, keys, causal = ring_block(context, step)
-            o, lse = block_attention(q32[..., rows, :], *kv[:, ..., keys, :].float(), causal)
-            if out is None:  # step 0, its own keys: every query reads one key or more
-                out, total = o, lse
-            else:  # softmax over both: weigh each part by its share of the sum of exps
-                both = torch.logaddexp(total[..., rows, :], lse)
-                out[..., rows, :] = (out[..., rows, :] * torch.exp(total[..., rows, :] - both)
-                                     + o * torch.exp(lse - both))
-                total[..., rows, :] = both
-            kv = arriving() if arriving else kv  # rank r - s - 1's keys, sent while we computed
-        ctx.save_for_backward(q, k, v, out, total)
-        return out.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        context, (q, k, v, out, total) = ctx.context, ctx.saved_tensors
-        kv, q32, grad = torch.stack([k, v]), q.float(), grad.float()
-        delta = (grad * out).sum(-1, keepdim=True)  # softmax backward's row term: dO . O
-        dq, dkv, arriving = torch.zeros_like(out), torch.zeros_like(kv, dtype=torch.float), None
-        for step in range(context.cp):  # the forward's ring again, with gradients
-            next_kv = pass_on(kv, context) if step < context.cp - 1 else None  # talks
-            rows, keys, causal = ring_block(context, step)
-            stats = total[..., rows, :], delta[..., rows, :]  # each query's lse and dO . O
-            dq_part, dkv_part = block_gradients(q32[..., rows, :], kv[:, ..., keys, :].float(),
-                                                grad[..., rows, :], stats, causal)
-            dq[..., rows, :] += dq_part
-            dkv = arriving() if arriving else dkv  # the sums for these keys, so far (fp32)
-            dkv[:, ..., keys, :] += dkv_part
-            arriving = pass_on(dkv, context)  # talks: on with them; after the last step, home
-            kv = next_kv() if next_kv else kv
-        dkv = arriving()  # my keys' and values' gradients, summed over every rank's queries
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
-
-
-def ring_block(context, step):  # CP 5: which of my queries read which of the visiting keys
-    """At ring step s rank r holds the keys of rank r - s: its own (causal, as its positions
-    rise), an earlier rank's (all my queries read its early chunk, none its late one), or a later
-    rank's (my late chunk reads both its chunks, my early chunk neither): no mask but the first."""
-    source, half = (context.cp_rank - step) % context.cp, len(context.positions) // 2
-    if source == context.cp_rank:
-        return slice(None), slice(None), True
-    if source < context.cp_rank:
-        return slice(None), slice(None, half), False
-    return slice(half, None), slice(None), False
-
-
-def pass_on(x, context):  # CP 5: talks: x to the next rank of the row, the previous one's here
-    """Starts sending x to rank r + 1 of the row and receiving rank r - 1's; returns a function
-    that waits for both and gives what arrived, so the caller computes in between."""
-    r, n = context.cp_rank, context.cp
-    send, receive, group = x.contiguous(), torch.empty_like(x), context.group
-    works = dist.batch_isend_irecv([  # talks: both started at once, so neither rank waits
-        dist.P2POp(dist.isend, send, group=group, group_peer=(r + 1) % n),  # talks: to r + 1
-        dist.P2POp(dist.irecv, receive, group=group, group_peer=(r - 1) % n)])  # talks: from r - 1
-
-    def arrived():
-        for work in works:
-            work.wait()
-        return receive
-    return arrived
-
-
-def block_attention(q, k, v, causal, tile=256):  # CP 5: one ring step, and its log-sum-exps
-    """softmax(q k^T / sqrt(d)) v over these keys alone, and each query's log-sum-exp of its
-    scores: the weight its outputs get when merged with another step's. Queries in tiles, so the
-    scores held at once are tile x keys per head, not queries x keys (what flash attention does)."""
-    outs, lses = [], []
-    for first in range(0, q.shape[-2], tile):
-        scores = tile_scores(q[..., first:first + tile, :], k, first if causal else None)
-        lses.append(scores.logsumexp(-1, keepdim=True))
-        outs.append(scores.sub_(lses[-1]).exp_() @ v)
-    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-2)
-
-
-def block_gradients(q, kv, grad, lse_delta, causal, tile=256):  # CP 5: one ring step's backward
-    """Flash attention's backward for one block of keys, tile by tile: the probabilities again
-    from the whole softmax's log-sum-exps, and delta = dO . O, each query's (lse_delta). Returns
-    dQ's part and this block's dK, dV (stacked)."""
-    (k, v), (lse, delta), dq, dkv = kv, lse_delta, [], torch.zeros_like(kv)
-    for first in range(0, q.shape[-2], tile):
-        rows = slice(first, first + tile)
-        scores = tile_scores(q[..., rows, :], k, first if causal else None)
-        p = scores.sub_(lse[..., rows, :]).exp_()  # each query's probabilities, this block's part
-        ds = p * (grad[..., rows, :] @ v.transpose(-2, -1) - delta[..., rows, :])  # dScores
-        ds *= q.shape[-1] ** -0.5  # through the scale, to q and k
-        dq.append(ds @ k)
-        dkv[0] += ds.transpose(-2, -1) @ q[..., rows, :]
-        dkv[1] += p.transpose(-2, -1) @ grad[..., rows, :]
-    return torch.cat(dq, dim=-2), dkv
-
-
-def tile_scores(q, k, first=None):  # CP 5: q k^T / sqrt(d), causal if first is given
-    """The scores of these queries over the keys; where first is given (the rank's own keys, q
-    its tokens from the first-th on, both in order of position), -inf where a key is later."""
-    scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
-    if first is not None:
-        later = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(first + 1)
-        scores.masked_fill_(later, float("-inf"))
-    return scores
 
 
 @dataclasses.dataclass
 class Data:
     windows: "Windows"  # this rank's training batches
-    val: np.ndarray  # held out: the last --val-fraction of the tokens, or a folder's val.bin
+    val: np.ndarray  # the last --val-fraction of the tokens, or a folder's val.bin
     vocab_size: int
     itos: dict  # id -> text, from a nanoGPT folder's meta.pkl; None for bytes or plain ids
-    baseline: float  # the loss of predicting each token by its frequency: the loss to beat
+    baseline: float  # the loss of predicting each token by its frequency, the loss to beat
 
 
 def build_data(run):
-    """This rank's training windows and the validation tokens (--debug: a collective)."""
+    """This rank's training windows and the validation tokens; a collective with --debug."""
     args = run.args
-    train, val, vocab_size, itos = load_data(args, run.dp_size)  # CP 2: a batch per row
+    train, val, vocab_size, itos = load_data(args, run.dp_size)  # CP 2: sized for a batch per row
     windows = Windows(train, args.block_size, args.batch_size, run.dp_rank, run.dp_size,
-                      args.seed)  # CP 2: each row its own windows, the same in a row
+                      args.seed)  # CP 2: windows dealt by row, so a row's ranks read the same ones
     baseline = unigram_loss(train, val, vocab_size)
     unit = "byte" if vocab_size == 256 else "token"
     print0(run.is_main, f"data {args.data or 'Python standard library'} | {len(train):,} train "
                         f"/ {len(val):,} val tokens | vocab {vocab_size} | "
                         f"{unit}-frequency baseline loss {baseline:.4f}")
     if args.debug:
-        log_windows(run, windows)  # talks: rank 0 prints every rank's
+        log_windows(run, windows)  # a collective: rank 0 prints every rank's windows
     return Data(windows, val, vocab_size, itos, baseline)
 
 
 class Windows:
-    """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
-    block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
-    ranks round-robin: each token at most once an epoch, on one rank (a DataLoader's equivalent:
-    DistributedSampler(drop_last=True) and set_epoch(epoch)). Micro-batch k depends on k and the
-    ranks alone, so a run resumed with as many ranks reads what the uninterrupted one would have."""
+    """This rank's training batches. Each epoch cuts the tokens into windows that do not overlap,
+    from a random offset, shuffles them (seeded by seed + epoch), deals them to the ranks in turn as
+    DistributedSampler(drop_last=True) with set_epoch(epoch) would. Micro-batch k depends only on
+    k, the seed and the ranks: a run resumed with as many ranks reads what an unbroken run would."""
 
     def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
         self.tokens, self.block, self.batch = tokens, block_size, batch_size
         self.rank, self.world, self.seed = rank, world_size, seed
-        per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size  # at any offset
-        # as many micro-batches on every rank: a rank with one more would wait in its collectives
-        self.per_epoch = per_rank // batch_size  # micro-batches per rank per epoch
+        # The windows that fit whatever the offset (at most block_size), split evenly over ranks.
+        per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size
+        self.per_epoch = per_rank // batch_size  # per rank: all ranks change epoch together
         self.span = np.arange(block_size + 1)
         self.epoch, self.starts = None, None
 
-    def starts_of_epoch(self, epoch):  # DDP 4: every rank its own share of the windows
+    def starts_of_epoch(self, epoch):
         """The first token of every window this rank reads in `epoch`, in order."""
-        # seeded by epoch, not by rank: every rank draws the same order, then keeps its own slice
+        # Seeded by epoch, not by rank, so every rank draws the same order and keeps its own part.
         g = torch.Generator().manual_seed(self.seed + epoch)  # DDP 5: a new order each epoch
         offset = int(torch.randint(0, self.block + 1, (1,), generator=g))
         count = self.per_epoch * self.batch * self.world
         order = torch.randperm((len(self.tokens) - offset) // (self.block + 1), generator=g)[:count]
+        # DDP 4: this rank keeps every world_size-th window of the order, starting at its rank.
         return (offset + order * (self.block + 1))[self.rank::self.world].numpy()
 
     def rows(self, k):
-        """Micro-batch k of this rank: (B, block_size + 1) token ids, inputs and the next token."""
+        """Micro-batch k of this rank: a (B, block_size + 1) tensor of token ids, B windows."""
         epoch, i = divmod(k, self.per_epoch)
         if epoch != self.epoch:
             self.epoch, self.starts = epoch, self.starts_of_epoch(epoch)
@@ -423,7 +310,7 @@ class Windows:
 
 
 def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, then filled
-    """The sharded model (1/N of every parameter here; no rank ever holds it whole), and AdamW."""
+    """The sharded model (1/N of each parameter here; whole only while built or used) and AdamW."""
     args = run.args
     with torch.device("meta"):  # FSDP 2: shapes and dtypes, no memory
         raw_model = GPT(**model_config(args, vocab_size))
@@ -432,7 +319,7 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
     init_shards(raw_model, args.seed)  # FSDP 2: one process's initial weights
     raw_model.grad_checkpointing = args.grad_checkpointing
     optimizer = make_optimizer(raw_model, args, run.device)
-    torch.manual_seed(args.seed + run.rank)  # DDP 6: each rank its own dropout masks
+    torch.manual_seed(args.seed + run.rank)  # DDP 6: each rank draws its own dropout masks
     print0(run.is_main, f"model {sum(p.numel() for p in raw_model.parameters()):,} parameters | "
                         f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
                         f"context {args.block_size}")
@@ -446,7 +333,7 @@ def shard(run, model):  # FSDP 2: every block a group of its own, then the root
     """fully_shard turns each block's parameters into DTensors split across the ranks (dim 0): a
     block's weights are all-gathered just before its forward and its gradients reduce-scattered
     after its backward, so at most a block or two are whole at a time; the root holds the rest."""
-    mesh = run.mesh["dp", "cp"]._flatten("dp_cp")  # CP 1: all ranks: the grid's dims as one
+    mesh = run.mesh["dp", "cp"]._flatten("dp_cp")  # CP 1: FSDP over every rank of the mesh
     reshard = run.args.reshard_after_forward == "yes"
     for i, block in enumerate(model.blocks):  # sharding sends nothing: its hooks gather later
         last = i == len(model.blocks) - 1  # its backward comes first: no gather in between
@@ -465,14 +352,13 @@ def init_shards(model, seed):  # FSDP 2: one whole parameter at a time, each ran
 
 
 def resumed_step(run, raw_model, optimizer, data):
-    """A collective: the step to go on from, 0 or --resume's after loading it. Rank 0 decides
-    whether `--resume auto` finds a checkpoint; all ranks load it, or all stop with one line."""
+    """A collective: the step to go on from, 0 or --resume's; every rank loads it, or all stop."""
     path, state, problem = resume_path(run), None, None  # FSDP 3: read the small file, agree,
     try:  # and only then load the shards, a collective
         state = read_run_state(path, run, data) if path else None
     except InputError as err:  # told to every rank below, so that none waits for this one
         problem = str(err)
-    step = agree_on_start(state["step"] if state else 0, problem, path)  # FSDP 3; talks
+    step = agree_on_start(state["step"] if state else 0, problem, path)  # FSDP 3: a collective
     if path:
         load_shards(path, state, run, raw_model, optimizer)  # FSDP 3: every rank, at once
         print0(run.is_main, f"resumed from {path} at step {step}")
@@ -480,9 +366,8 @@ def resumed_step(run, raw_model, optimizer, data):
 
 
 def resume_path(run):
-    """A collective: the checkpoint to resume from, or None. --resume auto: the --save checkpoint
-    if it exists (so that a restart after a crash runs the same command and goes on from the last
-    checkpoint). Rank 0 looks and tells the rest: ranks that looked on their own could disagree."""
+    """The checkpoint to resume from, or None. `auto` (a collective) takes --save if rank 0 finds
+    it, so a restart after a crash reruns the same command; ranks looking alone could disagree."""
     resume, save = run.args.resume, run.args.save
     if resume != "auto":
         return resume and newest_complete_step(resume, run.is_main) or resume  # FSDP 3: a step
@@ -494,13 +379,13 @@ def resume_path(run):
 
 
 def agree_on_start(start, error, path):
-    """Every rank resumed from the same step, or all stop with the same line (a rank on a node that
-    cannot see the checkpoint, or sees another file: checkpoints need a shared filesystem)."""
+    """A collective: the same step on every rank, or all stop with one line. A rank fails alone
+    where its node cannot see the checkpoint, or sees another file than the other nodes."""
     outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, (start, error))  # DDP 7: a collective, so no rank hangs
+    dist.all_gather_object(outcomes, (start, error))  # DDP 7: every rank gets every outcome
     failed = [(rank, problem) for rank, (_, problem) in enumerate(outcomes) if problem]
     if failed and len(failed) == len(outcomes) and len({p for _, p in failed}) == 1:
-        raise InputError(failed[0][1])  # the same problem everywhere: the checkpoint itself
+        raise InputError(failed[0][1])  # the same problem on every rank: the checkpoint's own
     if failed:
         raise InputError(f"rank {failed[0][0]}: {failed[0][1]} (every rank reads --resume: on "
                          "several nodes it must be on a filesystem they share, docs/multinode.md)")
@@ -521,10 +406,10 @@ def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
         raise InputError(f"cannot load the shards of {path}: {first_reason(err)}") from None
     set_state_dict(raw_model, optimizer, model_state_dict=model_state,  # into my shards
                    optim_state_dict=optim_state)
-    if not shards_finite(raw_model):  # talks: every rank gets the same answer
+    if not shards_finite(raw_model):  # a collective: every rank gets the same answer
         raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
-    saved = state["args"].get("tp", 1), len(state["rng"])  # FSDP 3: a tp row's ranks drew alike
-    if saved == (1, run.world_size):  # the layout that saved them: else the seeds by rank stay
+    saved = state["args"].get("tp", 1), state["args"].get("cp", 1), len(state["rng"])  # CP 3
+    if saved == (1, run.args.cp, run.world_size):  # CP 3: a rank's streams drew for its chunks
         restore_rng(state["rng"][run.rank], run.device)  # FSDP 3: this rank's streams
 
 
@@ -546,23 +431,22 @@ def wrap_model(run, raw_model):  # FSDP 4: no wrapper: the sharded model trains 
 
 def evaluate(run, model, val):  # FSDP 5: every rank runs as many forwards
     """The mean validation loss per token, exact at any world size; a collective. Each forward
-    all-gathers with every rank, so fewer batches are padded with targets of -100: counted 0."""
-    batches = list(validation_batches(run, val))  # CP 2: disjoint slices by row
+    all-gathers, so every rank runs as many; padding batches hold targets of -100, which count 0."""
+    batches = list(validation_batches(run, val))  # CP 2: each row its own windows
     most = torch.tensor(len(batches), device=run.device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most batches any rank holds
     x = torch.zeros(1, run.args.block_size, dtype=torch.long, device=run.device)
     batches += [(x, torch.full_like(x, -100))] * (int(most) - len(batches))
     batches = [run.context.share(x, y) for x, y in batches]  # CP 3: this rank's tokens
-    return mean_loss_over_ranks(model, batches, run.context)  # talks: every rank's sums
+    return mean_loss_over_ranks(model, batches, run.context)  # a collective: all ranks' sums
 
 
 def validation_batches(run, val):
     """This rank's validation batches, (inputs, targets) on its device: the first --eval-windows
-    non-overlapping windows of the validation tokens, dealt to the ranks round-robin: disjoint
-    slices, never padded with repeats as a DistributedSampler pads them, so each counts once."""
+    windows, dealt to the ranks in turn and never padded with repeats, so each counts once."""
     args = run.args
     starts = np.arange(0, len(val) - args.block_size, args.block_size + 1)[:args.eval_windows]
-    mine = starts[run.dp_rank::run.dp_size]  # CP 2: by row
+    mine = starts[run.dp_rank::run.dp_size]  # CP 2: dealt by row, not by rank
     for i in range(0, len(mine), args.batch_size):
         rows = val[mine[i:i + args.batch_size, None] + np.arange(args.block_size + 1)]
         yield on_device(torch.from_numpy(rows.astype(np.int64)), run.device)
@@ -570,16 +454,15 @@ def validation_batches(run, val):
 
 @torch.no_grad()
 def mean_loss_over_ranks(model, batches, context):  # CP 3: on this rank's tokens
-    """The mean cross-entropy per target over all ranks' batches (inputs, targets): each rank
-    sums its own, one all-reduce adds the sums and the counts up. A collective: every rank calls
-    it (evaluate() says how many batches each rank may bring)."""
+    """A collective: the mean cross-entropy per target over all ranks' batches (inputs, targets).
+    Each rank sums its own losses and counts them; one all-reduce adds those up over the ranks."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
     for x, y in batches:
         logits, _ = model(x, context=context)  # CP 3: this rank's tokens
         totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
         totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token
-    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # CP 3: each token on one rank: once
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # CP 3: each token on one rank, so counted once
     free_gathered_weights(model)  # FSDP 5: forwards without a backward leave them
     model.train()
     return (totals[0] / totals[1]).item()
@@ -597,7 +480,7 @@ def train_step(run, model, optimizer, windows, step):
         group["lr"] = lr_at(step, args)
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
     grad_norm = grad_norm.full_tensor()  # FSDP 6: the norm over all shards, the same everywhere
-    loss = mean_over_ranks(loss)  # DDP 9: every rank gets the same mean, so the same verdict
+    loss = mean_over_ranks(loss)  # DDP 9: the same mean on every rank, so all stop or none
     stop_if_diverged(run, step, loss, grad_norm)
     optimizer.step()  # FSDP 1
     optimizer.zero_grad(set_to_none=True)
@@ -607,25 +490,27 @@ def train_step(run, model, optimizer, windows, step):
 def accumulate_gradients(model, batches, context, every=True):  # CP 3: this rank's tokens
     """Forward and backward over each micro-batch (inputs, targets); the loss to average. every:
     each backward reduce-scatters a group's gradients into the shards, which add up there, so no
-    rank holds a whole gradient past its group's backward; else (--grad-sync last, DDP's no_sync)
+    rank holds a whole gradient past its group's backward; else (--grad-sync last)
     whole gradients add up on every rank and the last backward reduce-scatters them once."""
-    tokens = sum((y != -100).sum() for _, y in batches).double()  # CP 3: -100 is no target
-    dist.all_reduce(tokens, op=dist.ReduceOp.SUM)  # talks: the step's targets, on every rank
-    scale = dist.get_world_size() / tokens.clamp(min=1)  # CP 3: FSDP averages: a global mean
+    tokens = sum((y != -100).sum() for _, y in batches).double()  # CP 3: -100 marks no target
+    dist.all_reduce(tokens, op=dist.ReduceOp.SUM)  # a collective: all ranks' targets this step
+    # Each rank's loss is its sum of token losses times world size / tokens. Averaged over the
+    # ranks (FSDP's gradients, train_step's log), that is all ranks' sum / tokens: the global mean.
+    scale = dist.get_world_size() / tokens.clamp(min=1)  # CP 3: FSDP divides the world size out
     total = 0.0
     for i, (x, y) in enumerate(batches):
         model.set_requires_gradient_sync(every or i == len(batches) - 1)  # FSDP 7
-        logits, _ = model(x, context=context)  # CP 3: a sum, not a mean: shares' targets differ
+        logits, _ = model(x, context=context)  # CP 3: on this rank's tokens of each sequence
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum") * scale
-        loss.backward()  # CP 4: talks: each block reduce-scatters its keys' and values' gradients
+        loss.backward()  # CP 4: each block reduce-scatters its K, V gradients over the row
         total += loss.detach()
     return total
 
 
-def mean_over_ranks(value):  # DDP 9
-    """A collective: the average of a scalar tensor over all ranks (SUM, then divide)."""
+def mean_over_ranks(value):
+    """A collective: the mean of a scalar tensor over all ranks, summed then divided."""
     value = value.detach().clone().float()
-    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # every rank gets the sum of all ranks'
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # DDP 9: every rank gets the sum of all ranks'
     return value / dist.get_world_size()
 
 
@@ -633,27 +518,27 @@ def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every ran
     """A collective: rank 0 writes DIR/step-N/run.json (step, flags, vocabulary, every rank's RNG),
     every rank its shards of weights and AdamW state (DCP: no gather; .metadata last marks it
     complete). Failed: SaveFailed on every rank, the folder removed, the previous step intact."""
-    rng_states = [None] * run.world_size  # DDP 11: each rank has its own dropout stream
+    rng_states = [None] * run.world_size  # DDP 11: each rank's RNG draws its own dropout masks
     dist.all_gather_object(rng_states, rng_state(run.device))  # so rank 0 can save them all
     folder = os.path.join(run.args.save, f"step-{step:06d}")  # FSDP 3: a folder per step
     if not shards_finite(raw_model):  # a collective: every rank gets the same answer
         raise SaveFailed(f"not saving {folder}: the weights are not finite")
     state = dict(zip(("model", "optimizer"), get_state_dict(raw_model, optimizer)))  # mine
     try:  # rank 0 writes run.json, then every rank its shards
-        save_on_rank_0(lambda: write_file(os.path.join(folder, "run.json"),  # talks
+        save_on_rank_0(lambda: write_file(os.path.join(folder, "run.json"),  # a collective
                                           run_state(run, data, step, rng_states)), run.is_main)
         dcp.save(state, checkpoint_id=folder)  # every rank its shards; .metadata last, by rank 0
     except (SaveFailed, OSError, RuntimeError, CheckpointException) as err:  # DCP: on every rank
-        save_on_rank_0(lambda: shutil.rmtree(folder, ignore_errors=True), run.is_main)  # talks
+        save_on_rank_0(lambda: shutil.rmtree(folder, ignore_errors=True), run.is_main)  # collective
         failed = SaveFailed(f"cannot save {folder}: {first_reason(err, folder, state)}")
         raise (err if isinstance(err, SaveFailed) else failed) from None
-    save_on_rank_0(lambda: drop_older_steps(run.args.save, folder), run.is_main)  # talks
+    save_on_rank_0(lambda: drop_older_steps(run.args.save, folder), run.is_main)  # a collective
     print0(run.is_main, f"step {step}/{run.args.max_steps} | saved {folder}")
 
 
-def save_on_rank_0(write, is_main):  # DDP 12: one writer; every rank waits and learns the outcome
+def save_on_rank_0(write, is_main):
     """A collective: rank 0 calls write(); every rank waits for it and raises what it raised.
-    Never call it inside `if is_main:`: the other ranks would not reach the broadcast."""
+    Never call it inside `if is_main:`, because the other ranks would not reach the broadcast."""
     error = None
     if is_main:
         try:
@@ -661,28 +546,28 @@ def save_on_rank_0(write, is_main):  # DDP 12: one writer; every rank waits and 
         except Exception as err:  # sent to every rank below, so that none goes on alone
             error = err
     outcome = [error]
-    dist.broadcast_object_list(outcome, src=0)  # every rank waits here for rank 0's write
+    dist.broadcast_object_list(outcome, src=0)  # DDP 12: every rank waits here for rank 0's write
     if outcome[0] is not None:
         raise outcome[0]
 
 
-def leave_distributed():  # DDP 13: leave the process group on every path, error or not
-    """Free what a failed run left (a model's hooks may hold the group), then leave the group."""
+def leave_distributed():
+    """Free what a failed run left (its DDP model may still hold the group), then leave it."""
     gc.collect()
     if dist.is_initialized():
-        dist.destroy_process_group()  # waits for no one: each rank leaves on its own
+        dist.destroy_process_group()  # DDP 13: not a collective; each rank leaves on its own
 
 
 # --------------------------------------------------------------------------------- the model: a GPT
-def causal_attention(q, k, v, causal=None):  # CP 6: causal: Context's mask, built before compile
+def causal_attention(q, k, v, causal=None):  # CP 6: causal, Context's mask made before compile
     """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
     attention on GPUs: no causal mask is built). No dropout on the attention weights: on a CPU it
     forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
-    bf16 CPU backward kernel is 3x slower than the fp32 one (measured: docs/performance.md)."""
-    # CP 6: q holds the last positions of k's sequence. The lower-right mask aligns the last query
-    # with the last key: queries 12-15 over 16 keys, query 12 reads keys 0-12 (is_causal=True
-    # would align the first query with the first key: key 0 alone, and train wrong)
-    if causal is None and q.shape[-2] != k.shape[-2]:  # as many queries as keys: is_causal
+    bf16 CPU backward kernel measured 3x slower than the fp32 one."""
+    # CP 6: q holds the last positions of k's sequence. The lower-right mask lines up the last
+    # query with the last key: of 16 keys, query 12 (of 12-15) reads keys 0-12. is_causal=True
+    # lines up the first query with the first key instead, so query 12 would read key 0 alone.
+    if causal is None and q.shape[-2] != k.shape[-2]:  # as many queries as keys: is_causal does
         causal = causal_lower_right(q.shape[-2], k.shape[-2])
     cpu = q.device.type == "cpu"  # CP 6: one call, one mask, on every device (tested on a CPU)
     with torch.autocast("cpu", enabled=False) if cpu else contextlib.nullcontext():
@@ -698,10 +583,9 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(n_embd, 3 * n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
 
-    def forward(self, x, context=None):  # CP 6: context: this rank's share of the sequence
+    def forward(self, x, context=None):  # CP 6: context says which tokens x holds
         B, T, C = x.shape
-        # qkv's outputs come head by head (head 0's q, k, v, then head 1's...): equal parts are
-        # whole heads, as a tensor-parallel split by heads needs; -1: the heads this module holds
+        # qkv's outputs hold each head's q, k and v side by side; -1 counts the heads (n_head).
         qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
         q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
         if context is None:  # CP 6: the whole sequence is here
@@ -739,18 +623,16 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # weight tying: one matrix embeds and un-embeds
-        if not self.head.weight.is_meta:  # on the meta device there is nothing to fill yet
+        if not self.head.weight.is_meta:  # a weight with no storage (is_meta) cannot be filled
             self.init_weights(seed=0)
 
     @torch.no_grad()
     def init_weights(self, seed):
-        """Every parameter from initial_value(): the same weights for the same seed, whether
-        the model is made whole here or one parameter at a time (a sharded build, where each rank
-        fills only its own slice)."""
+        """Set every parameter to initial_value(), so the same seed gives the same weights."""
         for name, p in self.named_parameters():
             p.copy_(initial_value(name, p.shape, seed, len(self.blocks)))
 
-    def forward(self, idx, targets=None, context=None):  # CP 6: context: this rank's share
+    def forward(self, idx, targets=None, context=None):  # CP 6: which tokens idx holds
         """Logits (B, T, vocab), and the mean cross-entropy per token if targets are given. With a
         context, idx holds this rank's tokens of each sequence, at context.positions."""
         positions = torch.arange(idx.shape[1], device=idx.device)
@@ -780,9 +662,9 @@ class GPT(nn.Module):
 
 
 def initial_value(name, shape, seed, n_layer):
-    """The initial value of parameter `name`, GPT-2's scheme: N(0, 0.02) for matrices (residual
-    projections shrink with depth), zero biases, unit norm weights. Each parameter draws from a
-    generator of its own, seeded by (seed, name), so any one can be made without the others."""
+    """The initial value of parameter `name` in GPT-2's scheme: N(0, 0.02) for matrices, std
+    0.02 / sqrt(2 x layers) for residual projections, zero biases, LayerNorm weights of one. Each
+    draws from a generator seeded by (seed, name), so its value depends on nothing else."""
     if name.endswith(".bias"):
         return torch.zeros(shape)
     if len(shape) == 1:  # a LayerNorm's weight
@@ -794,13 +676,12 @@ def initial_value(name, shape, seed, n_layer):
 
 
 # -------------------------------------------- beyond the core: debugging, the benchmark, the report
-def log_windows(run, windows):  # DDP 14: --debug, which windows each rank reads
-    """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
-    that lines from several processes never splice into each other."""
+def log_windows(run, windows):
+    """A collective: rank 0 prints each rank's windows, in rank order, so lines never splice."""
     line = (f"[rank {run.rank}] {windows.per_epoch} micro-batches per epoch, "
             f"first windows at tokens {windows.starts_of_epoch(0)[:4].tolist()}")
     lines = [None] * run.world_size
-    dist.all_gather_object(lines, line)  # to rank 0, which prints them in rank order
+    dist.all_gather_object(lines, line)  # DDP 14: every rank gets all lines; rank 0 prints
     print0(run.is_main, "\n".join(lines))
 
 
@@ -809,21 +690,20 @@ def benchmark(run, model, optimizer, windows):
     times = []
     for step in range(5 + run.args.max_steps):
         start = time.perf_counter()
-        loss, _ = train_step(run, model, optimizer, windows, step)  # talks
+        loss, _ = train_step(run, model, optimizer, windows, step)  # a collective
         loss.item()  # wait for the device: the step is over
         times.append(time.perf_counter() - start)
     result = {**pace_keys(statistics.median(times[5:]), tokens_per_step(run)),
               "timed_steps": run.args.max_steps}
-    log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
+    log_peak_gpu_memory(run)  # a collective on GPUs: every rank's peak
     print0(run.is_main, f"benchmark | {result['step_ms']} ms/step | "
                         f"{result['throughput']:,.0f} tok/s")
     print0(run.is_main, summary_line(result))
 
 
 def report(run, raw_model, data, val_loss, meter):
-    """The done line, the summary line, and a taste of what it learned, printed by rank 0; on GPUs
-    first every rank's peak memory (a collective)."""
-    log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
+    """Every rank's GPU peak (a collective on GPUs), then rank 0's done line, summary, sample."""
+    log_peak_gpu_memory(run)  # a collective on GPUs: every rank's peak
     summary = {**meter.summary(), "val_loss": val_loss, "baseline_loss": data.baseline}
     unit = "byte" if data.vocab_size == 256 else "token"
     print0(run.is_main, f"done | val loss {val_loss:.4f} ({unit}-frequency baseline "
@@ -831,7 +711,7 @@ def report(run, raw_model, data, val_loss, meter):
                         f"{summary['train_s']:.1f} s of training")
     print0(run.is_main, summary_line(summary))
     if run.args.export:  # FSDP 8: one plain file, for one-process sampling
-        export(run, raw_model, data)  # talks: every rank's shards to rank 0
+        export(run, raw_model, data)  # a collective: every rank's shards to rank 0
     if unit == "byte" or data.itos:  # FSDP 5: every rank generates: each forward gathers weights
         raw_model.eval()
         start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
@@ -842,33 +722,150 @@ def report(run, raw_model, data, val_loss, meter):
 
 def export(run, raw_model, data):  # FSDP 8: one plain file, as one process saves it
     """A collective: every rank's shards to rank 0's CPU, which writes one plain state_dict."""
-    if not shards_finite(raw_model):  # talks: every rank gets the same answer
+    if not shards_finite(raw_model):  # a collective: every rank gets the same answer
         raise SaveFailed(f"not exporting {run.args.export}: the weights are not finite")
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0
     weights = get_model_state_dict(raw_model, options=options)  # empty on the other ranks
-    save_on_rank_0(lambda: write_export(run, weights, data), run.is_main)  # talks
+    save_on_rank_0(lambda: write_export(run, weights, data), run.is_main)  # a collective
 
 
-def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
-    """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in rank
-    order (measured: weights, gradients, optimizer state, activations; docs/fsdp.md)."""
+def log_peak_gpu_memory(run):
+    """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in order."""
     if run.device.type != "cuda":
         return
     peaks = [None] * run.world_size
-    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # for rank 0
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # DDP 16
     print0(run.is_main, "peak GPU memory per rank (max_memory_allocated): " +
            ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
+
+
+# The ring of --cp-rotate ring, which Context.attention calls instead of the all-gather
+@torch.compiler.disable  # kept out of compiled graphs, so its sends run as written
+def ring_attention(q, k, v, context):
+    return RingAttention.apply(q, k, v, context)  # CP 5: sends and receives round the row
+
+
+class RingAttention(torch.autograd.Function):
+    """Ring attention. Each rank of a row sends its keys and values (K, V) on to the next rank
+    while its queries read the ones it holds, one rank's at a time. The partial softmaxes merge by
+    each query's log-sum-exp of its scores (LSE). A rank holds its own K, V and two visitors' (one
+    leaving, one arriving), never the whole sequence's. Backward passes them round again with their
+    gradients, which come home summed. K, V travel in the compute dtype, dK, dV in fp32."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, context):
+        ctx.context, kv, q32, out = context, torch.stack([k, v]), q.float(), None
+        for step in range(context.cp):  # at step s, rank r holds the keys of rank r - s
+            arriving = pass_on(kv, context) if step < context.cp - 1 else None  # CP 5: pass them on
+            rows, keys, causal = ring_block(context, step)
+            o, lse = block_attention(q32[..., rows, :], *kv[:, ..., keys, :].float(), causal)
+            if out is None:  # step 0 holds the rank's own keys, and every query reads one or more
+                out, total = o, lse
+            else:  # one softmax over both: each part weighs its fraction of the summed exps
+                both = torch.logaddexp(total[..., rows, :], lse)  # CP 5: merged by their LSEs
+                out[..., rows, :] = (out[..., rows, :] * torch.exp(total[..., rows, :] - both)
+                                     + o * torch.exp(lse - both))
+                total[..., rows, :] = both
+            kv = arriving() if arriving else kv  # rank r - s - 1's keys, received while we computed
+        ctx.save_for_backward(q, k, v, out, total)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        context, (q, k, v, out, total) = ctx.context, ctx.saved_tensors
+        kv, q32, grad = torch.stack([k, v]), q.float(), grad.float()
+        delta = (grad * out).sum(-1, keepdim=True)  # softmax backward's term per query, dO . O
+        dq, dkv, arriving = torch.zeros_like(out), torch.zeros_like(kv, dtype=torch.float), None
+        for step in range(context.cp):  # the forward's ring again, with gradients
+            next_kv = pass_on(kv, context) if step < context.cp - 1 else None  # CP 5: pass them on
+            rows, keys, causal = ring_block(context, step)
+            stats = total[..., rows, :], delta[..., rows, :]  # each query's lse and dO . O
+            dq_part, dkv_part = block_gradients(q32[..., rows, :], kv[:, ..., keys, :].float(),
+                                                grad[..., rows, :], stats, causal)
+            dq[..., rows, :] += dq_part
+            dkv = arriving() if arriving else dkv  # the sums for these keys, so far (fp32)
+            dkv[:, ..., keys, :] += dkv_part
+            arriving = pass_on(dkv, context)  # CP 5: passed on; the last pass brings them home
+            kv = next_kv() if next_kv else kv
+        dkv = arriving()  # my keys' and values' gradients, summed over every rank's queries
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+def ring_block(context, step):
+    """At ring step s, rank r of a row holds rank r - s's keys; this says which of its queries read
+    which of them. Its own keys need the causal mask. Of an earlier rank's, all its queries read the
+    early chunk and none the late one. Of a later rank's, its late chunk alone reads both chunks."""
+    source, half = (context.cp_rank - step) % context.cp, len(context.positions) // 2
+    if source == context.cp_rank:
+        return slice(None), slice(None), True
+    if source < context.cp_rank:
+        return slice(None), slice(None, half), False
+    return slice(half, None), slice(None), False
+
+
+def pass_on(x, context):
+    """Starts sending x to rank r + 1 of the row and receiving rank r - 1's. Returns a function
+    that waits for both and gives what arrived, so that the caller computes in between."""
+    r, n = context.cp_rank, context.cp
+    send, receive, group = x.contiguous(), torch.empty_like(x), context.group
+    works = dist.batch_isend_irecv([  # CP 5: both start at once, so no rank waits on another
+        dist.P2POp(dist.isend, send, group=group, group_peer=(r + 1) % n),  # to rank r + 1
+        dist.P2POp(dist.irecv, receive, group=group, group_peer=(r - 1) % n)])  # from rank r - 1
+
+    def arrived():
+        for work in works:
+            work.wait()
+        return receive
+    return arrived
+
+
+def block_attention(q, k, v, causal, tile=256):
+    """One ring step: softmax(q k^T / sqrt(d)) v over these keys alone, and each query's LSE, which
+    weighs its outputs when they merge with another step's. The queries go in tiles, as in flash
+    attention, so the scores held at once are tile x keys per head, not queries x keys."""
+    outs, lses = [], []
+    for first in range(0, q.shape[-2], tile):
+        scores = tile_scores(q[..., first:first + tile, :], k, first if causal else None)
+        lses.append(scores.logsumexp(-1, keepdim=True))
+        outs.append(scores.sub_(lses[-1]).exp_() @ v)
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-2)
+
+
+def block_gradients(q, kv, grad, lse_delta, causal, tile=256):
+    """One ring step's backward, tile by tile, as in flash attention. lse_delta holds each query's
+    LSE, which gives back its probabilities, and delta = dO . O. Returns dQ's part and dK, dV."""
+    (k, v), (lse, delta), dq, dkv = kv, lse_delta, [], torch.zeros_like(kv)
+    for first in range(0, q.shape[-2], tile):
+        rows = slice(first, first + tile)
+        scores = tile_scores(q[..., rows, :], k, first if causal else None)
+        p = scores.sub_(lse[..., rows, :]).exp_()  # each query's probabilities, this block's part
+        ds = p * (grad[..., rows, :] @ v.transpose(-2, -1) - delta[..., rows, :])  # dScores
+        ds *= q.shape[-1] ** -0.5  # through the scale, to q and k
+        dq.append(ds @ k)
+        dkv[0] += ds.transpose(-2, -1) @ q[..., rows, :]
+        dkv[1] += p.transpose(-2, -1) @ grad[..., rows, :]
+    return torch.cat(dq, dim=-2), dkv
+
+
+def tile_scores(q, k, first=None):
+    """The scores q k^T / sqrt(d). Given first (my own keys, and q my tokens from the first-th on,
+    both in order of position), a key later than its query scores -inf, the causal mask."""
+    scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    if first is not None:
+        later = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(first + 1)
+        scores.masked_fill_(later, float("-inf"))
+    return scores
 
 
 # ============================================================================== the plumbing
 
 
 # ---------------------------------------- guards: each stops one thing going wrong in production
-def avoid_known_failures(args):  # guard: every guard, in one place, before the group is joined
+def avoid_known_failures(args):  # guard: all guards, in one place, before the group is joined
     """Exit code 2 for a launch that could never join a group; a workaround for each known fault."""
     if torch.__version__ < "2.13":  # CP 4: GatherContext's collectives, from torch 2.13 on
         sys.stderr.write(f"error: this chapter needs torch 2.13 or newer: {torch.__version__}\n")
-        sys.exit(2)  # as refuse_a_bad_launch: a launch that cannot work (a TorchVersion compares)
+        sys.exit(2)  # as for any launch that cannot work; a TorchVersion compares as a version
     refuse_a_bad_launch(args.device)  # guard: no torchrun, or more processes than GPUs
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     backend = "nccl" if cuda else "gloo"
@@ -905,12 +902,12 @@ def refuse_a_bad_launch(device_name):  # guard: a process that could never join 
 
 
 def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo
-    """The debug level to run at, from the shell's: --debug asks DETAIL (NCCL) or INFO (gloo); a
-    shell's DETAIL on gloo, where it crashes DDP, becomes INFO with one warning from rank 0."""
+    """The debug level to run at, starting from the shell's. --debug asks for DETAIL on NCCL and
+    INFO on gloo. DETAIL crashes DDP on gloo, so there it becomes INFO, with one warning."""
     if debug:
         level = dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO
     if backend == "gloo" and level == dist.DebugLevel.DETAIL:  # the shell's
-        if os.environ["RANK"] == "0":  # before the group: torchrun's RANK says who logs
+        if os.environ["RANK"] == "0":  # no group yet, so torchrun's RANK says who logs
             print("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on gloo "
                   "(docs/troubleshooting.md): going on at INFO", flush=True)
         level = dist.DebugLevel.INFO
@@ -918,8 +915,8 @@ def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=D
 
 
 def avoid_page_faults_on_cpu():  # guard: glibc returning freed memory at once
-    """On Linux CPUs (glibc), keep freed memory in the process: glibc hands each step's tens of MB
-    (the logits) back to the OS, and page faults cost 10-30% of a step (docs/performance.md)."""
+    """On Linux CPUs (glibc), keep freed memory in the process. Otherwise glibc hands each step's
+    tens of MB (the logits) back to the OS, and the page faults cost 10-30% of a step."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -973,9 +970,9 @@ def parse_args(argv=None):
       help="torch.compile backend (default: inductor)")
     a = p.add_argument_group("training").add_argument
     a("--batch-size", type=positive(int), default=16, metavar="B",
-      help="sequences per micro-step, per dp row (default: 16)")  # CP 2: its ranks share them
+      help="sequences per micro-step, per dp row (default: 16)")  # CP 2: a row's ranks share them
     a("--grad-accum", type=positive(int), default=1, metavar="K",
-      help="micro-steps per optimizer step (default: 1)")
+      help="micro-batches per optimizer step (default: 1)")
     a("--max-steps", type=positive(int), default=300, metavar="N",
       help="optimizer steps (default: 300)")
     a("--lr", type=positive(float), default=3e-3, help="peak learning rate (default: 0.003)")
@@ -988,7 +985,8 @@ def parse_args(argv=None):
     a("--clip", type=positive(float, zero_ok=True), default=1.0, metavar="NORM",
       help="clip the gradient norm to NORM, 0 = off (default: 1.0)")
     a("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
-      help="autocast dtype; auto: bf16 (or fp16) on GPUs, off on CPUs (default: auto)")
+      help="the compute dtype of FSDP's policy; auto: bf16 on GPUs that have it natively, else "
+           "off (fp32); fp16 is refused (default: auto)")
     a("--seed", type=int, default=0, help="seeds the weights, data order, dropout (default: 0)")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto",
       help="auto = cuda if there is one, else cpu (default: auto)")
@@ -996,11 +994,11 @@ def parse_args(argv=None):
     a("--dist-timeout", type=positive(float), default=300, metavar="S",
       help="seconds a collective waits for a peer before the job fails (default: 300)")
     a("--cp", type=positive(int), default=2, metavar="N",  # CP 1
-      help="context-parallel ranks per row: consecutive ranks, one node's GPUs; must divide the "
-           "world size, and 2 x N must divide --block-size; 1: FSDP alone (default: 2)")
+      help="ranks per row, which split each sequence; a row is consecutive ranks, best one node. N "
+           "must divide the world size, 2 x N the --block-size; 1: FSDP alone (default: 2)")
     a("--cp-rotate", choices=["allgather", "ring"], default="allgather",  # CP 5
-      help="how a rank's queries reach the row's keys and values: allgather: all at once (torch's "
-           "default); ring: passed rank to rank, one rank's at a time (default: allgather)")
+      help="how a rank's queries reach its row's keys and values. allgather: all at once (torch's "
+           "default). ring: passed from rank to rank, one rank's at a time (default: allgather)")
     a("--grad-sync", choices=["every", "last"], default="every",  # FSDP 7
       help="with --grad-accum: every: reduce-scatter each micro-batch's gradients, they stay "
            "sharded; last: keep them whole and reduce-scatter once (default: every)")
@@ -1018,7 +1016,7 @@ def parse_args(argv=None):
     a("--save", default="checkpoints/minigpt_cp", metavar="DIR",  # CP 7
       help="checkpoint folder of step-N folders, '' for none (default: %(default)s)")
     a("--export", default="checkpoints/minigpt_cp.pt", metavar="PATH",  # CP 7
-      help="the final weights in one file, chapter 3's format, '' for none (default: %(default)s)")
+      help="the final weights in one file that --sample reads, '' for none (default: %(default)s)")
     a("--save-every", type=positive(int, zero_ok=True), default=0, metavar="N",
       help="also save every N steps, 0 = only at the end (default: 0)")
     a("--resume", metavar="DIR",  # FSDP 3
@@ -1044,7 +1042,7 @@ def parse_args(argv=None):
         p.error(f"--n-head {args.n_head} must divide --n-embd {args.n_embd}")
     if not 0 <= args.dropout < 1 or not 0 < args.val_fraction < 1:
         p.error("--dropout must be in [0, 1) and --val-fraction in (0, 1)")
-    if args.block_size < 2 * args.cp:  # CP 3: every rank holds two chunks of a token or more
+    if args.block_size < 2 * args.cp:  # CP 3: each rank needs two chunks of a token or more
         p.error(f"--cp {args.cp} cuts a sequence into {2 * args.cp} chunks, more than the "
                 f"{args.block_size} tokens of --block-size: give a --block-size of at least "
                 f"{2 * args.cp}")
@@ -1165,8 +1163,8 @@ def on_device(rows, device):
 
 # -------------------------------------------------------------- precision, optimizer, schedule
 def amp_dtype(choice, device):
-    """The autocast dtype, or None for fp32. bf16 has fp32's range: no loss scaling. fp16 needs a
-    GradScaler. Only native bf16 counts: V100s and T4s emulate it, slower than fp16."""
+    """The autocast dtype, or None for fp32. bf16 has fp32's range, so it needs no loss scaling;
+    fp16 needs a GradScaler. Only native bf16 counts: V100s and T4s emulate it, slower than fp16."""
     native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
     if choice == "auto":
         if device.type != "cuda":
@@ -1237,8 +1235,7 @@ def all_finite(state_dict):
 
 
 def state_bytes(state):
-    """About the bytes a checkpoint of `state` takes on disk: its tensors', in nested dicts and
-    lists (a DTensor counts whole)."""
+    """About the bytes a checkpoint of `state` takes: its tensors', in nested dicts and lists."""
     if torch.is_tensor(state):
         return state.nbytes
     if isinstance(state, bytes):  # a file's bytes, ready to write
@@ -1303,7 +1300,7 @@ def free_gathered_weights(model):  # FSDP 5: --reshard-after-forward no keeps th
 
 
 def write_export(run, weights, data):  # FSDP 8: rank 0's part of --export
-    """Write the gathered weights to --export in chapter 3's checkpoint format, atomically."""
+    """Write the gathered weights to --export in the one-file format --sample reads, atomically."""
     path, step = run.args.export, run.args.max_steps
     state = {"model": weights, "optimizer": {}, "scaler": {}, "step": step, "args": vars(run.args),
              "config": model_config(run.args, data.vocab_size), "itos": data.itos, "rng": []}
@@ -1391,10 +1388,10 @@ def read_run_state(path, run, data):  # FSDP 3
     return state
 
 
-def split_line(run):  # CP 3: the split, each rank's work, and what a block gathers
-    """Each context rank's share of causal attention's (query, key) pairs, with the chunks it holds
-    and with contiguous shares instead, and the keys and values each rank receives per block and
-    micro-batch in forward, in the compute dtype (docs/cp.md)."""
+def split_line(run):
+    """The start-up line of the split: each rank's part of causal attention's (query, key) pairs,
+    with its two chunks and with contiguous parts instead, and the keys and values a rank receives
+    per block and micro-batch in forward, in the compute dtype."""
     args, cp, T = run.args, run.args.cp, run.args.block_size
     pairs = [int((chunk_positions(r, cp, T) + 1).sum()) for r in range(cp)]  # query p reads p + 1
     contiguous = [sum(range(r * T // cp + 1, (r + 1) * T // cp + 1)) for r in range(cp)]
@@ -1412,7 +1409,7 @@ def percents(counts):
     return ", ".join(f"{100 * n / sum(counts):.1f}%" for n in counts)
 
 
-def memory_line(model):  # FSDP 2: what each rank holds, against DDP's full copy
+def memory_line(model):  # FSDP 2: what each rank holds, against a whole copy
     """Bytes of weights + gradients + AdamW's two moments (fp32: 4 copies) held by this rank."""
     mine = sum(p.to_local().numel() for p in model.parameters())
     full = sum(p.numel() for p in model.parameters())
@@ -1484,8 +1481,7 @@ def gpu_peak_flops(run):
 
 
 class Meter:
-    """The training clock and the log line. Time between log lines counts training only:
-    main() stops the clock for evaluation and checkpoints."""
+    """The training clock and the log line; main() stops the clock for evaluation and saving."""
 
     def __init__(self, run, raw_model, start):
         self.args, self.tokens = run.args, tokens_per_step(run)
@@ -1501,8 +1497,7 @@ class Meter:
         self.clock.start()
 
     def log_line(self, step, loss, grad_norm):
-        """step N/M | loss | lr | grad norm | ms/step | tok/s, and MFU on CUDA, over the steps
-        since the last log line (docs/conventions.md)."""
+        """step N/M | loss | lr | grad norm | ms/step | tok/s (and MFU), since the last log line."""
         self.intervals.append((step - self.last_step, self.clock.lap()))
         self.last_step = step
         step_s = self.intervals[-1][1] / self.intervals[-1][0]
@@ -1514,7 +1509,7 @@ class Meter:
         return line
 
     def summary(self):
-        """Steps, seconds and tokens/s of training, and the median pace (docs/conventions.md)."""
+        """Steps, seconds and tokens/s of training, and the median pace."""
         steps, train_s = sum(n for n, _ in self.intervals), sum(s for _, s in self.intervals)
         timed = self.intervals[1:] or self.intervals  # the first interval is the warm-up
         step_s = statistics.median([s / n for n, s in timed]) if timed else 0.0
@@ -1524,8 +1519,7 @@ class Meter:
 
 
 def pace_keys(step_s, tokens_per_step):
-    """The summary keys benchmark_scaling.py reads (docs/conventions.md): the median ms per
-    optimizer step, and the throughput of all ranks it implies."""
+    """The summary keys benchmark_scaling.py reads: median ms per step, all ranks' tokens/s."""
     return {"step_ms": round(1000 * step_s, 3), "per_step": tokens_per_step,
             "throughput_unit": "tokens/s",
             "throughput": round(tokens_per_step / step_s, 1) if step_s else 0.0}
@@ -1627,5 +1621,7 @@ if __name__ == "__main__":
         sys.stderr.write(f"error: {err}\n")  # one write: lines from several ranks never splice
         code = err.code
     finally:
+        # A rank that fails mid-step leaves the group here and exits with a non-zero code. torchrun
+        # then stops the other ranks, which wait in their next collective until it does.
         leave_distributed()  # DDP 13
     sys.exit(code)

@@ -8,32 +8,44 @@ across ranks, resumable checkpoints, and sampling.
     ./launch_multinode_ddp.sh --nnodes 2 --nproc-per-node 8 --master-addr NODE0 train_ddp_minigpt.py
     python train_ddp_minigpt.py --sample --ckpt checkpoints/minigpt.pt --prompt "def main("
 
-The multi-node line prints the torchrun command to run on each node (chapter 4). Sampling runs in
-one plain process. Default data: the first 2,000,000 bytes of this Python's own standard library,
-one token per byte (vocab 256), so nothing is downloaded; `--data` also takes a text file, a .bin
-of uint16 token ids, or a nanoGPT folder.
+The multi-node line prints the torchrun command for each node; sampling runs in one process. The
+default data, this Python's standard library (2,000,000 bytes, a token per byte, vocab 256), needs
+no download; `--data` also takes a text file, a .bin of uint16 token ids, or a nanoGPT folder.
 
-Read it top-down: main(), then its core steps in the order it calls them, the model, and what goes
-beyond the core (debugging, the benchmark, the report). All that talks to other processes is above
-the line that ends `the plumbing`; below it, guards, flags, data, files, logging, sampling, errors.
+Terms. torchrun starts one process per device, and each runs this whole file. The world size is
+the number of processes; a process's rank is its number, from 0 to world size - 1. The process
+group lets the processes communicate; its backend moves the data (NCCL between GPUs, gloo on
+CPUs). A collective is a call that every rank makes, in the same order, to exchange data; a rank
+that reaches it waits there for the others. An all-reduce is the collective that adds a tensor up
+over all ranks and gives every rank the sum. Under DDP each rank holds a replica, a whole copy of
+the model, and trains it on data of its own. A window is block_size + 1 consecutive tokens, the
+inputs and targets of one sequence. A micro-batch is --batch-size windows through one forward and
+backward; an optimizer step runs --grad-accum of them on every rank.
 
-Tags: `# DDP k` marks each line DDP adds to a one-process trainer, numbered in reading order:
-  DDP 1   init_process_group: join the processes torchrun started; every collective needs it
-  DDP 2   one GPU per process, picked by LOCAL_RANK before any CUDA work: none piles onto GPU 0
-  DDP 3   is_main = rank == 0: one process logs and writes files, not every one of them
-  DDP 4   each rank its own share: windows of an epoch, validation slices; no sample twice
-  DDP 5   one shuffled order, the same on every rank and new each epoch: the shares stay disjoint
-  DDP 6   dropout seeded by rank: the replicas draw different masks, as one big batch would
-  DDP 7   resume: rank 0 looks for the checkpoint and every rank agrees, or all stop
-  DDP 8   DDP(model): rank 0's weights to every rank; backward() averages the gradients
-  DDP 9   SUM over ranks, then divide (gloo has no AVG); evaluate model.module, the plain model
-  DDP 10  no_sync() for all micro-batches but the last: gradients synced once a step, not each
-  DDP 11  every rank's RNG state in the checkpoint: resumed at as many ranks, the same draws
-  DDP 12  rank 0 writes, every rank waits and learns how it went: a failed save stops them all
-  DDP 13  leave the group on every path, error or not: each process ends cleanly
-  DDP 14  --debug: which windows each rank reads, printed by rank 0 in rank order
-  DDP 15  --check-sync: every rank's weight hash; replicas that differ stop the run
-  DDP 16  every rank's peak GPU memory, printed by rank 0
+Read it top-down: main(), then its core steps in the order it calls them, the model, and the steps
+beyond the core (debugging, the benchmark, the report). Every call that communicates with other
+ranks sits above the line that ends `the plumbing`. Below it is code a single process would run
+the same way: guards, flags, data, files, logging, sampling, errors.
+
+Tags. `# DDP k` marks each line DDP adds to a one-process trainer, numbered in reading order:
+  DDP 1   init_process_group joins the processes torchrun started; every collective needs it
+  DDP 2   each process picks its GPU by LOCAL_RANK, before any CUDA work, so not all use GPU 0
+  DDP 3   only rank 0 logs and writes files
+  DDP 4   each rank reads its own windows, in training and in evaluation; none reads one twice
+  DDP 5   every rank shuffles the windows in the same order, a new order each epoch
+  DDP 6   dropout is seeded by rank, so the replicas draw different masks
+  DDP 7   rank 0 looks for the checkpoint to resume; every rank loads it, or all stop
+  DDP 8   DDP(model) copies rank 0's weights to every rank and averages gradients in backward()
+  DDP 9   sums are all-reduced, then divided (gloo has no average); evaluation runs model.module
+  DDP 10  no_sync() holds the gradient all-reduce back until a step's last micro-batch
+  DDP 11  the checkpoint keeps every rank's random-number state
+  DDP 12  rank 0 writes the checkpoint; every rank waits and learns whether it worked
+  DDP 13  every process leaves the group on every path, error or not
+  DDP 14  --debug: rank 0 prints which windows each rank reads
+  DDP 15  --check-sync: the ranks compare hashes of their weights and stop if they differ
+  DDP 16  rank 0 prints every rank's peak GPU memory
+Lines tagged `# guard:` each avoid one known failure, all before the process group is joined.
+See also docs/ddp_in_your_trainer.md (these cores, ready to copy) and docs/conventions.md.
 """
 import argparse
 import contextlib
@@ -67,59 +79,60 @@ from torch.utils.checkpoint import checkpoint
 # ------------------- the distributed lesson: main(), then its core steps in the order it calls them
 def main(argv=None):
     args = parse_args(argv)
-    if args.sample:  # inference: one plain process, no process group
+    if args.sample:  # sampling runs in one plain process, with no process group
         return sample(args)
     avoid_known_failures(args)  # guard: refuses a bad launch, avoids known failures
-    # setup: one process per device, joined in one group; rank 0 logs and saves. A step that
-    # "talks" waits for the others: every rank calls it, in the same order
-    device, rank, world_size = init_distributed(args.device, args.dist_timeout)  # talks
+    # Setup: one process per device, one group. Every rank calls the collectives in the same order.
+    device, rank, world_size = init_distributed(args.device, args.dist_timeout)  # DDP 1: join
     run = make_run(args, device, rank, world_size)
-    # data: each data-parallel replica reads its own windows of the training tokens
-    data = build_data(run)  # talks with --debug: rank 0 prints each rank's windows
-    # model: one process's initial weights, whole or sharded, resumed if asked, then wrapped
-    raw_model, optimizer = build_model(run, data.vocab_size)  # talks where the model is sharded
-    start = resumed_step(run, raw_model, optimizer, data)  # talks: rank 0 finds it, all agree
-    model = wrap_model(run, raw_model)  # talks under DDP (rank 0's weights to all); FSDP: silent
+    # Data: each replica reads its own windows of the training tokens.
+    data = build_data(run)  # a collective with --debug: rank 0 prints every rank's windows
+    # Model: every rank builds the same weights, resumes them if asked, then wraps them in DDP.
+    raw_model, optimizer = build_model(run, data.vocab_size)
+    # Resuming comes before the wrap, so the weights DDP copies from rank 0 are the resumed ones.
+    start = resumed_step(run, raw_model, optimizer, data)  # a collective: all ranks, one step
+    model = wrap_model(run, raw_model)  # a collective: DDP copies rank 0's weights to every rank
     if args.benchmark:
-        return benchmark(run, model, optimizer, data.windows)  # talks: training steps, timed
-    # train: log, evaluate and save on schedule
-    val_loss = evaluate(run, model, data.val)  # talks: the loss sums of every rank add up
+        return benchmark(run, model, optimizer, data.windows)  # collectives: timed steps
+    # Train: log, evaluate and save on schedule.
+    val_loss = evaluate(run, model, data.val)  # a collective: every rank's loss sums add up
     print0(run.is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
     meter = Meter(run, raw_model, start)  # the training clock starts now
-    for step in range(start, args.max_steps):  # every step talks
-        loss, grad_norm = train_step(run, model, optimizer, data.windows, step)  # talks
+    for step in range(start, args.max_steps):  # every step runs collectives
+        loss, grad_norm = train_step(run, model, optimizer, data.windows, step)  # collectives
         done = step + 1
         if done % args.log_every == 0 or done == args.max_steps:
             print0(run.is_main, meter.log_line(done, loss.item(), grad_norm.item()))
         meter.stop_clock()  # evaluation and checkpoints are not training time
         if done % args.eval_every == 0 or done == args.max_steps:
-            val_loss = evaluate(run, model, data.val)  # talks
+            val_loss = evaluate(run, model, data.val)  # a collective
             print0(run.is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | "
                                 f"baseline {data.baseline:.4f}")
-            if args.check_sync or args.debug:  # before any save: never save a diverged replica
-                check_replicas_in_sync(model, f"step {done}")  # talks: every rank's weight hash
-        # save: rank 0 writes, every rank waits for it
+            if args.check_sync or args.debug:  # before any save, so no diverged replica is saved
+                check_replicas_in_sync(model, f"step {done}")  # a collective: every rank's hash
+        # Save: rank 0 writes the file, and every rank waits to learn whether that worked.
         due = done == args.max_steps or (args.save_every and done % args.save_every == 0)
         if args.save and due:
-            save_checkpoint(run, raw_model, optimizer, data, done)  # talks
+            save_checkpoint(run, raw_model, optimizer, data, done)  # a collective
         meter.start_clock()
-    # cleanup: the summary and a sample; the group is left by __main__'s `finally`
-    report(run, raw_model, data, val_loss, meter)  # talks: GPU peaks; a sharded model's export
+    # Cleanup: the summary and a sample. __main__'s `finally` leaves the process group.
+    report(run, raw_model, data, val_loss, meter)  # a collective on GPUs: every rank's peak memory
 
 
-def init_distributed(device_name, timeout_s):  # DDP 1: join the group torchrun describes
-    """A collective: join the group torchrun started; returns (device, rank, world size)."""
+def init_distributed(device_name, timeout_s):
+    """A collective: join the process group torchrun started. Returns (device, rank, world size)."""
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device("cpu")
-    if device_name == "cuda":  # DDP 2: one GPU per process, picked by LOCAL_RANK, before CUDA work
-        # LOCAL_RANK numbers the processes of this node (its GPUs: 0, 1...); RANK, of all nodes
+    if device_name == "cuda":
+        # LOCAL_RANK numbers this node's processes from 0, like its GPUs; RANK numbers all nodes'.
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device)  # DDP 2: this process's GPU, before any CUDA work
     backend = "nccl" if device.type == "cuda" else "gloo"
-    # no address given: it reads torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+    # With no address given, it reads torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+    # With NCCL, device_id ties the group to this GPU, so NCCL connects now, not at first use.
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=device if backend == "nccl" else None)  # NCCL: bind it
+                            device_id=device if backend == "nccl" else None)  # DDP 1: join
     return device, dist.get_rank(), dist.get_world_size()
 
 
@@ -130,15 +143,15 @@ class Run:
     device: torch.device
     rank: int
     world_size: int
-    is_main: bool  # rank 0: the one process that logs and writes files
+    is_main: bool  # True on rank 0 alone, the one process that logs and writes files
     amp: str  # the autocast dtype's name ("bfloat16", "float16"), or "off"
-    autocast: torch.autocast  # a context: the forward's matrix products in that dtype
+    autocast: torch.autocast  # the context in which the forward's matrix products use that dtype
     scaler: torch.amp.GradScaler  # loss scaling for fp16; a no-op for bf16 and fp32
 
 
 def make_run(args, device, rank, world_size):
     """This process's Run; logs the run's shape (world size, device, precision, batch)."""
-    is_main = rank == 0  # DDP 3: rank 0 alone logs and saves
+    is_main = rank == 0  # DDP 3: only rank 0 logs and writes files
     amp, autocast, scaler = mixed_precision(args.amp, device)
     run = Run(args, device, rank, world_size, is_main, amp, autocast, scaler)
     print0(is_main, f"world size {world_size} | device {device} | amp {amp} | "
@@ -150,55 +163,55 @@ def make_run(args, device, rank, world_size):
 @dataclasses.dataclass
 class Data:
     windows: "Windows"  # this rank's training batches
-    val: np.ndarray  # held out: the last --val-fraction of the tokens, or a folder's val.bin
+    val: np.ndarray  # the last --val-fraction of the tokens, or a folder's val.bin
     vocab_size: int
     itos: dict  # id -> text, from a nanoGPT folder's meta.pkl; None for bytes or plain ids
-    baseline: float  # the loss of predicting each token by its frequency: the loss to beat
+    baseline: float  # the loss of predicting each token by its frequency, the loss to beat
 
 
 def build_data(run):
-    """This rank's training windows and the validation tokens (--debug: a collective)."""
+    """This rank's training windows and the validation tokens; a collective with --debug."""
     args = run.args
     train, val, vocab_size, itos = load_data(args, run.world_size)
     windows = Windows(train, args.block_size, args.batch_size, run.rank, run.world_size,
-                      args.seed)  # DDP 4: each rank its own windows
+                      args.seed)  # DDP 4: this rank reads only its own windows
     baseline = unigram_loss(train, val, vocab_size)
     unit = "byte" if vocab_size == 256 else "token"
     print0(run.is_main, f"data {args.data or 'Python standard library'} | {len(train):,} train "
                         f"/ {len(val):,} val tokens | vocab {vocab_size} | "
                         f"{unit}-frequency baseline loss {baseline:.4f}")
     if args.debug:
-        log_windows(run, windows)  # talks: rank 0 prints every rank's
+        log_windows(run, windows)  # a collective: rank 0 prints every rank's windows
     return Data(windows, val, vocab_size, itos, baseline)
 
 
 class Windows:
-    """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
-    block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
-    ranks round-robin: each token at most once an epoch, on one rank (a DataLoader's equivalent:
-    DistributedSampler(drop_last=True) and set_epoch(epoch)). Micro-batch k depends on k and the
-    ranks alone, so a run resumed with as many ranks reads what the uninterrupted one would have."""
+    """This rank's training batches. Each epoch cuts the tokens into windows that do not overlap,
+    from a random offset, shuffles them (seeded by seed + epoch), deals them to the ranks in turn as
+    DistributedSampler(drop_last=True) with set_epoch(epoch) would. Micro-batch k depends only on
+    k, the seed and the ranks: a run resumed with as many ranks reads what an unbroken run would."""
 
     def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
         self.tokens, self.block, self.batch = tokens, block_size, batch_size
         self.rank, self.world, self.seed = rank, world_size, seed
-        per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size  # at any offset
-        # as many micro-batches on every rank: a rank with one more would wait in its collectives
-        self.per_epoch = per_rank // batch_size  # micro-batches per rank per epoch
+        # The windows that fit whatever the offset (at most block_size), split evenly over ranks.
+        per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size
+        self.per_epoch = per_rank // batch_size  # per rank: all ranks change epoch together
         self.span = np.arange(block_size + 1)
         self.epoch, self.starts = None, None
 
-    def starts_of_epoch(self, epoch):  # DDP 4: every rank its own share of the windows
+    def starts_of_epoch(self, epoch):
         """The first token of every window this rank reads in `epoch`, in order."""
-        # seeded by epoch, not by rank: every rank draws the same order, then keeps its own slice
+        # Seeded by epoch, not by rank, so every rank draws the same order and keeps its own part.
         g = torch.Generator().manual_seed(self.seed + epoch)  # DDP 5: a new order each epoch
         offset = int(torch.randint(0, self.block + 1, (1,), generator=g))
         count = self.per_epoch * self.batch * self.world
         order = torch.randperm((len(self.tokens) - offset) // (self.block + 1), generator=g)[:count]
+        # DDP 4: this rank keeps every world_size-th window of the order, starting at its rank.
         return (offset + order * (self.block + 1))[self.rank::self.world].numpy()
 
     def rows(self, k):
-        """Micro-batch k of this rank: (B, block_size + 1) token ids, inputs and the next token."""
+        """Micro-batch k of this rank: a (B, block_size + 1) tensor of token ids, B windows."""
         epoch, i = divmod(k, self.per_epoch)
         if epoch != self.epoch:
             self.epoch, self.starts = epoch, self.starts_of_epoch(epoch)
@@ -207,14 +220,14 @@ class Windows:
 
 
 def build_model(run, vocab_size):
-    """The plain model, on this rank's device, and its optimizer."""
+    """The plain model on this rank's device, and its optimizer."""
     args = run.args
     config = model_config(args, vocab_size)
     raw_model = GPT(**config).to(run.device)
-    raw_model.init_weights(args.seed)  # the same weights on every rank (DDP broadcasts rank 0's)
+    raw_model.init_weights(args.seed)  # same on every rank, so runs at any world size start alike
     raw_model.grad_checkpointing = args.grad_checkpointing
     optimizer = make_optimizer(raw_model, args, run.device)
-    torch.manual_seed(args.seed + run.rank)  # DDP 6: each rank its own dropout masks
+    torch.manual_seed(args.seed + run.rank)  # DDP 6: each rank draws its own dropout masks
     print0(run.is_main, f"model {sum(p.numel() for p in raw_model.parameters()):,} parameters | "
                         f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
                         f"context {args.block_size}")
@@ -222,23 +235,21 @@ def build_model(run, vocab_size):
 
 
 def resumed_step(run, raw_model, optimizer, data):
-    """A collective: the step to go on from, 0 or --resume's after loading it. Rank 0 decides
-    whether `--resume auto` finds a checkpoint; all ranks load it, or all stop with one line."""
-    path, step, problem = resume_path(run), None, None  # talks: rank 0 looks for it
+    """A collective: the step to go on from, 0 or --resume's; every rank loads it, or all stop."""
+    path, step, problem = resume_path(run), None, None  # a collective: rank 0 looks for it
     try:
         step = load_checkpoint(path, run, raw_model, optimizer, data) if path else 0
     except InputError as err:  # told to every rank below, so that none waits for this one
         problem = str(err)
-    step = agree_on_start(step, problem, path)  # talks: every rank, the same step or a stop
+    step = agree_on_start(step, problem, path)  # a collective: one step on every rank, or a stop
     if path:
         print0(run.is_main, f"resumed from {path} at step {step}")
     return step
 
 
 def resume_path(run):
-    """A collective: the checkpoint to resume from, or None. --resume auto: the --save checkpoint
-    if it exists (so that a restart after a crash runs the same command and goes on from the last
-    checkpoint). Rank 0 looks and tells the rest: ranks that looked on their own could disagree."""
+    """The checkpoint to resume from, or None. `auto` (a collective) takes --save if rank 0 finds
+    it, so a restart after a crash reruns the same command; ranks looking alone could disagree."""
     resume, save = run.args.resume, run.args.save
     if resume != "auto":
         return resume
@@ -250,13 +261,13 @@ def resume_path(run):
 
 
 def agree_on_start(start, error, path):
-    """Every rank resumed from the same step, or all stop with the same line (a rank on a node that
-    cannot see the checkpoint, or sees another file: checkpoints need a shared filesystem)."""
+    """A collective: the same step on every rank, or all stop with one line. A rank fails alone
+    where its node cannot see the checkpoint, or sees another file than the other nodes."""
     outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, (start, error))  # DDP 7: a collective, so no rank hangs
+    dist.all_gather_object(outcomes, (start, error))  # DDP 7: every rank gets every outcome
     failed = [(rank, problem) for rank, (_, problem) in enumerate(outcomes) if problem]
     if failed and len(failed) == len(outcomes) and len({p for _, p in failed}) == 1:
-        raise InputError(failed[0][1])  # the same problem everywhere: the checkpoint itself
+        raise InputError(failed[0][1])  # the same problem on every rank: the checkpoint's own
     if failed:
         raise InputError(f"rank {failed[0][0]}: {failed[0][1]} (every rank reads --resume: on "
                          "several nodes it must be on a filesystem they share, docs/multinode.md)")
@@ -267,26 +278,26 @@ def agree_on_start(start, error, path):
     return start
 
 
-def wrap_model(run, raw_model):  # DDP 8: wrap the model
-    """DDP(raw_model): rank 0's weights go to every rank (compiled first with --compile). One set
-    of weights, three handles: `raw_model` saves, `model.module` evaluates, `model` trains."""
+def wrap_model(run, raw_model):
+    """A collective: DDP(raw_model), compiled first with --compile. `raw_model`, `model` and
+    `model.module` are one set of weights, because DDP wraps the model without copying it."""
     compiled = raw_model
-    if run.args.compile:  # compile first: DDP's communication hooks stay outside the graph
+    if run.args.compile:  # compiled first, so DDP's communication hooks stay outside the graph
         compiled = torch.compile(raw_model, backend=run.args.compile_backend)
-    return DDP(compiled, device_ids=[run.device] if run.device.type == "cuda" else None)  # talks
+    # The wrap copies rank 0's weights to every rank; here that copy changes nothing.
+    return DDP(compiled, device_ids=[run.device] if run.device.type == "cuda" else None)  # DDP 8
 
 
 def evaluate(run, model, val):
-    """The mean validation loss per token, exact at any world size; a collective. Through the
-    plain module, which runs no collective itself, ranks may run unequal numbers of batches."""
-    batches = validation_batches(run, val)  # DDP 4: disjoint slices, no padding
-    return mean_loss_over_ranks(model.module, batches, run.autocast)  # DDP 9: the plain module
+    """The mean validation loss per token, exact at any world size; a collective. It runs the
+    plain model.module, whose forward runs no collective, so ranks may run unequal batch counts."""
+    batches = validation_batches(run, val)  # DDP 4: this rank's windows, none repeated
+    return mean_loss_over_ranks(model.module, batches, run.autocast)  # DDP 9: the plain model
 
 
 def validation_batches(run, val):
     """This rank's validation batches, (inputs, targets) on its device: the first --eval-windows
-    non-overlapping windows of the validation tokens, dealt to the ranks round-robin: disjoint
-    slices, never padded with repeats as a DistributedSampler pads them, so each counts once."""
+    windows, dealt to the ranks in turn and never padded with repeats, so each counts once."""
     args = run.args
     starts = np.arange(0, len(val) - args.block_size, args.block_size + 1)[:args.eval_windows]
     mine = starts[run.rank::run.world_size]
@@ -296,10 +307,9 @@ def validation_batches(run, val):
 
 
 @torch.no_grad()
-def mean_loss_over_ranks(model, batches, autocast):  # DDP 9: sum on every rank, then divide once
-    """The mean cross-entropy per target over all ranks' batches (inputs, targets): each rank
-    sums its own, one all-reduce adds the sums and the counts up. A collective: every rank calls
-    it (evaluate() says how many batches each rank may bring)."""
+def mean_loss_over_ranks(model, batches, autocast):
+    """A collective: the mean cross-entropy per target over all ranks' batches (inputs, targets).
+    Each rank sums its own losses and counts them; one all-reduce adds those up over the ranks."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
     for x, y in batches:
@@ -307,7 +317,7 @@ def mean_loss_over_ranks(model, batches, autocast):  # DDP 9: sum on every rank,
             logits, _ = model(x)
         totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
         totals[1] += y.numel()
-    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # gloo has no AVG: sum, then divide
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # DDP 9: all ranks' sums, divided below
     model.train()
     return (totals[0] / totals[1]).item()
 
@@ -323,7 +333,7 @@ def train_step(run, model, optimizer, windows, step):
         group["lr"] = lr_at(step, args)
     run.scaler.unscale_(optimizer)  # fp16: true gradients before clipping (no-op otherwise)
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
-    loss = mean_over_ranks(loss)  # DDP 9: every rank gets the same mean, so the same verdict
+    loss = mean_over_ranks(loss)  # DDP 9: the same mean on every rank, so all stop or none
     stop_if_diverged(run, step, loss, grad_norm)
     run.scaler.step(optimizer)
     run.scaler.update()
@@ -331,46 +341,44 @@ def train_step(run, model, optimizer, windows, step):
     return loss, grad_norm
 
 
-def accumulate_gradients(model, batches, autocast, scaler):  # DDP 10: no_sync, one all-reduce
-    """Forward and backward over each micro-batch (inputs, targets): gradients add up locally and
-    DDP all-reduces them once, in the last backward. Returns the mean loss (detached). The forward
-    goes inside no_sync() too: DDP decides in forward whether the next backward all-reduces."""
+def accumulate_gradients(model, batches, autocast, scaler):
+    """Forward and backward over each micro-batch (inputs, targets); returns the mean loss. The
+    forward runs inside no_sync() too, since DDP decides in forward whether backward all-reduces."""
     total = 0.0
     for i, (x, y) in enumerate(batches):
-        last = i == len(batches) - 1
+        last = i == len(batches) - 1  # DDP 10: no_sync() below for all but the last micro-batch
         with contextlib.nullcontext() if last else model.no_sync():
             with autocast:
                 _, loss = model(x, y)
             loss = loss / len(batches)  # micro-batches of equal size: the mean of their means
-            # the last backward all-reduces and divides: every rank holds the mean gradient
+            # The last backward averages the gradients over the ranks; every rank holds the mean.
             scaler.scale(loss).backward()
         total += loss.detach()
     return total
 
 
-def mean_over_ranks(value):  # DDP 9
-    """A collective: the average of a scalar tensor over all ranks (SUM, then divide)."""
+def mean_over_ranks(value):
+    """A collective: the mean of a scalar tensor over all ranks, summed then divided."""
     value = value.detach().clone().float()
-    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # every rank gets the sum of all ranks'
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # DDP 9: every rank gets the sum of all ranks'
     return value / dist.get_world_size()
 
 
-def save_checkpoint(run, raw_model, optimizer, data, step):  # DDP 11: RNG to rank 0, which writes
-    """A collective: every rank hands rank 0 its RNG state, rank 0 writes --save atomically, and
-    every rank learns how it went (SaveFailed on all of them if it failed)."""
-    rng_states = [None] * run.world_size  # DDP 11: each rank has its own dropout stream
+def save_checkpoint(run, raw_model, optimizer, data, step):
+    """A collective: rank 0 writes --save with every rank's RNG state; all learn if it worked."""
+    rng_states = [None] * run.world_size  # DDP 11: each rank's RNG draws its own dropout masks
     dist.all_gather_object(rng_states, rng_state(run.device))  # so rank 0 can save them all
 
     def write():
         state = checkpoint_state(run, raw_model, optimizer, data, step, rng_states)
         write_file(run.args.save, state)
         print(f"step {step}/{run.args.max_steps} | saved {run.args.save}", flush=True)
-    save_on_rank_0(write, run.is_main)  # talks: rank 0 writes, every rank learns how it went
+    save_on_rank_0(write, run.is_main)  # a collective: rank 0 writes; all ranks learn the outcome
 
 
-def save_on_rank_0(write, is_main):  # DDP 12: one writer; every rank waits and learns the outcome
+def save_on_rank_0(write, is_main):
     """A collective: rank 0 calls write(); every rank waits for it and raises what it raised.
-    Never call it inside `if is_main:`: the other ranks would not reach the broadcast."""
+    Never call it inside `if is_main:`, because the other ranks would not reach the broadcast."""
     error = None
     if is_main:
         try:
@@ -378,24 +386,23 @@ def save_on_rank_0(write, is_main):  # DDP 12: one writer; every rank waits and 
         except Exception as err:  # sent to every rank below, so that none goes on alone
             error = err
     outcome = [error]
-    dist.broadcast_object_list(outcome, src=0)  # every rank waits here for rank 0's write
+    dist.broadcast_object_list(outcome, src=0)  # DDP 12: every rank waits here for rank 0's write
     if outcome[0] is not None:
         raise outcome[0]
 
 
-def leave_distributed():  # DDP 13: leave the process group on every path, error or not
-    """Free what a failed run left (a model's hooks may hold the group), then leave the group."""
+def leave_distributed():
+    """Free what a failed run left (its DDP model may still hold the group), then leave it."""
     gc.collect()
     if dist.is_initialized():
-        dist.destroy_process_group()  # waits for no one: each rank leaves on its own
+        dist.destroy_process_group()  # DDP 13: not a collective; each rank leaves on its own
 
 
 # --------------------------------------------------------------------------------- the model: a GPT
 def causal_attention(q, k, v):
-    """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
-    attention on GPUs: no causal mask is built). No dropout on the attention weights: on a CPU it
-    forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
-    bf16 CPU backward kernel is 3x slower than the fp32 one (measured: docs/performance.md)."""
+    """softmax(q k^T / sqrt(d)) v over earlier positions, by PyTorch's fused kernel (flash attention
+    on GPUs). No dropout on the attention weights: on a CPU it forces the slow path. A CPU runs it
+    in fp32 even under bf16 autocast, since the bf16 CPU backward measured 3x slower than fp32."""
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     with torch.autocast("cpu", enabled=False):
@@ -412,8 +419,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
-        # qkv's outputs come head by head (head 0's q, k, v, then head 1's...): equal parts are
-        # whole heads, as a tensor-parallel split by heads needs; -1: the heads this module holds
+        # qkv's outputs hold each head's q, k and v side by side; -1 counts the heads (n_head).
         qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
         q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
         y = causal_attention(q, k, v)
@@ -448,14 +454,12 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # weight tying: one matrix embeds and un-embeds
-        if not self.head.weight.is_meta:  # on the meta device there is nothing to fill yet
+        if not self.head.weight.is_meta:  # a weight with no storage (is_meta) cannot be filled
             self.init_weights(seed=0)
 
     @torch.no_grad()
     def init_weights(self, seed):
-        """Every parameter from initial_value(): the same weights for the same seed, whether
-        the model is made whole here or one parameter at a time (a sharded build, where each rank
-        fills only its own slice)."""
+        """Set every parameter to initial_value(), so the same seed gives the same weights."""
         for name, p in self.named_parameters():
             p.copy_(initial_value(name, p.shape, seed, len(self.blocks)))
 
@@ -486,9 +490,9 @@ class GPT(nn.Module):
 
 
 def initial_value(name, shape, seed, n_layer):
-    """The initial value of parameter `name`, GPT-2's scheme: N(0, 0.02) for matrices (residual
-    projections shrink with depth), zero biases, unit norm weights. Each parameter draws from a
-    generator of its own, seeded by (seed, name), so any one can be made without the others."""
+    """The initial value of parameter `name` in GPT-2's scheme: N(0, 0.02) for matrices, std
+    0.02 / sqrt(2 x layers) for residual projections, zero biases, LayerNorm weights of one. Each
+    draws from a generator seeded by (seed, name), so its value depends on nothing else."""
     if name.endswith(".bias"):
         return torch.zeros(shape)
     if len(shape) == 1:  # a LayerNorm's weight
@@ -500,13 +504,12 @@ def initial_value(name, shape, seed, n_layer):
 
 
 # -------------------------------------------- beyond the core: debugging, the benchmark, the report
-def log_windows(run, windows):  # DDP 14: --debug, which windows each rank reads
-    """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
-    that lines from several processes never splice into each other."""
+def log_windows(run, windows):
+    """A collective: rank 0 prints each rank's windows, in rank order, so lines never splice."""
     line = (f"[rank {run.rank}] {windows.per_epoch} micro-batches per epoch, "
             f"first windows at tokens {windows.starts_of_epoch(0)[:4].tolist()}")
     lines = [None] * run.world_size
-    dist.all_gather_object(lines, line)  # to rank 0, which prints them in rank order
+    dist.all_gather_object(lines, line)  # DDP 14: every rank gets all lines; rank 0 prints
     print0(run.is_main, "\n".join(lines))
 
 
@@ -515,30 +518,29 @@ def benchmark(run, model, optimizer, windows):
     times = []
     for step in range(5 + run.args.max_steps):
         start = time.perf_counter()
-        loss, _ = train_step(run, model, optimizer, windows, step)  # talks
+        loss, _ = train_step(run, model, optimizer, windows, step)  # a collective
         loss.item()  # wait for the device: the step is over
         times.append(time.perf_counter() - start)
     result = {**pace_keys(statistics.median(times[5:]), tokens_per_step(run)),
               "timed_steps": run.args.max_steps}
-    log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
+    log_peak_gpu_memory(run)  # a collective on GPUs: every rank's peak
     print0(run.is_main, f"benchmark | {result['step_ms']} ms/step | "
                         f"{result['throughput']:,.0f} tok/s")
     print0(run.is_main, summary_line(result))
 
 
-def check_replicas_in_sync(model, when):  # DDP 15: --check-sync, every rank's weights
+def check_replicas_in_sync(model, when):
     """A collective: raise OutOfSync (exit code 3) if the replicas' weights differ (by a hash)."""
     weights = b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, hashlib.sha256(weights).hexdigest()[:12])  # every rank's
-    if len(set(digests)) > 1:  # every rank sees the same digests: all of them stop
+    if len(set(digests)) > 1:  # DDP 15: every rank sees the same hashes, so all of them stop
         raise OutOfSync(f"--check-sync: replicas differ after {when}: {digests}")
 
 
 def report(run, raw_model, data, val_loss, meter):
-    """The done line, the summary line, and a taste of what it learned, printed by rank 0; on GPUs
-    first every rank's peak memory (a collective)."""
-    log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
+    """Every rank's GPU peak (a collective on GPUs), then rank 0's done line, summary, sample."""
+    log_peak_gpu_memory(run)  # a collective on GPUs: every rank's peak
     summary = {**meter.summary(), "val_loss": val_loss, "baseline_loss": data.baseline}
     unit = "byte" if data.vocab_size == 256 else "token"
     print0(run.is_main, f"done | val loss {val_loss:.4f} ({unit}-frequency baseline "
@@ -553,13 +555,12 @@ def report(run, raw_model, data, val_loss, meter):
         print("sample:\n" + decode(out[0].tolist(), data.itos), flush=True)
 
 
-def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
-    """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in rank
-    order (measured: weights, gradients, optimizer state, activations; docs/fsdp.md)."""
+def log_peak_gpu_memory(run):
+    """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in order."""
     if run.device.type != "cuda":
         return
     peaks = [None] * run.world_size
-    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # for rank 0
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # DDP 16
     print0(run.is_main, "peak GPU memory per rank (max_memory_allocated): " +
            ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
 
@@ -568,7 +569,7 @@ def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
 
 
 # ---------------------------------------- guards: each stops one thing going wrong in production
-def avoid_known_failures(args):  # guard: every guard, in one place, before the group is joined
+def avoid_known_failures(args):  # guard: all guards, in one place, before the group is joined
     """Exit code 2 for a launch that could never join a group; a workaround for each known fault."""
     refuse_a_bad_launch(args.device)  # guard: no torchrun, or more processes than GPUs
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -597,12 +598,12 @@ def refuse_a_bad_launch(device_name):  # guard: a process that could never join 
 
 
 def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo
-    """The debug level to run at, from the shell's: --debug asks DETAIL (NCCL) or INFO (gloo); a
-    shell's DETAIL on gloo, where it crashes DDP, becomes INFO with one warning from rank 0."""
+    """The debug level to run at, starting from the shell's. --debug asks for DETAIL on NCCL and
+    INFO on gloo. DETAIL crashes DDP on gloo, so there it becomes INFO, with one warning."""
     if debug:
         level = dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO
     if backend == "gloo" and level == dist.DebugLevel.DETAIL:  # the shell's
-        if os.environ["RANK"] == "0":  # before the group: torchrun's RANK says who logs
+        if os.environ["RANK"] == "0":  # no group yet, so torchrun's RANK says who logs
             print("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on gloo "
                   "(docs/troubleshooting.md): going on at INFO", flush=True)
         level = dist.DebugLevel.INFO
@@ -610,15 +611,15 @@ def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=D
 
 
 def avoid_ddp_graph_split_failure(args):  # guard: --compile with --grad-checkpointing
-    """Compiled DDP splits the graph at its buckets so that all-reduces overlap backward, and it
-    cannot split checkpointed blocks (pytorch#104674): with both, one graph and one bucket."""
+    """Compiled DDP splits the graph at its buckets so that all-reduces overlap backward, but it
+    cannot split checkpointed blocks (pytorch#104674). With both flags, compile one whole graph."""
     if args.grad_checkpointing:
         torch._dynamo.config.optimize_ddp = False
 
 
 def avoid_page_faults_on_cpu():  # guard: glibc returning freed memory at once
-    """On Linux CPUs (glibc), keep freed memory in the process: glibc hands each step's tens of MB
-    (the logits) back to the OS, and page faults cost 10-30% of a step (docs/performance.md)."""
+    """On Linux CPUs (glibc), keep freed memory in the process. Otherwise glibc hands each step's
+    tens of MB (the logits) back to the OS, and the page faults cost 10-30% of a step."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -672,9 +673,9 @@ def parse_args(argv=None):
       help="torch.compile backend (default: inductor)")
     a = p.add_argument_group("training").add_argument
     a("--batch-size", type=positive(int), default=16, metavar="B",
-      help="sequences per micro-step, per process (default: 16)")
+      help="windows per micro-batch, on each rank (default: 16)")
     a("--grad-accum", type=positive(int), default=1, metavar="K",
-      help="micro-steps per optimizer step (default: 1)")
+      help="micro-batches per optimizer step (default: 1)")
     a("--max-steps", type=positive(int), default=300, metavar="N",
       help="optimizer steps (default: 300)")
     a("--lr", type=positive(float), default=3e-3, help="peak learning rate (default: 0.003)")
@@ -693,7 +694,7 @@ def parse_args(argv=None):
       help="auto = cuda if there is one, else cpu (default: auto)")
     a = p.add_argument_group("distributed: timeouts and debugging (chapters 5 and 6)").add_argument
     a("--dist-timeout", type=positive(float), default=300, metavar="S",
-      help="seconds a collective waits for a peer before the job fails (default: 300)")
+      help="seconds a collective waits for the other ranks before the job fails (default: 300)")
     a("--check-sync", action="store_true",
       help="at each evaluation, check that every replica's weights are identical (exit 3 if not)")
     a("--debug", action="store_true",
@@ -846,8 +847,8 @@ def on_device(rows, device):
 
 # -------------------------------------------------------------- precision, optimizer, schedule
 def amp_dtype(choice, device):
-    """The autocast dtype, or None for fp32. bf16 has fp32's range: no loss scaling. fp16 needs a
-    GradScaler. Only native bf16 counts: V100s and T4s emulate it, slower than fp16."""
+    """The autocast dtype, or None for fp32. bf16 has fp32's range, so it needs no loss scaling;
+    fp16 needs a GradScaler. Only native bf16 counts: V100s and T4s emulate it, slower than fp16."""
     native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
     if choice == "auto":
         if device.type != "cuda":
@@ -913,8 +914,7 @@ def all_finite(state_dict):
 
 
 def state_bytes(state):
-    """About the bytes a checkpoint of `state` takes on disk: its tensors', in nested dicts and
-    lists (a DTensor counts whole)."""
+    """About the bytes a checkpoint of `state` takes: its tensors', in nested dicts and lists."""
     if torch.is_tensor(state):
         return state.nbytes
     if isinstance(state, bytes):  # a file's bytes, ready to write
@@ -945,7 +945,7 @@ def readable_size(n):
 
 def checkpoint_state(run, raw_model, optimizer, data, step, rng_states):
     """Everything a run needs to go on exactly: weights, optimizer, scaler, step, model config,
-    flags, vocabulary and every rank's RNG (docs/conventions.md)."""
+    flags, vocabulary and every rank's random-number state."""
     weights = raw_model.state_dict()
     if not all_finite(weights):
         raise SaveFailed(f"not saving {run.args.save} at step {step}: the weights are not finite")
@@ -1001,17 +1001,18 @@ def load_checkpoint(path, run, raw_model, optimizer, data):
     if state["config"] != config:
         raise InputError(f"{path} was trained with {state['config']}, this run builds {config}")
     fused = [group.get("fused") for group in optimizer.param_groups]
-    for group, ours in zip(state["optimizer"]["param_groups"], fused):  # a CPU checkpoint on a
-        group["fused"] = ours  # GPU: keep this run's fused AdamW, its step counts on the GPU
+    # Keep this run's `fused`, not the saving run's: it decides where AdamW's step counts go.
+    for group, ours in zip(state["optimizer"]["param_groups"], fused):
+        group["fused"] = ours
     try:
         raw_model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        if run.scaler.is_enabled() and state["scaler"]:  # an fp16 run goes on with its loss
-            run.scaler.load_state_dict(state["scaler"])  # scale; others start a fresh one
+        if run.scaler.is_enabled() and state["scaler"]:  # fp16 goes on with the saved loss
+            run.scaler.load_state_dict(state["scaler"])  # scale, if the checkpoint has one
     except (RuntimeError, ValueError, KeyError) as err:
         reason = f"{type(err).__name__}: {str(err).splitlines()[0]}"
         raise InputError(f"cannot resume from {path}: {reason}") from None
-    if run.rank < len(state["rng"]):  # the same world size gets its exact dropout streams back
+    if run.rank < len(state["rng"]):  # ranks the checkpoint knows get their own RNG state back
         torch.set_rng_state(state["rng"][run.rank]["cpu"])
         if state["rng"][run.rank]["cuda"] is not None and run.device.type == "cuda":
             torch.cuda.set_rng_state(state["rng"][run.rank]["cuda"])
@@ -1068,8 +1069,7 @@ def gpu_peak_flops(run):
 
 
 class Meter:
-    """The training clock and the log line. Time between log lines counts training only:
-    main() stops the clock for evaluation and checkpoints."""
+    """The training clock and the log line; main() stops the clock for evaluation and saving."""
 
     def __init__(self, run, raw_model, start):
         self.args, self.tokens = run.args, tokens_per_step(run)
@@ -1085,8 +1085,7 @@ class Meter:
         self.clock.start()
 
     def log_line(self, step, loss, grad_norm):
-        """step N/M | loss | lr | grad norm | ms/step | tok/s, and MFU on CUDA, over the steps
-        since the last log line (docs/conventions.md)."""
+        """step N/M | loss | lr | grad norm | ms/step | tok/s (and MFU), since the last log line."""
         self.intervals.append((step - self.last_step, self.clock.lap()))
         self.last_step = step
         step_s = self.intervals[-1][1] / self.intervals[-1][0]
@@ -1098,7 +1097,7 @@ class Meter:
         return line
 
     def summary(self):
-        """Steps, seconds and tokens/s of training, and the median pace (docs/conventions.md)."""
+        """Steps, seconds and tokens/s of training, and the median pace."""
         steps, train_s = sum(n for n, _ in self.intervals), sum(s for _, s in self.intervals)
         timed = self.intervals[1:] or self.intervals  # the first interval is the warm-up
         step_s = statistics.median([s / n for n, s in timed]) if timed else 0.0
@@ -1108,8 +1107,7 @@ class Meter:
 
 
 def pace_keys(step_s, tokens_per_step):
-    """The summary keys benchmark_scaling.py reads (docs/conventions.md): the median ms per
-    optimizer step, and the throughput of all ranks it implies."""
+    """The summary keys benchmark_scaling.py reads: median ms per step, all ranks' tokens/s."""
     return {"step_ms": round(1000 * step_s, 3), "per_step": tokens_per_step,
             "throughput_unit": "tokens/s",
             "throughput": round(tokens_per_step / step_s, 1) if step_s else 0.0}
@@ -1216,5 +1214,7 @@ if __name__ == "__main__":
         sys.stderr.write(f"error: {err}\n")  # one write: lines from several ranks never splice
         code = err.code
     finally:
+        # A rank that fails mid-step leaves the group here and exits with a non-zero code. torchrun
+        # then stops the other ranks, which wait in their next collective until it does.
         leave_distributed()  # DDP 13
     sys.exit(code)

@@ -1,39 +1,46 @@
-"""Chapter 7: the chapter-3 GPT trainer under FSDP (FSDP2's fully_shard) instead of DDP, for
-models that no longer fit whole on one device: the same math as DDP in a fraction of the memory.
+"""Chapter 7: a GPT language model trained with FSDP (FSDP2's fully_shard), for models whose
+weights, gradients and optimizer state no longer fit whole on one device. Each rank holds a shard
+of them, and the run computes what one process computes.
 
     torchrun --standalone --nproc_per_node=1 train_fsdp_minigpt.py    # 1 process: CPU or 1 GPU
     torchrun --standalone --nproc_per_node=2 train_fsdp_minigpt.py    # 2 processes: CPU or 2 GPUs
     torchrun --standalone --nproc_per_node=gpu train_fsdp_minigpt.py  # one process per GPU here
     ./launch_multinode_ddp.sh --nnodes 2 --nproc-per-node 8 --master-addr N0 train_fsdp_minigpt.py
-    python train_ddp_minigpt.py --sample --ckpt checkpoints/minigpt_fsdp.pt --prompt "def main("
+    python train_fsdp_minigpt.py --sample --ckpt checkpoints/minigpt_fsdp.pt --prompt "def main("
 
-The multi-node line prints the torchrun command to run on each node (chapter 4). Sampling runs in
-one plain process. Default data: the first 2,000,000 bytes of this Python's own standard library,
-one token per byte (vocab 256), so nothing is downloaded; `--data` also takes a text file, a .bin
-of uint16 token ids, or a nanoGPT folder.
+The multi-node line prints the torchrun command for each node; sampling runs in one process. The
+default data, this Python's standard library (2,000,000 bytes, a token per byte, vocab 256), needs
+no download; `--data` also takes a text file, a .bin of uint16 token ids, or a nanoGPT folder.
 
-Read it top-down: main(), then its core steps in the order it calls them, the model, and what goes
-beyond the core (debugging, the benchmark, the report). All that talks to other processes is above
-the line that ends `the plumbing`; below it, guards, flags, data, files, logging, sampling, errors.
+Terms. torchrun starts one process per device, and each runs this whole file. The world size is
+the number of processes; a process's rank is its number, from 0 to world size - 1. The process
+group lets the processes communicate; its backend moves the data (NCCL between GPUs, gloo on
+CPUs). A collective is a call that every rank makes, in the same order, to exchange data; a rank
+that reaches it waits there for the others. An all-reduce adds a tensor up over all ranks and
+gives every rank the sum. A shard is this rank's 1/world-size slice of a parameter (dim 0). An
+all-gather gives every rank every rank's shard, so the whole parameter; a reduce-scatter adds
+the gradients up over the ranks and leaves each rank the slice of the sum its shard needs. A
+window is block_size + 1 consecutive tokens, the inputs and targets of one sequence. A
+micro-batch is --batch-size windows through one forward and backward; an optimizer step runs
+--grad-accum of them on every rank.
 
-Tags: `# FSDP k` marks each line FSDP changes in the DDP trainer, numbered in reading order:
-  FSDP 1  MixedPrecisionPolicy, not autocast and a GradScaler: FSDP casts the gathered weights
-  FSDP 2  meta-device build, fully_shard per block then the root, each rank fills its shards
-  FSDP 3  torch.distributed.checkpoint: every rank saves its shards into step-N/; any world size
+Read it top-down: main(), then its core steps in the order it calls them, the model, and the steps
+beyond the core (debugging, the benchmark, the report). Every call that communicates with other
+ranks sits above the line that ends `the plumbing`. Below it is code a single process would run
+the same way: guards, flags, data, files, logging, sampling, errors.
+
+Tags. `# FSDP k` marks each line FSDP changes in a DDP trainer, numbered in reading order:
+  FSDP 1  a MixedPrecisionPolicy casts the gathered weights, instead of autocast and a GradScaler
+  FSDP 2  the model is built on the meta device, sharded, and each rank fills its own shards
+  FSDP 3  torch.distributed.checkpoint: every rank saves its shards; any world size resumes them
   FSDP 4  no wrapper: fully_shard hooks the model's own forward and backward
-  FSDP 5  every rank runs every forward (evaluation, sampling): each one all-gathers with all
-  FSDP 6  the gradient norm is a DTensor over all shards: full_tensor() makes it one number
-  FSDP 7  --grad-sync: reduce-scatter every micro-batch (sharded) or the last (whole)
-  FSDP 8  --export: the whole model gathered into one plain file, the DDP trainer's format
-Kept from the DDP trainer (chapter 3), where they mark the same lines (8, 10, 15: DDP's wrapper,
-no_sync and replica check, which FSDP 4 and 7 replace):
-  DDP 1  join the group torchrun started             DDP 9   SUM over ranks, then divide
-  DDP 2  one GPU per process, by LOCAL_RANK          DDP 11  every rank's RNG state, saved
-  DDP 3  is_main: rank 0 alone logs and saves        DDP 12  rank 0 writes, every rank waits
-  DDP 4  each rank its own windows of an epoch       DDP 13  leave the group on every path
-  DDP 5  one shuffled order, the same on all ranks   DDP 14  --debug: each rank's windows
-  DDP 6  dropout seeded by rank                      DDP 16  every rank's peak GPU memory
-  DDP 7  resume: rank 0 looks, every rank agrees
+  FSDP 5  every rank runs as many forwards, since each forward all-gathers the weights
+  FSDP 6  the gradient norm is a DTensor over all shards; full_tensor() makes it one number
+  FSDP 7  --grad-sync: reduce-scatter after every micro-batch, or once after the last
+  FSDP 8  --export gathers the whole model into one plain file
+Lines tagged DDP k are chapter 3's, unchanged; each tag says on its line what that line does.
+Lines tagged `# guard:` each avoid one known failure, all before the process group is joined.
+See also docs/fsdp.md (what FSDP holds and sends, measured) and docs/conventions.md.
 """
 import argparse
 import contextlib
@@ -74,57 +81,57 @@ from torch.utils.checkpoint import checkpoint
 # ------------------- the distributed lesson: main(), then its core steps in the order it calls them
 def main(argv=None):
     args = parse_args(argv)
-    if args.sample:  # inference: one plain process, no process group
+    if args.sample:  # sampling runs in one plain process, with no process group
         return sample(args)
     avoid_known_failures(args)  # guard: refuses a bad launch, avoids known failures
-    # setup: one process per device, joined in one group; rank 0 logs and saves. A step that
-    # "talks" waits for the others: every rank calls it, in the same order
-    device, rank, world_size = init_distributed(args.device, args.dist_timeout)  # talks
+    # Setup: one process per device, one group. Every rank calls the collectives in the same order.
+    device, rank, world_size = init_distributed(args.device, args.dist_timeout)  # DDP 1: join
     run = make_run(args, device, rank, world_size)
-    # data: each data-parallel replica reads its own windows of the training tokens
-    data = build_data(run)  # talks with --debug: rank 0 prints each rank's windows
-    # model: one process's initial weights, whole or sharded, resumed if asked, then wrapped
-    raw_model, optimizer = build_model(run, data.vocab_size)  # talks where the model is sharded
-    start = resumed_step(run, raw_model, optimizer, data)  # talks: rank 0 finds it, all agree
-    model = wrap_model(run, raw_model)  # talks under DDP (rank 0's weights to all); FSDP: silent
+    # Data: each replica reads its own windows of the training tokens.
+    data = build_data(run)  # a collective with --debug: rank 0 prints every rank's windows
+    # Model: each rank fills its shards with one process's initial weights, then resumes them.
+    raw_model, optimizer = build_model(run, data.vocab_size)  # a collective: the mesh
+    start = resumed_step(run, raw_model, optimizer, data)  # a collective: all ranks, one step
+    model = wrap_model(run, raw_model)  # the same shards: raw_model, or its compiled form
     if args.benchmark:
-        return benchmark(run, model, optimizer, data.windows)  # talks: training steps, timed
-    # train: log, evaluate and save on schedule
-    val_loss = evaluate(run, model, data.val)  # talks: the loss sums of every rank add up
+        return benchmark(run, model, optimizer, data.windows)  # collectives: timed steps
+    # Train: log, evaluate and save on schedule.
+    val_loss = evaluate(run, model, data.val)  # a collective: every rank's loss sums add up
     print0(run.is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
     meter = Meter(run, raw_model, start)  # the training clock starts now
-    for step in range(start, args.max_steps):  # every step talks
-        loss, grad_norm = train_step(run, model, optimizer, data.windows, step)  # talks
+    for step in range(start, args.max_steps):  # every step runs collectives
+        loss, grad_norm = train_step(run, model, optimizer, data.windows, step)  # collectives
         done = step + 1
         if done % args.log_every == 0 or done == args.max_steps:
             print0(run.is_main, meter.log_line(done, loss.item(), grad_norm.item()))
         meter.stop_clock()  # evaluation and checkpoints are not training time
         if done % args.eval_every == 0 or done == args.max_steps:
-            val_loss = evaluate(run, model, data.val)  # talks
+            val_loss = evaluate(run, model, data.val)  # a collective
             print0(run.is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | "
                                 f"baseline {data.baseline:.4f}")
-        # save: rank 0 writes, every rank waits for it
+        # Save: every rank writes its shards, rank 0 the run's state; all learn whether it worked.
         due = done == args.max_steps or (args.save_every and done % args.save_every == 0)
         if args.save and due:
-            save_checkpoint(run, raw_model, optimizer, data, done)  # talks
+            save_checkpoint(run, raw_model, optimizer, data, done)  # a collective
         meter.start_clock()
-    # cleanup: the summary and a sample; the group is left by __main__'s `finally`
-    report(run, raw_model, data, val_loss, meter)  # talks: GPU peaks; a sharded model's export
+    # Cleanup: the summary and a sample. __main__'s `finally` leaves the process group.
+    report(run, raw_model, data, val_loss, meter)  # a collective: --export gathers the weights
 
 
-def init_distributed(device_name, timeout_s):  # DDP 1: join the group torchrun describes
-    """A collective: join the group torchrun started; returns (device, rank, world size)."""
+def init_distributed(device_name, timeout_s):
+    """A collective: join the process group torchrun started. Returns (device, rank, world size)."""
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device("cpu")
-    if device_name == "cuda":  # DDP 2: one GPU per process, picked by LOCAL_RANK, before CUDA work
-        # LOCAL_RANK numbers the processes of this node (its GPUs: 0, 1...); RANK, of all nodes
+    if device_name == "cuda":
+        # LOCAL_RANK numbers this node's processes from 0, like its GPUs; RANK numbers all nodes'.
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device)  # DDP 2: this process's GPU, before any CUDA work
     backend = "nccl" if device.type == "cuda" else "gloo"
-    # no address given: it reads torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+    # With no address given, it reads torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+    # With NCCL, device_id ties the group to this GPU, so NCCL connects now, not at first use.
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=device if backend == "nccl" else None)  # NCCL: bind it
+                            device_id=device if backend == "nccl" else None)  # DDP 1: join
     return device, dist.get_rank(), dist.get_world_size()
 
 
@@ -135,14 +142,14 @@ class Run:
     device: torch.device
     rank: int
     world_size: int
-    is_main: bool  # rank 0: the one process that logs and writes files
+    is_main: bool  # True on rank 0 alone, the one process that logs and writes files
     amp: str  # FSDP 1: the compute dtype's name ("bfloat16"), or "off"
     policy: MixedPrecisionPolicy  # FSDP 1: casts the gathered weights; no autocast, no scaler
 
 
 def make_run(args, device, rank, world_size):
     """This process's Run; logs the run's shape (world size, device, precision, batch)."""
-    is_main = rank == 0  # DDP 3: rank 0 alone logs and saves
+    is_main = rank == 0  # DDP 3: only rank 0 logs and writes files
     amp, policy = mixed_precision(args.amp, device)  # FSDP 1
     run = Run(args, device, rank, world_size, is_main, amp, policy)
     print0(is_main, f"world size {world_size} | device {device} | amp {amp} | "
@@ -154,55 +161,55 @@ def make_run(args, device, rank, world_size):
 @dataclasses.dataclass
 class Data:
     windows: "Windows"  # this rank's training batches
-    val: np.ndarray  # held out: the last --val-fraction of the tokens, or a folder's val.bin
+    val: np.ndarray  # the last --val-fraction of the tokens, or a folder's val.bin
     vocab_size: int
     itos: dict  # id -> text, from a nanoGPT folder's meta.pkl; None for bytes or plain ids
-    baseline: float  # the loss of predicting each token by its frequency: the loss to beat
+    baseline: float  # the loss of predicting each token by its frequency, the loss to beat
 
 
 def build_data(run):
-    """This rank's training windows and the validation tokens (--debug: a collective)."""
+    """This rank's training windows and the validation tokens; a collective with --debug."""
     args = run.args
     train, val, vocab_size, itos = load_data(args, run.world_size)
     windows = Windows(train, args.block_size, args.batch_size, run.rank, run.world_size,
-                      args.seed)  # DDP 4: each rank its own windows
+                      args.seed)  # DDP 4: this rank reads only its own windows
     baseline = unigram_loss(train, val, vocab_size)
     unit = "byte" if vocab_size == 256 else "token"
     print0(run.is_main, f"data {args.data or 'Python standard library'} | {len(train):,} train "
                         f"/ {len(val):,} val tokens | vocab {vocab_size} | "
                         f"{unit}-frequency baseline loss {baseline:.4f}")
     if args.debug:
-        log_windows(run, windows)  # talks: rank 0 prints every rank's
+        log_windows(run, windows)  # a collective: rank 0 prints every rank's windows
     return Data(windows, val, vocab_size, itos, baseline)
 
 
 class Windows:
-    """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
-    block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
-    ranks round-robin: each token at most once an epoch, on one rank (a DataLoader's equivalent:
-    DistributedSampler(drop_last=True) and set_epoch(epoch)). Micro-batch k depends on k and the
-    ranks alone, so a run resumed with as many ranks reads what the uninterrupted one would have."""
+    """This rank's training batches. Each epoch cuts the tokens into windows that do not overlap,
+    from a random offset, shuffles them (seeded by seed + epoch), deals them to the ranks in turn as
+    DistributedSampler(drop_last=True) with set_epoch(epoch) would. Micro-batch k depends only on
+    k, the seed and the ranks: a run resumed with as many ranks reads what an unbroken run would."""
 
     def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
         self.tokens, self.block, self.batch = tokens, block_size, batch_size
         self.rank, self.world, self.seed = rank, world_size, seed
-        per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size  # at any offset
-        # as many micro-batches on every rank: a rank with one more would wait in its collectives
-        self.per_epoch = per_rank // batch_size  # micro-batches per rank per epoch
+        # The windows that fit whatever the offset (at most block_size), split evenly over ranks.
+        per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size
+        self.per_epoch = per_rank // batch_size  # per rank: all ranks change epoch together
         self.span = np.arange(block_size + 1)
         self.epoch, self.starts = None, None
 
-    def starts_of_epoch(self, epoch):  # DDP 4: every rank its own share of the windows
+    def starts_of_epoch(self, epoch):
         """The first token of every window this rank reads in `epoch`, in order."""
-        # seeded by epoch, not by rank: every rank draws the same order, then keeps its own slice
+        # Seeded by epoch, not by rank, so every rank draws the same order and keeps its own part.
         g = torch.Generator().manual_seed(self.seed + epoch)  # DDP 5: a new order each epoch
         offset = int(torch.randint(0, self.block + 1, (1,), generator=g))
         count = self.per_epoch * self.batch * self.world
         order = torch.randperm((len(self.tokens) - offset) // (self.block + 1), generator=g)[:count]
+        # DDP 4: this rank keeps every world_size-th window of the order, starting at its rank.
         return (offset + order * (self.block + 1))[self.rank::self.world].numpy()
 
     def rows(self, k):
-        """Micro-batch k of this rank: (B, block_size + 1) token ids, inputs and the next token."""
+        """Micro-batch k of this rank: a (B, block_size + 1) tensor of token ids, B windows."""
         epoch, i = divmod(k, self.per_epoch)
         if epoch != self.epoch:
             self.epoch, self.starts = epoch, self.starts_of_epoch(epoch)
@@ -211,7 +218,7 @@ class Windows:
 
 
 def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, then filled
-    """The sharded model (1/N of every parameter here; no rank ever holds it whole), and AdamW."""
+    """The sharded model (1/N of each parameter here; whole only while built or used) and AdamW."""
     args = run.args
     with torch.device("meta"):  # FSDP 2: shapes and dtypes, no memory
         raw_model = GPT(**model_config(args, vocab_size))
@@ -220,7 +227,7 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
     init_shards(raw_model, args.seed)  # FSDP 2: one process's initial weights
     raw_model.grad_checkpointing = args.grad_checkpointing
     optimizer = make_optimizer(raw_model, args, run.device)
-    torch.manual_seed(args.seed + run.rank)  # DDP 6: each rank its own dropout masks
+    torch.manual_seed(args.seed + run.rank)  # DDP 6: each rank draws its own dropout masks
     print0(run.is_main, f"model {sum(p.numel() for p in raw_model.parameters()):,} parameters | "
                         f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
                         f"context {args.block_size}")
@@ -253,14 +260,13 @@ def init_shards(model, seed):  # FSDP 2: one whole parameter at a time, each ran
 
 
 def resumed_step(run, raw_model, optimizer, data):
-    """A collective: the step to go on from, 0 or --resume's after loading it. Rank 0 decides
-    whether `--resume auto` finds a checkpoint; all ranks load it, or all stop with one line."""
+    """A collective: the step to go on from, 0 or --resume's; every rank loads it, or all stop."""
     path, state, problem = resume_path(run), None, None  # FSDP 3: read the small file, agree,
     try:  # and only then load the shards, a collective
         state = read_run_state(path, run, data) if path else None
     except InputError as err:  # told to every rank below, so that none waits for this one
         problem = str(err)
-    step = agree_on_start(state["step"] if state else 0, problem, path)  # FSDP 3; talks
+    step = agree_on_start(state["step"] if state else 0, problem, path)  # FSDP 3: a collective
     if path:
         load_shards(path, state, run, raw_model, optimizer)  # FSDP 3: every rank, at once
         print0(run.is_main, f"resumed from {path} at step {step}")
@@ -268,9 +274,8 @@ def resumed_step(run, raw_model, optimizer, data):
 
 
 def resume_path(run):
-    """A collective: the checkpoint to resume from, or None. --resume auto: the --save checkpoint
-    if it exists (so that a restart after a crash runs the same command and goes on from the last
-    checkpoint). Rank 0 looks and tells the rest: ranks that looked on their own could disagree."""
+    """The checkpoint to resume from, or None. `auto` (a collective) takes --save if rank 0 finds
+    it, so a restart after a crash reruns the same command; ranks looking alone could disagree."""
     resume, save = run.args.resume, run.args.save
     if resume != "auto":
         return resume and newest_complete_step(resume, run.is_main) or resume  # FSDP 3: a step
@@ -282,13 +287,13 @@ def resume_path(run):
 
 
 def agree_on_start(start, error, path):
-    """Every rank resumed from the same step, or all stop with the same line (a rank on a node that
-    cannot see the checkpoint, or sees another file: checkpoints need a shared filesystem)."""
+    """A collective: the same step on every rank, or all stop with one line. A rank fails alone
+    where its node cannot see the checkpoint, or sees another file than the other nodes."""
     outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, (start, error))  # DDP 7: a collective, so no rank hangs
+    dist.all_gather_object(outcomes, (start, error))  # DDP 7: every rank gets every outcome
     failed = [(rank, problem) for rank, (_, problem) in enumerate(outcomes) if problem]
     if failed and len(failed) == len(outcomes) and len({p for _, p in failed}) == 1:
-        raise InputError(failed[0][1])  # the same problem everywhere: the checkpoint itself
+        raise InputError(failed[0][1])  # the same problem on every rank: the checkpoint's own
     if failed:
         raise InputError(f"rank {failed[0][0]}: {failed[0][1]} (every rank reads --resume: on "
                          "several nodes it must be on a filesystem they share, docs/multinode.md)")
@@ -309,9 +314,9 @@ def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
         raise InputError(f"cannot load the shards of {path}: {first_reason(err)}") from None
     set_state_dict(raw_model, optimizer, model_state_dict=model_state,  # into my shards
                    optim_state_dict=optim_state)
-    if not shards_finite(raw_model):  # talks: every rank gets the same answer
+    if not shards_finite(raw_model):  # a collective: every rank gets the same answer
         raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
-    saved = state["args"].get("tp", 1), len(state["rng"])  # FSDP 3: a tp row's ranks drew alike
+    saved = state["args"].get("tp", 1), len(state["rng"])  # FSDP 3: the layout that saved
     if saved == (1, run.world_size):  # the layout that saved them: else the seeds by rank stay
         restore_rng(state["rng"][run.rank], run.device)  # FSDP 3: this rank's streams
 
@@ -340,13 +345,12 @@ def evaluate(run, model, val):  # FSDP 5: every rank runs as many forwards
     dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most batches any rank holds
     x = torch.zeros(1, run.args.block_size, dtype=torch.long, device=run.device)
     batches += [(x, torch.full_like(x, -100))] * (int(most) - len(batches))
-    return mean_loss_over_ranks(model, batches)  # talks: sums and counts of every rank
+    return mean_loss_over_ranks(model, batches)  # a collective: every rank's sums and counts
 
 
 def validation_batches(run, val):
     """This rank's validation batches, (inputs, targets) on its device: the first --eval-windows
-    non-overlapping windows of the validation tokens, dealt to the ranks round-robin: disjoint
-    slices, never padded with repeats as a DistributedSampler pads them, so each counts once."""
+    windows, dealt to the ranks in turn and never padded with repeats, so each counts once."""
     args = run.args
     starts = np.arange(0, len(val) - args.block_size, args.block_size + 1)[:args.eval_windows]
     mine = starts[run.rank::run.world_size]
@@ -357,16 +361,15 @@ def validation_batches(run, val):
 
 @torch.no_grad()
 def mean_loss_over_ranks(model, batches):  # FSDP 1: no autocast; DDP 9: sum, divide once
-    """The mean cross-entropy per target over all ranks' batches (inputs, targets): each rank
-    sums its own, one all-reduce adds the sums and the counts up. A collective: every rank calls
-    it (evaluate() says how many batches each rank may bring)."""
+    """A collective: the mean cross-entropy per target over all ranks' batches (inputs, targets).
+    Each rank sums its own losses and counts them; one all-reduce adds those up over the ranks."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
     for x, y in batches:
         logits, _ = model(x)  # FSDP 1
         totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
         totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token
-    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # gloo has no AVG: sum, then divide
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # DDP 9: all ranks' sums, divided below
     free_gathered_weights(model)  # FSDP 5: forwards without a backward leave them
     model.train()
     return (totals[0] / totals[1]).item()
@@ -383,7 +386,7 @@ def train_step(run, model, optimizer, windows, step):
         group["lr"] = lr_at(step, args)
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
     grad_norm = grad_norm.full_tensor()  # FSDP 6: the norm over all shards, the same everywhere
-    loss = mean_over_ranks(loss)  # DDP 9: every rank gets the same mean, so the same verdict
+    loss = mean_over_ranks(loss)  # DDP 9: the same mean on every rank, so all stop or none
     stop_if_diverged(run, step, loss, grad_norm)
     optimizer.step()  # FSDP 1
     optimizer.zero_grad(set_to_none=True)
@@ -393,7 +396,7 @@ def train_step(run, model, optimizer, windows, step):
 def accumulate_gradients(model, batches, every=True):  # FSDP 7: stay sharded, or not
     """Forward and backward over each micro-batch (inputs, targets); the loss to average. every:
     each backward reduce-scatters a group's gradients into the shards, which add up there, so no
-    rank holds a whole gradient past its group's backward; else (--grad-sync last, DDP's no_sync)
+    rank holds a whole gradient past its group's backward; else (--grad-sync last)
     whole gradients add up on every rank and the last backward reduce-scatters them once."""
     total = 0.0
     for i, (x, y) in enumerate(batches):
@@ -405,10 +408,10 @@ def accumulate_gradients(model, batches, every=True):  # FSDP 7: stay sharded, o
     return total
 
 
-def mean_over_ranks(value):  # DDP 9
-    """A collective: the average of a scalar tensor over all ranks (SUM, then divide)."""
+def mean_over_ranks(value):
+    """A collective: the mean of a scalar tensor over all ranks, summed then divided."""
     value = value.detach().clone().float()
-    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # every rank gets the sum of all ranks'
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # DDP 9: every rank gets the sum of all ranks'
     return value / dist.get_world_size()
 
 
@@ -416,27 +419,27 @@ def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every ran
     """A collective: rank 0 writes DIR/step-N/run.json (step, flags, vocabulary, every rank's RNG),
     every rank its shards of weights and AdamW state (DCP: no gather; .metadata last marks it
     complete). Failed: SaveFailed on every rank, the folder removed, the previous step intact."""
-    rng_states = [None] * run.world_size  # DDP 11: each rank has its own dropout stream
+    rng_states = [None] * run.world_size  # DDP 11: each rank's RNG draws its own dropout masks
     dist.all_gather_object(rng_states, rng_state(run.device))  # so rank 0 can save them all
     folder = os.path.join(run.args.save, f"step-{step:06d}")  # FSDP 3: a folder per step
     if not shards_finite(raw_model):  # a collective: every rank gets the same answer
         raise SaveFailed(f"not saving {folder}: the weights are not finite")
     state = dict(zip(("model", "optimizer"), get_state_dict(raw_model, optimizer)))  # mine
     try:  # rank 0 writes run.json, then every rank its shards
-        save_on_rank_0(lambda: write_file(os.path.join(folder, "run.json"),  # talks
+        save_on_rank_0(lambda: write_file(os.path.join(folder, "run.json"),  # a collective
                                           run_state(run, data, step, rng_states)), run.is_main)
         dcp.save(state, checkpoint_id=folder)  # every rank its shards; .metadata last, by rank 0
     except (SaveFailed, OSError, RuntimeError, CheckpointException) as err:  # DCP: on every rank
-        save_on_rank_0(lambda: shutil.rmtree(folder, ignore_errors=True), run.is_main)  # talks
+        save_on_rank_0(lambda: shutil.rmtree(folder, ignore_errors=True), run.is_main)  # collective
         failed = SaveFailed(f"cannot save {folder}: {first_reason(err, folder, state)}")
         raise (err if isinstance(err, SaveFailed) else failed) from None
-    save_on_rank_0(lambda: drop_older_steps(run.args.save, folder), run.is_main)  # talks
+    save_on_rank_0(lambda: drop_older_steps(run.args.save, folder), run.is_main)  # a collective
     print0(run.is_main, f"step {step}/{run.args.max_steps} | saved {folder}")
 
 
-def save_on_rank_0(write, is_main):  # DDP 12: one writer; every rank waits and learns the outcome
+def save_on_rank_0(write, is_main):
     """A collective: rank 0 calls write(); every rank waits for it and raises what it raised.
-    Never call it inside `if is_main:`: the other ranks would not reach the broadcast."""
+    Never call it inside `if is_main:`, because the other ranks would not reach the broadcast."""
     error = None
     if is_main:
         try:
@@ -444,24 +447,23 @@ def save_on_rank_0(write, is_main):  # DDP 12: one writer; every rank waits and 
         except Exception as err:  # sent to every rank below, so that none goes on alone
             error = err
     outcome = [error]
-    dist.broadcast_object_list(outcome, src=0)  # every rank waits here for rank 0's write
+    dist.broadcast_object_list(outcome, src=0)  # DDP 12: every rank waits here for rank 0's write
     if outcome[0] is not None:
         raise outcome[0]
 
 
-def leave_distributed():  # DDP 13: leave the process group on every path, error or not
-    """Free what a failed run left (a model's hooks may hold the group), then leave the group."""
+def leave_distributed():
+    """Free what a failed run left (its DDP model may still hold the group), then leave it."""
     gc.collect()
     if dist.is_initialized():
-        dist.destroy_process_group()  # waits for no one: each rank leaves on its own
+        dist.destroy_process_group()  # DDP 13: not a collective; each rank leaves on its own
 
 
 # --------------------------------------------------------------------------------- the model: a GPT
 def causal_attention(q, k, v):
-    """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
-    attention on GPUs: no causal mask is built). No dropout on the attention weights: on a CPU it
-    forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
-    bf16 CPU backward kernel is 3x slower than the fp32 one (measured: docs/performance.md)."""
+    """softmax(q k^T / sqrt(d)) v over earlier positions, by PyTorch's fused kernel (flash attention
+    on GPUs). No dropout on the attention weights: on a CPU it forces the slow path. A CPU runs it
+    in fp32 even under bf16 autocast, since the bf16 CPU backward measured 3x slower than fp32."""
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     with torch.autocast("cpu", enabled=False):
@@ -478,8 +480,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
-        # qkv's outputs come head by head (head 0's q, k, v, then head 1's...): equal parts are
-        # whole heads, as a tensor-parallel split by heads needs; -1: the heads this module holds
+        # qkv's outputs hold each head's q, k and v side by side; -1 counts the heads (n_head).
         qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
         q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
         y = causal_attention(q, k, v)
@@ -514,14 +515,12 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # weight tying: one matrix embeds and un-embeds
-        if not self.head.weight.is_meta:  # on the meta device there is nothing to fill yet
+        if not self.head.weight.is_meta:  # a weight with no storage (is_meta) cannot be filled
             self.init_weights(seed=0)
 
     @torch.no_grad()
     def init_weights(self, seed):
-        """Every parameter from initial_value(): the same weights for the same seed, whether
-        the model is made whole here or one parameter at a time (a sharded build, where each rank
-        fills only its own slice)."""
+        """Set every parameter to initial_value(), so the same seed gives the same weights."""
         for name, p in self.named_parameters():
             p.copy_(initial_value(name, p.shape, seed, len(self.blocks)))
 
@@ -552,9 +551,9 @@ class GPT(nn.Module):
 
 
 def initial_value(name, shape, seed, n_layer):
-    """The initial value of parameter `name`, GPT-2's scheme: N(0, 0.02) for matrices (residual
-    projections shrink with depth), zero biases, unit norm weights. Each parameter draws from a
-    generator of its own, seeded by (seed, name), so any one can be made without the others."""
+    """The initial value of parameter `name` in GPT-2's scheme: N(0, 0.02) for matrices, std
+    0.02 / sqrt(2 x layers) for residual projections, zero biases, LayerNorm weights of one. Each
+    draws from a generator seeded by (seed, name), so its value depends on nothing else."""
     if name.endswith(".bias"):
         return torch.zeros(shape)
     if len(shape) == 1:  # a LayerNorm's weight
@@ -566,13 +565,12 @@ def initial_value(name, shape, seed, n_layer):
 
 
 # -------------------------------------------- beyond the core: debugging, the benchmark, the report
-def log_windows(run, windows):  # DDP 14: --debug, which windows each rank reads
-    """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
-    that lines from several processes never splice into each other."""
+def log_windows(run, windows):
+    """A collective: rank 0 prints each rank's windows, in rank order, so lines never splice."""
     line = (f"[rank {run.rank}] {windows.per_epoch} micro-batches per epoch, "
             f"first windows at tokens {windows.starts_of_epoch(0)[:4].tolist()}")
     lines = [None] * run.world_size
-    dist.all_gather_object(lines, line)  # to rank 0, which prints them in rank order
+    dist.all_gather_object(lines, line)  # DDP 14: every rank gets all lines; rank 0 prints
     print0(run.is_main, "\n".join(lines))
 
 
@@ -581,21 +579,20 @@ def benchmark(run, model, optimizer, windows):
     times = []
     for step in range(5 + run.args.max_steps):
         start = time.perf_counter()
-        loss, _ = train_step(run, model, optimizer, windows, step)  # talks
+        loss, _ = train_step(run, model, optimizer, windows, step)  # a collective
         loss.item()  # wait for the device: the step is over
         times.append(time.perf_counter() - start)
     result = {**pace_keys(statistics.median(times[5:]), tokens_per_step(run)),
               "timed_steps": run.args.max_steps}
-    log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
+    log_peak_gpu_memory(run)  # a collective on GPUs: every rank's peak
     print0(run.is_main, f"benchmark | {result['step_ms']} ms/step | "
                         f"{result['throughput']:,.0f} tok/s")
     print0(run.is_main, summary_line(result))
 
 
 def report(run, raw_model, data, val_loss, meter):
-    """The done line, the summary line, and a taste of what it learned, printed by rank 0; on GPUs
-    first every rank's peak memory (a collective)."""
-    log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
+    """Every rank's GPU peak (a collective on GPUs), then rank 0's done line, summary, sample."""
+    log_peak_gpu_memory(run)  # a collective on GPUs: every rank's peak
     summary = {**meter.summary(), "val_loss": val_loss, "baseline_loss": data.baseline}
     unit = "byte" if data.vocab_size == 256 else "token"
     print0(run.is_main, f"done | val loss {val_loss:.4f} ({unit}-frequency baseline "
@@ -603,7 +600,7 @@ def report(run, raw_model, data, val_loss, meter):
                         f"{summary['train_s']:.1f} s of training")
     print0(run.is_main, summary_line(summary))
     if run.args.export:  # FSDP 8: one plain file, for one-process sampling
-        export(run, raw_model, data)  # talks: every rank's shards to rank 0
+        export(run, raw_model, data)  # a collective: every rank's shards to rank 0
     if unit == "byte" or data.itos:  # FSDP 5: every rank generates: each forward gathers weights
         raw_model.eval()
         start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
@@ -614,20 +611,19 @@ def report(run, raw_model, data, val_loss, meter):
 
 def export(run, raw_model, data):  # FSDP 8: one plain file, as one process saves it
     """A collective: every rank's shards to rank 0's CPU, which writes one plain state_dict."""
-    if not shards_finite(raw_model):  # talks: every rank gets the same answer
+    if not shards_finite(raw_model):  # a collective: every rank gets the same answer
         raise SaveFailed(f"not exporting {run.args.export}: the weights are not finite")
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0
     weights = get_model_state_dict(raw_model, options=options)  # empty on the other ranks
-    save_on_rank_0(lambda: write_export(run, weights, data), run.is_main)  # talks
+    save_on_rank_0(lambda: write_export(run, weights, data), run.is_main)  # a collective
 
 
-def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
-    """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in rank
-    order (measured: weights, gradients, optimizer state, activations; docs/fsdp.md)."""
+def log_peak_gpu_memory(run):
+    """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in order."""
     if run.device.type != "cuda":
         return
     peaks = [None] * run.world_size
-    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # for rank 0
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # DDP 16
     print0(run.is_main, "peak GPU memory per rank (max_memory_allocated): " +
            ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
 
@@ -636,7 +632,7 @@ def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
 
 
 # ---------------------------------------- guards: each stops one thing going wrong in production
-def avoid_known_failures(args):  # guard: every guard, in one place, before the group is joined
+def avoid_known_failures(args):  # guard: all guards, in one place, before the group is joined
     """Exit code 2 for a launch that could never join a group; a workaround for each known fault."""
     refuse_a_bad_launch(args.device)  # guard: no torchrun, or more processes than GPUs
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -663,12 +659,12 @@ def refuse_a_bad_launch(device_name):  # guard: a process that could never join 
 
 
 def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo
-    """The debug level to run at, from the shell's: --debug asks DETAIL (NCCL) or INFO (gloo); a
-    shell's DETAIL on gloo, where it crashes DDP, becomes INFO with one warning from rank 0."""
+    """The debug level to run at, starting from the shell's. --debug asks for DETAIL on NCCL and
+    INFO on gloo. DETAIL crashes DDP on gloo, so there it becomes INFO, with one warning."""
     if debug:
         level = dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO
     if backend == "gloo" and level == dist.DebugLevel.DETAIL:  # the shell's
-        if os.environ["RANK"] == "0":  # before the group: torchrun's RANK says who logs
+        if os.environ["RANK"] == "0":  # no group yet, so torchrun's RANK says who logs
             print("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on gloo "
                   "(docs/troubleshooting.md): going on at INFO", flush=True)
         level = dist.DebugLevel.INFO
@@ -676,8 +672,8 @@ def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=D
 
 
 def avoid_page_faults_on_cpu():  # guard: glibc returning freed memory at once
-    """On Linux CPUs (glibc), keep freed memory in the process: glibc hands each step's tens of MB
-    (the logits) back to the OS, and page faults cost 10-30% of a step (docs/performance.md)."""
+    """On Linux CPUs (glibc), keep freed memory in the process. Otherwise glibc hands each step's
+    tens of MB (the logits) back to the OS, and the page faults cost 10-30% of a step."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -731,9 +727,9 @@ def parse_args(argv=None):
       help="torch.compile backend (default: inductor)")
     a = p.add_argument_group("training").add_argument
     a("--batch-size", type=positive(int), default=16, metavar="B",
-      help="sequences per micro-step, per process (default: 16)")
+      help="windows per micro-batch, on each rank (default: 16)")
     a("--grad-accum", type=positive(int), default=1, metavar="K",
-      help="micro-steps per optimizer step (default: 1)")
+      help="micro-batches per optimizer step (default: 1)")
     a("--max-steps", type=positive(int), default=300, metavar="N",
       help="optimizer steps (default: 300)")
     a("--lr", type=positive(float), default=3e-3, help="peak learning rate (default: 0.003)")
@@ -746,7 +742,8 @@ def parse_args(argv=None):
     a("--clip", type=positive(float, zero_ok=True), default=1.0, metavar="NORM",
       help="clip the gradient norm to NORM, 0 = off (default: 1.0)")
     a("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
-      help="autocast dtype; auto: bf16 (or fp16) on GPUs, off on CPUs (default: auto)")
+      help="the compute dtype of FSDP's policy; auto: bf16 on GPUs that have it natively, else "
+           "off (fp32); fp16 is refused (default: auto)")
     a("--seed", type=int, default=0, help="seeds the weights, data order, dropout (default: 0)")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto",
       help="auto = cuda if there is one, else cpu (default: auto)")
@@ -770,7 +767,7 @@ def parse_args(argv=None):
     a("--save", default="checkpoints/minigpt_fsdp", metavar="DIR",  # FSDP 3
       help="checkpoint folder of step-N folders, '' for none (default: %(default)s)")
     a("--export", default="checkpoints/minigpt_fsdp.pt", metavar="PATH",  # FSDP 8
-      help="the final weights in one file, chapter 3's format, '' for none (default: %(default)s)")
+      help="the final weights in one file that --sample reads, '' for none (default: %(default)s)")
     a("--save-every", type=positive(int, zero_ok=True), default=0, metavar="N",
       help="also save every N steps, 0 = only at the end (default: 0)")
     a("--resume", metavar="DIR",  # FSDP 3
@@ -910,8 +907,8 @@ def on_device(rows, device):
 
 # -------------------------------------------------------------- precision, optimizer, schedule
 def amp_dtype(choice, device):
-    """The autocast dtype, or None for fp32. bf16 has fp32's range: no loss scaling. fp16 needs a
-    GradScaler. Only native bf16 counts: V100s and T4s emulate it, slower than fp16."""
+    """The autocast dtype, or None for fp32. bf16 has fp32's range, so it needs no loss scaling;
+    fp16 needs a GradScaler. Only native bf16 counts: V100s and T4s emulate it, slower than fp16."""
     native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
     if choice == "auto":
         if device.type != "cuda":
@@ -982,8 +979,7 @@ def all_finite(state_dict):
 
 
 def state_bytes(state):
-    """About the bytes a checkpoint of `state` takes on disk: its tensors', in nested dicts and
-    lists (a DTensor counts whole)."""
+    """About the bytes a checkpoint of `state` takes: its tensors', in nested dicts and lists."""
     if torch.is_tensor(state):
         return state.nbytes
     if isinstance(state, bytes):  # a file's bytes, ready to write
@@ -1048,7 +1044,7 @@ def free_gathered_weights(model):  # FSDP 5: --reshard-after-forward no keeps th
 
 
 def write_export(run, weights, data):  # FSDP 8: rank 0's part of --export
-    """Write the gathered weights to --export in chapter 3's checkpoint format, atomically."""
+    """Write the gathered weights to --export in the one-file format --sample reads, atomically."""
     path, step = run.args.export, run.args.max_steps
     state = {"model": weights, "optimizer": {}, "scaler": {}, "step": step, "args": vars(run.args),
              "config": model_config(run.args, data.vocab_size), "itos": data.itos, "rng": []}
@@ -1136,7 +1132,7 @@ def read_run_state(path, run, data):  # FSDP 3
     return state
 
 
-def memory_line(model):  # FSDP 2: what each rank holds, against DDP's full copy
+def memory_line(model):  # FSDP 2: what each rank holds, against a whole copy
     """Bytes of weights + gradients + AdamW's two moments (fp32: 4 copies) held by this rank."""
     mine = sum(p.to_local().numel() for p in model.parameters())
     full = sum(p.numel() for p in model.parameters())
@@ -1208,8 +1204,7 @@ def gpu_peak_flops(run):
 
 
 class Meter:
-    """The training clock and the log line. Time between log lines counts training only:
-    main() stops the clock for evaluation and checkpoints."""
+    """The training clock and the log line; main() stops the clock for evaluation and saving."""
 
     def __init__(self, run, raw_model, start):
         self.args, self.tokens = run.args, tokens_per_step(run)
@@ -1225,8 +1220,7 @@ class Meter:
         self.clock.start()
 
     def log_line(self, step, loss, grad_norm):
-        """step N/M | loss | lr | grad norm | ms/step | tok/s, and MFU on CUDA, over the steps
-        since the last log line (docs/conventions.md)."""
+        """step N/M | loss | lr | grad norm | ms/step | tok/s (and MFU), since the last log line."""
         self.intervals.append((step - self.last_step, self.clock.lap()))
         self.last_step = step
         step_s = self.intervals[-1][1] / self.intervals[-1][0]
@@ -1238,7 +1232,7 @@ class Meter:
         return line
 
     def summary(self):
-        """Steps, seconds and tokens/s of training, and the median pace (docs/conventions.md)."""
+        """Steps, seconds and tokens/s of training, and the median pace."""
         steps, train_s = sum(n for n, _ in self.intervals), sum(s for _, s in self.intervals)
         timed = self.intervals[1:] or self.intervals  # the first interval is the warm-up
         step_s = statistics.median([s / n for n, s in timed]) if timed else 0.0
@@ -1248,8 +1242,7 @@ class Meter:
 
 
 def pace_keys(step_s, tokens_per_step):
-    """The summary keys benchmark_scaling.py reads (docs/conventions.md): the median ms per
-    optimizer step, and the throughput of all ranks it implies."""
+    """The summary keys benchmark_scaling.py reads: median ms per step, all ranks' tokens/s."""
     return {"step_ms": round(1000 * step_s, 3), "per_step": tokens_per_step,
             "throughput_unit": "tokens/s",
             "throughput": round(tokens_per_step / step_s, 1) if step_s else 0.0}
@@ -1351,5 +1344,7 @@ if __name__ == "__main__":
         sys.stderr.write(f"error: {err}\n")  # one write: lines from several ranks never splice
         code = err.code
     finally:
+        # A rank that fails mid-step leaves the group here and exits with a non-zero code. torchrun
+        # then stops the other ranks, which wait in their next collective until it does.
         leave_distributed()  # DDP 13
     sys.exit(code)

@@ -1,47 +1,58 @@
-"""Chapter 8: the chapter-7 GPT trainer with tensor parallelism (TP) inside FSDP: each block's
-matrices split across --tp ranks, on a 2-D mesh of (dp, tp) ranks. The same math as DDP.
+"""Chapter 8: a GPT trainer with tensor parallelism (TP) inside FSDP, on a 2-D mesh of ranks.
+TP splits each block's matrices across --tp ranks; FSDP shards what each rank holds across the
+data-parallel replicas. Without dropout it computes, up to rounding, what one process computes.
 
-    torchrun --standalone --nproc_per_node=2 train_tp_minigpt.py --tp 2    # 1 x 2: CPU or 2 GPUs
-    torchrun --standalone --nproc_per_node=4 train_tp_minigpt.py --tp 2    # 2 x 2: CPU or 4 GPUs
+    torchrun --standalone --nproc_per_node=2 train_tp_minigpt.py --tp 2  # dp 1, tp 2: CPU or 2 GPUs
+    torchrun --standalone --nproc_per_node=4 train_tp_minigpt.py --tp 2  # dp 2, tp 2: CPU or 4 GPUs
     torchrun --standalone --nproc_per_node=gpu train_tp_minigpt.py --tp 8  # TP across one node
     ./launch_multinode_ddp.sh --nnodes 2 --nproc-per-node 8 --master-addr N0 \
         train_tp_minigpt.py --tp 8
-    python train_ddp_minigpt.py --sample --ckpt checkpoints/minigpt_tp.pt --prompt "def main("
+    python train_tp_minigpt.py --sample --ckpt checkpoints/minigpt_tp.pt --prompt "def main("
 
-The multi-node line prints the torchrun command to run on each node (chapter 4): with --tp 8,
-each node is one tp group. Sampling runs in one plain process. Default data: the first 2,000,000
-bytes of this Python's own standard library, one token per byte (vocab 256), so nothing is
-downloaded; `--data` also takes a text file, a .bin of uint16 token ids, or a nanoGPT folder.
+The multi-node line prints the torchrun command to run on each node; with --tp 8, each node holds
+one tp group. Sampling runs in one plain process. Default data: the first 2,000,000 bytes of this
+Python's own standard library, one token per byte (vocab 256), so nothing is downloaded; `--data`
+also takes a text file, a .bin of uint16 token ids, or a nanoGPT folder.
 
-Read it top-down: main(), then its core steps in the order it calls them, the model, and what goes
-beyond the core (debugging, the benchmark, the report). All that talks to other processes is above
-the line that ends `the plumbing`; below it, guards, flags, data, files, logging, sampling, errors.
+Read it top-down: main(), then its core steps in the order it calls them, the model, and the steps
+beyond the core (debugging, the benchmark, the report). Every call that communicates with other
+ranks sits above the line that ends `the plumbing`. Below it is code a single process would run
+the same way: guards, flags, data, files, logging, sampling, errors.
 
-Tags: `# TP k` marks each line TP changes in the FSDP trainer, numbered in reading order:
-  TP 1  --tp N: a (world / N, N) mesh ("dp", "tp"); a row is consecutive ranks, one node
-  TP 2  data, global batch and dropout by the dp row: a row's ranks hold parts of one replica
-        (sequence parallel: dropout by rank, each rank drops out its own part of the sequence)
-  TP 3  the bytes each rank sends: per block and micro-batch, 4 all-reduces' worth
-  TP 4  parallelize_module over the row: each block split, the embedding, head and (sequence
-        parallel, the default) the residual stream too; then fully_shard over the column
-  TP 5  random streams restored only at the same grid: a row's ranks draw alike
-  TP 6  loss parallel: the loss from a row's shares of the vocabulary, forward and backward
-  TP 7  the gradient norm per mesh, then combined: clip_grad_norm_ cannot mix two meshes
-  TP 8  --check-sync: a tp row's copies of what TP does not split, compared by hash
-Kept from the DDP trainer (chapter 3), where they mark the same lines (6: dropout by row, TP 2;
-8, 10, 15: DDP's wrapper, no_sync and replica check, which FSDP 4 and 7 replace; TP 8 checks a
-tp row's copies):
-  DDP 1  join the group torchrun started             DDP 9   SUM over ranks, then divide
-  DDP 2  one GPU per process, by LOCAL_RANK          DDP 11  every rank's RNG state, saved
-  DDP 3  is_main: rank 0 alone logs and saves        DDP 12  rank 0 writes, every rank waits
-  DDP 4  each rank its own windows of an epoch       DDP 13  leave the group on every path
-  DDP 5  one shuffled order, the same on all ranks   DDP 14  --debug: each rank's windows
-  DDP 7  resume: rank 0 looks, every rank agrees     DDP 16  every rank's peak GPU memory
-Kept from the FSDP trainer (chapter 7), where they mark the same lines:
-  FSDP 1  bf16 by FSDP's MixedPrecisionPolicy        FSDP 5  every rank runs every forward
-  FSDP 2  built on the meta device, then sharded     FSDP 7  --grad-sync: sharded, or whole
-  FSDP 3  DCP checkpoints: every rank its shards     FSDP 8  --export: one plain file
-  FSDP 4  no wrapper: fully_shard hooks the model
+Terms. A rank is one of the processes torchrun starts, one per device, numbered from 0; the world
+size is how many there are. A process group is a set of ranks that communicate with each other. A
+collective is a call that every rank of a group makes, in the same order; each rank waits in it
+until all have made it. An all-reduce sums a tensor over a group and gives every rank the sum; a
+reduce-scatter sums it and gives each rank one part of the sum; an all-gather gives every rank
+all the ranks' parts. A shard is the part of a tensor that one rank holds. The mesh (a DeviceMesh)
+lays the ranks out as a grid of world size / tp by tp, its dims named "dp" and "tp": rank r has
+dp rank r // tp and tp rank r % tp. A tp group is the tp consecutive ranks of one dp rank: they
+split every layer among them and together compute one replica, the model's forward and backward
+on that dp rank's own batches. A dp group is the ranks of one tp rank, one in each replica: FSDP
+shards their part of every parameter across them and averages their gradients.
+
+TP's own terms. A column-wise split of a linear layer gives each rank of a tp group some of the
+layer's outputs, computed from the whole input. A row-wise split gives each rank some of the
+inputs, so that it computes a partial sum of every output; a collective adds the partial sums up.
+Sequence parallelism splits the activations between those layers by sequence position across the
+tp group, so that the norms and dropout each work on one part. Loss parallel computes the
+cross-entropy from logits split by vocabulary across the tp group, without gathering them. A
+DTensor is a tensor spread over a mesh, with one placement per mesh dim: Shard(d), split along its
+dim d; Replicate(), a whole copy on every rank; Partial, one part of a sum. A micro-batch is the
+batch of one forward and backward; --grad-accum of them make one optimizer step.
+
+Tags: each `# TP k` comment marks a line that TP adds or changes, numbered in reading order:
+  TP 1   --tp N: the (world size / N, N) mesh; a tp group is N consecutive ranks, on one node
+  TP 2   data and batch by dp rank; dropout seeds too, or by rank under sequence parallelism
+  TP 3   the log lines of what each rank holds, and of what TP's collectives send per step
+  TP 4   TP's plans in each tp group (sequence parallel by default), then FSDP in each dp group
+  TP 5   checkpoints: random states restored only at the layout that saved them; own file names
+  TP 6   loss parallel: the loss and its backward from logits split by vocabulary
+  TP 7   the gradient norm per mesh, then combined, since clip_grad_norm_ cannot mix meshes
+  TP 8   --check-sync: the copies a tp group's ranks hold of unsplit weights, compared by hash
+Lines tagged DDP k or FSDP k are chapters 3 and 7's, unchanged; each tag says what its line does.
+
+See also: docs/tp.md (why TP stays inside one node, and measurements) and docs/mistakes.md.
 """
 import argparse
 import contextlib
@@ -89,57 +100,57 @@ from torch.utils.checkpoint import checkpoint
 # ------------------- the distributed lesson: main(), then its core steps in the order it calls them
 def main(argv=None):
     args = parse_args(argv)
-    if args.sample:  # inference: one plain process, no process group
+    if args.sample:  # sampling runs in one plain process, with no process group
         return sample(args)
     avoid_known_failures(args)  # guard: refuses a bad launch, avoids known failures
-    # setup: one process per device, joined in one group; rank 0 logs and saves. A step that
-    # "talks" waits for the others: every rank calls it, in the same order
-    device, rank, world_size = init_distributed(args.device, args.dist_timeout)  # talks
-    run = make_run(args, device, rank, world_size)
-    # data: each data-parallel replica reads its own windows of the training tokens
-    data = build_data(run)  # talks with --debug: rank 0 prints each rank's windows
-    # model: one process's initial weights, whole or sharded, resumed if asked, then wrapped
-    raw_model, optimizer = build_model(run, data.vocab_size)  # talks where the model is sharded
-    start = resumed_step(run, raw_model, optimizer, data)  # talks: rank 0 finds it, all agree
-    model = wrap_model(run, raw_model)  # talks under DDP (rank 0's weights to all); FSDP: silent
+    # Setup: one process per device, one group. Every rank calls the collectives in the same order.
+    device, rank, world_size = init_distributed(args.device, args.dist_timeout)  # DDP 1: join
+    run = make_run(args, device, rank, world_size)  # TP 1: builds the mesh, a collective
+    # Data: each replica reads its own windows of the training tokens.
+    data = build_data(run)  # a collective with --debug: rank 0 prints every rank's windows
+    # Model: each rank fills its shards with one process's initial weights, then resumes them.
+    raw_model, optimizer = build_model(run, data.vocab_size)  # a collective: the mesh
+    start = resumed_step(run, raw_model, optimizer, data)  # a collective: all ranks, one step
+    model = wrap_model(run, raw_model)  # the same shards: raw_model, its blocks compiled in place
     if args.benchmark:
-        return benchmark(run, model, optimizer, data.windows)  # talks: training steps, timed
-    # train: log, evaluate and save on schedule
-    val_loss = evaluate(run, model, data.val)  # talks: the loss sums of every rank add up
+        return benchmark(run, model, optimizer, data.windows)  # collectives: timed steps
+    # Train: log, evaluate and save on schedule.
+    val_loss = evaluate(run, model, data.val)  # a collective: every rank's loss sums add up
     print0(run.is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
     meter = Meter(run, raw_model, start)  # the training clock starts now
-    for step in range(start, args.max_steps):  # every step talks
-        loss, grad_norm = train_step(run, model, optimizer, data.windows, step)  # talks
+    for step in range(start, args.max_steps):  # every step runs collectives
+        loss, grad_norm = train_step(run, model, optimizer, data.windows, step)  # collectives
         done = step + 1
         if done % args.log_every == 0 or done == args.max_steps:
             print0(run.is_main, meter.log_line(done, loss.item(), grad_norm.item()))
         meter.stop_clock()  # evaluation and checkpoints are not training time
         if done % args.eval_every == 0 or done == args.max_steps:
-            val_loss = evaluate(run, model, data.val)  # talks
+            val_loss = evaluate(run, model, data.val)  # a collective
             print0(run.is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | "
                                 f"baseline {data.baseline:.4f}")
-        # save: rank 0 writes, every rank waits for it
+        # Save: every rank writes its shards, rank 0 the run's state; all learn whether it worked.
         due = done == args.max_steps or (args.save_every and done % args.save_every == 0)
         if args.save and due:
-            save_checkpoint(run, raw_model, optimizer, data, done)  # talks
+            save_checkpoint(run, raw_model, optimizer, data, done)  # a collective
         meter.start_clock()
-    # cleanup: the summary and a sample; the group is left by __main__'s `finally`
-    report(run, raw_model, data, val_loss, meter)  # talks: GPU peaks; a sharded model's export
+    # Cleanup: the summary and a sample. __main__'s `finally` leaves the process group.
+    report(run, raw_model, data, val_loss, meter)  # a collective: --export gathers the weights
 
 
-def init_distributed(device_name, timeout_s):  # DDP 1: join the group torchrun describes
-    """A collective: join the group torchrun started; returns (device, rank, world size)."""
+def init_distributed(device_name, timeout_s):
+    """A collective: join the process group torchrun started. Returns (device, rank, world size)."""
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device("cpu")
-    if device_name == "cuda":  # DDP 2: one GPU per process, picked by LOCAL_RANK, before CUDA work
-        # LOCAL_RANK numbers the processes of this node (its GPUs: 0, 1...); RANK, of all nodes
+    if device_name == "cuda":
+        # LOCAL_RANK numbers this node's processes from 0, like its GPUs; RANK numbers all nodes'.
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device)  # DDP 2: this process's GPU, before any CUDA work
     backend = "nccl" if device.type == "cuda" else "gloo"
-    # no address given: it reads torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+    # With no address given, it reads torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+    # With NCCL, device_id ties the group to this GPU, so NCCL connects now, not at first use.
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=device if backend == "nccl" else None)  # NCCL: bind it
+                            device_id=device if backend == "nccl" else None)  # DDP 1: join
     return device, dist.get_rank(), dist.get_world_size()
 
 
@@ -150,95 +161,94 @@ class Run:
     device: torch.device
     rank: int
     world_size: int
-    is_main: bool  # rank 0: the one process that logs and writes files
+    is_main: bool  # True on rank 0 alone, the one process that logs and writes files
     amp: str  # FSDP 1: the compute dtype's name ("bfloat16"), or "off"
     policy: MixedPrecisionPolicy  # FSDP 1: casts the gathered weights; no autocast, no scaler
     mesh: object  # TP 1: the (dp, tp) grid of ranks, a DeviceMesh
-    dp_rank: int  # TP 2: this rank's row: the data it reads
-    dp_size: int  # TP 2: the rows, data-parallel replicas: world size / tp
+    dp_rank: int  # TP 2: the replica this rank's tp group computes, so the data it reads
+    dp_size: int  # TP 2: how many replicas (tp groups) there are: world size / tp
 
 
 def make_run(args, device, rank, world_size):
     """This process's Run; logs the run's shape (world size, device, precision, batch)."""
-    is_main = rank == 0  # DDP 3: rank 0 alone logs and saves
+    is_main = rank == 0  # DDP 3: only rank 0 logs and writes files
     amp, policy = mixed_precision(args.amp, device)  # FSDP 1
-    mesh = grid(args.tp, device, world_size)  # TP 1: (world size / tp) x tp ranks
+    mesh = grid(args.tp, device, world_size)  # TP 1: the (world size / tp, tp) mesh
     run = Run(args, device, rank, world_size, is_main, amp, policy, mesh,
               mesh.get_local_rank("dp"), mesh.size(0))
     print0(is_main, f"world size {world_size} ({run.dp_size} dp x {args.tp} tp) | device "
                     f"{device} | amp {amp} | {tokens_per_step(run):,} tokens per step "
                     f"({args.batch_size} x {args.block_size} x {args.grad_accum} accumulation x "
-                    f"{run.dp_size} replicas)")  # TP 2: a global batch per row, not per rank
+                    f"{run.dp_size} replicas)")  # TP 2: a batch per replica, not per rank
     return run
 
 
-def grid(tp, device, world_size):  # TP 1: a 2-D mesh, rows of tp ranks
-    """The ranks as a (world size / tp) x tp DeviceMesh: rank r in row r // tp (its data-parallel
-    replica) and column r % tp (its share of every block). A row is consecutive ranks: under
-    torchrun, one node's GPUs, so that TP's all-reduces stay on the node's links (NVLink)."""
+def grid(tp, device, world_size):
+    """The ranks as a (world size / tp, tp) DeviceMesh, dims "dp" and "tp". A tp group is tp
+    consecutive ranks, which torchrun starts on one node, so TP's collectives, run in every block,
+    use the node's fast links (NVLink) instead of the network. A collective: every rank calls it."""
     if world_size % tp:
         raise InputError(f"--tp {tp} does not divide the world size {world_size}: start a "
                          f"multiple of {tp} processes, or give --tp 1")
     shape, names = (world_size // tp, tp), ("dp", "tp")
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)  # a group per row, column
-    # both dims as one, for DTensor: the norm's sum over every rank in one collective, not one per
-    # dim (torch warns of that); _flatten is private in torch 2.14, as torchtitan uses it
-    mesh["dp", "tp"]._flatten("dp_tp")  # TP 1
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)  # TP 1: creates the groups
+    # Both dims as one, so that DTensor sums the gradient norm in one collective, not one per dim
+    mesh["dp", "tp"]._flatten("dp_tp")  # TP 1: private in torch 2.14; torchtitan uses it too
     return mesh
 
 
 @dataclasses.dataclass
 class Data:
     windows: "Windows"  # this rank's training batches
-    val: np.ndarray  # held out: the last --val-fraction of the tokens, or a folder's val.bin
+    val: np.ndarray  # the last --val-fraction of the tokens, or a folder's val.bin
     vocab_size: int
     itos: dict  # id -> text, from a nanoGPT folder's meta.pkl; None for bytes or plain ids
-    baseline: float  # the loss of predicting each token by its frequency: the loss to beat
+    baseline: float  # the loss of predicting each token by its frequency, the loss to beat
 
 
 def build_data(run):
-    """This rank's training windows and the validation tokens (--debug: a collective)."""
+    """This rank's training windows and the validation tokens; a collective with --debug."""
     args = run.args
-    train, val, vocab_size, itos = load_data(args, run.dp_size)  # TP 2: a batch per row
+    train, val, vocab_size, itos = load_data(args, run.dp_size)  # TP 2: a batch per replica
     windows = Windows(train, args.block_size, args.batch_size, run.dp_rank, run.dp_size,
-                      args.seed)  # TP 2: each row its own windows, the same in a row
+                      args.seed)  # TP 2: dealt by dp rank, so a tp group's ranks read alike
     baseline = unigram_loss(train, val, vocab_size)
     unit = "byte" if vocab_size == 256 else "token"
     print0(run.is_main, f"data {args.data or 'Python standard library'} | {len(train):,} train "
                         f"/ {len(val):,} val tokens | vocab {vocab_size} | "
                         f"{unit}-frequency baseline loss {baseline:.4f}")
     if args.debug:
-        log_windows(run, windows)  # talks: rank 0 prints every rank's
+        log_windows(run, windows)  # a collective: rank 0 prints every rank's windows
     return Data(windows, val, vocab_size, itos, baseline)
 
 
 class Windows:
-    """This rank's training batches. An epoch cuts the token stream into non-overlapping windows of
-    block_size + 1 tokens from a random offset, shuffles them (seed + epoch) and deals them to the
-    ranks round-robin: each token at most once an epoch, on one rank (a DataLoader's equivalent:
-    DistributedSampler(drop_last=True) and set_epoch(epoch)). Micro-batch k depends on k and the
-    ranks alone, so a run resumed with as many ranks reads what the uninterrupted one would have."""
+    """This rank's training batches. Each epoch cuts the tokens into windows that do not overlap,
+    from a random offset, shuffles them (seeded by seed + epoch), deals them to the ranks in turn as
+    DistributedSampler(drop_last=True) with set_epoch(epoch) would. Micro-batch k depends only on
+    k, the seed and the ranks: a run resumed with as many ranks reads what an unbroken run would."""
 
     def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
         self.tokens, self.block, self.batch = tokens, block_size, batch_size
         self.rank, self.world, self.seed = rank, world_size, seed
-        per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size  # at any offset
-        # as many micro-batches on every rank: a rank with one more would wait in its collectives
-        self.per_epoch = per_rank // batch_size  # micro-batches per rank per epoch
+        # The windows that fit whatever the offset (at most block_size), split evenly over ranks.
+        per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size
+        self.per_epoch = per_rank // batch_size  # per rank: all ranks change epoch together
         self.span = np.arange(block_size + 1)
         self.epoch, self.starts = None, None
 
-    def starts_of_epoch(self, epoch):  # DDP 4: every rank its own share of the windows
+    def starts_of_epoch(self, epoch):
         """The first token of every window this rank reads in `epoch`, in order."""
-        # seeded by epoch, not by rank: every rank draws the same order, then keeps its own slice
+        # Seeded by epoch, not by rank, so every rank draws the same order and keeps its own part.
         g = torch.Generator().manual_seed(self.seed + epoch)  # DDP 5: a new order each epoch
         offset = int(torch.randint(0, self.block + 1, (1,), generator=g))
         count = self.per_epoch * self.batch * self.world
         order = torch.randperm((len(self.tokens) - offset) // (self.block + 1), generator=g)[:count]
+        # DDP 4: this rank keeps every world_size-th window of the order, starting at its rank.
         return (offset + order * (self.block + 1))[self.rank::self.world].numpy()
 
     def rows(self, k):
-        """Micro-batch k of this rank: (B, block_size + 1) token ids, inputs and the next token."""
+        """Micro-batch k of this rank: a (B, block_size + 1) tensor of token ids, B windows."""
         epoch, i = divmod(k, self.per_epoch)
         if epoch != self.epoch:
             self.epoch, self.starts = epoch, self.starts_of_epoch(epoch)
@@ -247,7 +257,7 @@ class Windows:
 
 
 def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, then filled
-    """The sharded model (1/N of every parameter here; no rank ever holds it whole), and AdamW."""
+    """The model split by TP and sharded by FSDP (this rank holds a part of it), and AdamW."""
     args = run.args
     with torch.device("meta"):  # FSDP 2: shapes and dtypes, no memory
         raw_model = GPT(**model_config(args, vocab_size))
@@ -256,65 +266,64 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
     init_shards(raw_model, args.seed)  # FSDP 2: one process's initial weights
     raw_model.grad_checkpointing = args.grad_checkpointing
     optimizer = make_optimizer(raw_model, args, run.device)
-    torch.manual_seed(args.seed + dropout_stream(run))  # TP 2: by row, or by rank where split
+    torch.manual_seed(args.seed + dropout_stream(run))  # TP 2: by dp rank, or by rank
     print0(run.is_main, f"model {sum(p.numel() for p in raw_model.parameters()):,} parameters | "
                         f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
                         f"context {args.block_size}")
     print0(run.is_main, memory_line(raw_model))  # FSDP 2: what each rank holds
     if args.grad_accum > 1:
         print0(run.is_main, accumulation_line(raw_model, args))  # FSDP 2: and while accumulating
-    print0(run.is_main, traffic_line(run))  # TP 3: and what it sends
+    print0(run.is_main, traffic_line(run))  # TP 3: and what TP's collectives send
     return raw_model, optimizer
 
 
-def shard(run, model):  # TP 4: each block split across its row's tp ranks, then FSDP by column
-    """parallelize_module splits each block's four matrices, and the tied embedding and head by
-    vocabulary, across the tp ranks of a row (DTensors on the tp mesh); then fully_shard shards
-    every parameter over the rows (dp), as FSDP alone: what TP split ends up on the 2-D mesh."""
-    mesh, sp = run.mesh["dp"], run.args.sequence_parallel == "on"  # TP 4: FSDP over the rows
+def shard(run, model):
+    """TP splits each block, and the tied embedding and head, across the tp group; then FSDP
+    shards every parameter across the dp group. What TP split or copied ends up on the 2-D mesh,
+    the rest (the position embedding; the norms without sequence parallelism) on "dp" alone."""
+    mesh, sp = run.mesh["dp"], run.args.sequence_parallel == "on"  # TP 4: FSDP in the dp group
     reshard = run.args.reshard_after_forward == "yes"
     for i, block in enumerate(model.blocks):  # sharding sends nothing: its hooks gather later
         if run.args.tp > 1:  # TP 4: --tp 1 is FSDP alone
-            parallelize_module(block, run.mesh["tp"], block_plan(sp))  # collectives in forward
+            parallelize_module(block, run.mesh["tp"], block_plan(sp))  # TP 4: split across tp
         last = i == len(model.blocks) - 1  # its backward comes first: no gather in between
         fully_shard(block, mesh=mesh, mp_policy=run.policy,
                     reshard_after_forward=reshard and not last)  # hooks
-    if run.args.tp > 1:  # TP 4: the ends of the model, split by vocabulary (and sequence)
-        parallelize_module(model, run.mesh["tp"], ends_plan(sp))  # collectives in forward
+    if run.args.tp > 1:  # TP 4: the ends of the model, split by vocabulary
+        parallelize_module(model, run.mesh["tp"], ends_plan(sp))  # the embedding and head
         model.head.weight = model.tok_emb.weight  # one matrix again: each split it by rows alike
     fully_shard(model, mesh=mesh, mp_policy=run.policy)  # the root: whole from forward to backward
 
 
-def block_plan(sp):  # TP 4: Megatron's split of a block, then its sequence parallelism
-    """Column-wise: q, k, v (whole heads, as GPT.qkv orders its outputs: head by head; nanoGPT's
-    q|k|v order would hand rank 0 every q and trains wrong, silently) and the MLP's first matrix,
-    each rank its share of the outputs, from the whole input. Row-wise: attn.proj and the MLP's
-    second matrix take those shares and give partial sums, which one all-reduce adds up. sp:
-    that all-reduce becomes a reduce-scatter, each rank the sum for its part of the sequence,
-    which the norms and dropout work on alone; an all-gather makes it whole for the next split."""
+def block_plan(sp):
+    """Megatron-LM's split of a block. qkv (by whole heads) and the MLP's first layer are split
+    column-wise; GPT.qkv orders its outputs head by head, since nanoGPT's q|k|v order would hand
+    every q to rank 0 and train wrong, silently. attn.proj and the MLP's second layer are split
+    row-wise; an all-reduce adds up their partial sums. With sp it is a reduce-scatter by sequence,
+    for the norms and dropout; an all-gather rebuilds the sequence for each column-wise layer."""
     if not sp:
-        return {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+        return {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),  # TP 4
                 "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
     whole = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    return {"ln1": SequenceParallel(), "attn": whole, "attn.qkv": ColwiseParallel(),
-            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),  # each rank its tokens' sum
+    return {"ln1": SequenceParallel(), "attn": whole, "attn.qkv": ColwiseParallel(),  # TP 4
+            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),  # the sums of its positions
             "ln2": SequenceParallel(), "mlp": whole, "mlp.0": ColwiseParallel(),
             "mlp.2": RowwiseParallel(output_layouts=Shard(1))}
 
 
-def ends_plan(sp):  # TP 4: the embedding and head split by vocabulary, the loss computed so
-    """The tied embedding and head, each rank a share of the vocabulary's rows: the embedding
-    looks up the tokens in its share (a sum over the row finds each), the head gives each rank its
-    share of every logit, kept split (a DTensor) for the loss. sp: the embedding's sum goes
-    straight to each rank's part of the sequence; the positions are sliced alike (sending
-    nothing)."""
-    stream = Shard(1) if sp else Replicate()  # (B, T, C): by sequence, or whole on every rank
-    plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+def ends_plan(sp):
+    """The tied embedding and head split by vocabulary: each rank holds the vectors of some tokens.
+    A rank's embedding looks up only those (zeros for the rest); an all-reduce adds the lookups up.
+    The head gives each rank the logits of its part of the vocabulary, kept split (a DTensor) for
+    loss parallel. With sp the all-reduce is a reduce-scatter by sequence, and the position
+    embedding's output is sliced alike, with no collective in forward (backward all-gathers it)."""
+    stream = Shard(1) if sp else Replicate()  # activations (B, T, C): by sequence, or whole
+    plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),  # TP 4
             "head": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1),
                                     use_local_output=False)}  # the logits: split by vocabulary
     if sp:
         plan["pos_emb"] = PrepareModuleOutput(output_layouts=Replicate(),
-                                              desired_output_layouts=Shard(0))  # (T, C): my part
+                                              desired_output_layouts=Shard(0))  # (T, C): its part
         plan["ln_f"] = SequenceParallel()
     return plan
 
@@ -328,23 +337,21 @@ def init_shards(model, seed):  # FSDP 2: one whole parameter at a time, each ran
         p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))  # mine
 
 
-def dropout_stream(run):  # TP 2: which ranks draw the same dropout masks
-    """This rank's offset to the dropout seed. Where the activations dropout acts on are whole on
-    every rank of a row (--sequence-parallel off), the row draws alike (its DDP rank's masks), or
-    its copies drift apart; sequence parallel, each rank drops out its own part of the sequence:
-    by rank, or a row's parts would share one mask."""
-    return run.rank if run.args.sequence_parallel == "on" else run.dp_rank
+def dropout_stream(run):
+    """This rank's offset to the dropout seed. Without sequence parallelism a tp group's ranks hold
+    the same activations and must draw the same masks, or their copies drift apart. With it, each
+    rank holds its own part of the sequence and seeds by rank, or every part would get one mask."""
+    return run.rank if run.args.sequence_parallel == "on" else run.dp_rank  # TP 2: which seed
 
 
 def resumed_step(run, raw_model, optimizer, data):
-    """A collective: the step to go on from, 0 or --resume's after loading it. Rank 0 decides
-    whether `--resume auto` finds a checkpoint; all ranks load it, or all stop with one line."""
+    """A collective: the step to go on from, 0 or --resume's; every rank loads it, or all stop."""
     path, state, problem = resume_path(run), None, None  # FSDP 3: read the small file, agree,
     try:  # and only then load the shards, a collective
         state = read_run_state(path, run, data) if path else None
     except InputError as err:  # told to every rank below, so that none waits for this one
         problem = str(err)
-    step = agree_on_start(state["step"] if state else 0, problem, path)  # FSDP 3; talks
+    step = agree_on_start(state["step"] if state else 0, problem, path)  # FSDP 3: a collective
     if path:
         load_shards(path, state, run, raw_model, optimizer)  # FSDP 3: every rank, at once
         print0(run.is_main, f"resumed from {path} at step {step}")
@@ -352,9 +359,8 @@ def resumed_step(run, raw_model, optimizer, data):
 
 
 def resume_path(run):
-    """A collective: the checkpoint to resume from, or None. --resume auto: the --save checkpoint
-    if it exists (so that a restart after a crash runs the same command and goes on from the last
-    checkpoint). Rank 0 looks and tells the rest: ranks that looked on their own could disagree."""
+    """The checkpoint to resume from, or None. `auto` (a collective) takes --save if rank 0 finds
+    it, so a restart after a crash reruns the same command; ranks looking alone could disagree."""
     resume, save = run.args.resume, run.args.save
     if resume != "auto":
         return resume and newest_complete_step(resume, run.is_main) or resume  # FSDP 3: a step
@@ -366,13 +372,13 @@ def resume_path(run):
 
 
 def agree_on_start(start, error, path):
-    """Every rank resumed from the same step, or all stop with the same line (a rank on a node that
-    cannot see the checkpoint, or sees another file: checkpoints need a shared filesystem)."""
+    """A collective: the same step on every rank, or all stop with one line. A rank fails alone
+    where its node cannot see the checkpoint, or sees another file than the other nodes."""
     outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, (start, error))  # DDP 7: a collective, so no rank hangs
+    dist.all_gather_object(outcomes, (start, error))  # DDP 7: every rank gets every outcome
     failed = [(rank, problem) for rank, (_, problem) in enumerate(outcomes) if problem]
     if failed and len(failed) == len(outcomes) and len({p for _, p in failed}) == 1:
-        raise InputError(failed[0][1])  # the same problem everywhere: the checkpoint itself
+        raise InputError(failed[0][1])  # the same problem on every rank: the checkpoint's own
     if failed:
         raise InputError(f"rank {failed[0][0]}: {failed[0][1]} (every rank reads --resume: on "
                          "several nodes it must be on a filesystem they share, docs/multinode.md)")
@@ -393,11 +399,12 @@ def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
         raise InputError(f"cannot load the shards of {path}: {first_reason(err)}") from None
     set_state_dict(raw_model, optimizer, model_state_dict=model_state,  # into my shards
                    optim_state_dict=optim_state)
-    if not shards_finite(raw_model):  # talks: every rank gets the same answer
+    if not shards_finite(raw_model):  # a collective: every rank gets the same answer
         raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
-    saved = state["args"]  # TP 5: streams only at the layout that saved them; else the seeds
+    # TP 5: the saved random states fit dropout_stream's rule only at the layout that saved them
+    saved = state["args"]
     if (saved.get("tp"), saved.get("sequence_parallel"), len(state["rng"])) == (
-            run.args.tp, run.args.sequence_parallel, run.world_size):
+            run.args.tp, run.args.sequence_parallel, run.world_size):  # else the seeds stay
         restore_rng(state["rng"][run.rank], run.device)  # FSDP 3: this rank's streams
 
 
@@ -411,31 +418,30 @@ def shards_finite(model):  # FSDP 3
 
 def wrap_model(run, raw_model):  # FSDP 4: no wrapper: the sharded model trains itself
     """The model that trains: the sharded raw_model, compiled with --compile. Two handles to one
-    set of shards: `raw_model` (saved, exported) and `model`, the same or its compiled form."""
-    if run.args.compile:  # TP 4: block by block, as torchtitan: torch 2.14 cannot compile the
-        for block in raw_model.blocks:  # vocabulary-split embedding (pytorch#160697)
+    set of weights: `model` is `raw_model` itself here, --compile compiles its blocks in place."""
+    if run.args.compile:  # TP 4: block by block, as torchtitan does, since torch 2.14 cannot
+        for block in raw_model.blocks:  # compile the vocabulary-split embedding (pytorch#160697)
             block.compile(backend=run.args.compile_backend)
     return raw_model
 
 
 def evaluate(run, model, val):  # FSDP 5: every rank runs as many forwards
     """The mean validation loss per token, exact at any world size; a collective. Each forward
-    all-gathers with every rank, so fewer batches are padded with targets of -100: counted 0."""
+    runs collectives in dp and tp groups, so a rank with fewer batches pads with -100 targets."""
     batches = list(validation_batches(run, val))  # DDP 4: disjoint slices
     most = torch.tensor(len(batches), device=run.device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most batches any rank holds
     x = torch.zeros(1, run.args.block_size, dtype=torch.long, device=run.device)
     batches += [(x, torch.full_like(x, -100))] * (int(most) - len(batches))
-    return mean_loss_over_ranks(model, batches)  # talks: sums and counts of every rank
+    return mean_loss_over_ranks(model, batches)  # a collective: every rank's sums and counts
 
 
 def validation_batches(run, val):
     """This rank's validation batches, (inputs, targets) on its device: the first --eval-windows
-    non-overlapping windows of the validation tokens, dealt to the ranks round-robin: disjoint
-    slices, never padded with repeats as a DistributedSampler pads them, so each counts once."""
+    windows, dealt to the ranks in turn and never padded with repeats, so each counts once."""
     args = run.args
     starts = np.arange(0, len(val) - args.block_size, args.block_size + 1)[:args.eval_windows]
-    mine = starts[run.dp_rank::run.dp_size]  # TP 2: by row
+    mine = starts[run.dp_rank::run.dp_size]  # TP 2: by dp rank, so a tp group's ranks read alike
     for i in range(0, len(mine), args.batch_size):
         rows = val[mine[i:i + args.batch_size, None] + np.arange(args.block_size + 1)]
         yield on_device(torch.from_numpy(rows.astype(np.int64)), run.device)
@@ -443,18 +449,17 @@ def validation_batches(run, val):
 
 @torch.no_grad()
 def mean_loss_over_ranks(model, batches):  # FSDP 1: no autocast; DDP 9: sum, divide once
-    """The mean cross-entropy per target over all ranks' batches (inputs, targets): each rank
-    sums its own, one all-reduce adds the sums and the counts up. A collective: every rank calls
-    it (evaluate() says how many batches each rank may bring)."""
+    """A collective: the mean cross-entropy per target over all ranks' batches (inputs, targets).
+    Each rank sums its own losses and counts them; one all-reduce adds those up over the ranks."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
     for x, y in batches:
         logits, _ = model(x)  # FSDP 1
-        with loss_parallel():  # TP 6: from each rank's share of the logits
+        with loss_parallel():  # TP 6: from the logits split by vocabulary
             loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
-        totals[0] += local(loss)  # TP 6
+        totals[0] += local(loss)  # TP 6: the whole sum, on every rank of the tp group
         totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token
-    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # TP 2: a row's sums tp times, its counts too
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # TP 2: both totals count each tp group tp times
     free_gathered_weights(model)  # FSDP 5: forwards without a backward leave them
     model.train()
     return (totals[0] / totals[1]).item()
@@ -470,43 +475,43 @@ def train_step(run, model, optimizer, windows, step):
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, args)
     grad_norm = clip_gradients(model, args.clip or float("inf"))  # TP 7: over both meshes
-    loss = mean_over_ranks(loss)  # DDP 9: every rank gets the same mean, so the same verdict
+    loss = mean_over_ranks(loss)  # DDP 9: the same mean on every rank, so all stop or none
     stop_if_diverged(run, step, loss, grad_norm)
     optimizer.step()  # FSDP 1
     optimizer.zero_grad(set_to_none=True)
-    if args.check_sync:  # TP 8: debugging: the copies of a row's ranks, compared every step
-        check_replicas_in_sync(run, model, f"step {step + 1}")  # talks: a tp row's hashes
+    if args.check_sync:  # TP 8: debugging: compare a tp group's copies after every step
+        check_replicas_in_sync(run, model, f"step {step + 1}")  # a collective in each tp group
     return loss, grad_norm
 
 
 def accumulate_gradients(model, batches, every=True):  # FSDP 7: stay sharded, or not
     """Forward and backward over each micro-batch (inputs, targets); the loss to average. every:
     each backward reduce-scatters a group's gradients into the shards, which add up there, so no
-    rank holds a whole gradient past its group's backward; else (--grad-sync last, DDP's no_sync)
+    rank holds a whole gradient past its group's backward; else (--grad-sync last)
     whole gradients add up on every rank and the last backward reduce-scatters them once."""
     total = 0.0
     for i, (x, y) in enumerate(batches):
         model.set_requires_gradient_sync(every or i == len(batches) - 1)  # FSDP 7
-        with loss_parallel():  # TP 6: the loss from a row's vocabulary shares; its backward too
+        with loss_parallel():  # TP 6: the loss and its backward from logits split by vocabulary
             _, loss = model(x, y)
             loss = loss / len(batches)  # micro-batches of equal size: the mean of their means
-            loss.backward()  # reduce-scatters (last: only the last one): my shard's mean
-        total += local(loss.detach())  # TP 6
+            loss.backward()  # TP's collectives, and FSDP's reduce-scatter when sync is on
+        total += local(loss.detach())  # TP 6: a plain tensor, the same across the tp group
     return total
 
 
-def local(loss):  # TP 6: loss_parallel's loss, the same on each rank of a row, as a tensor
-    return loss.to_local() if isinstance(loss, DTensor) else loss
+def local(loss):  # loss_parallel's loss is a DTensor, whole on every rank of the tp group
+    return loss.to_local() if isinstance(loss, DTensor) else loss  # TP 6: as a plain tensor
 
 
-def clip_gradients(model, max_norm):  # TP 7: DTensors on two meshes
-    """clip_grad_norm_ for a model whose parameters live on two meshes (it cannot stack norms from
-    both): the norm of each mesh's gradients, over all its ranks (full_tensor), then of those.
+def clip_gradients(model, max_norm):
+    """clip_grad_norm_ for parameters on two meshes, (dp, tp) and "dp" alone, whose norms it cannot
+    combine. It takes each mesh's gradient norm over all its ranks, then the norm of those two.
     Returns the norm before clipping, the same on every rank."""
     on_mesh = {}
     for p in model.parameters():
         on_mesh.setdefault(p.device_mesh, []).append(p)
-    norms = [nn.utils.get_total_norm([p.grad for p in ps]).full_tensor()  # over each mesh
+    norms = [nn.utils.get_total_norm([p.grad for p in ps]).full_tensor()  # TP 7: a collective
              for ps in on_mesh.values()]
     norm = torch.linalg.vector_norm(torch.stack(norms))
     for ps in on_mesh.values():
@@ -514,10 +519,10 @@ def clip_gradients(model, max_norm):  # TP 7: DTensors on two meshes
     return norm
 
 
-def mean_over_ranks(value):  # DDP 9
-    """A collective: the average of a scalar tensor over all ranks (SUM, then divide)."""
+def mean_over_ranks(value):
+    """A collective: the mean of a scalar tensor over all ranks, summed then divided."""
     value = value.detach().clone().float()
-    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # every rank gets the sum of all ranks'
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # DDP 9: every rank gets the sum of all ranks'
     return value / dist.get_world_size()
 
 
@@ -525,27 +530,27 @@ def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every ran
     """A collective: rank 0 writes DIR/step-N/run.json (step, flags, vocabulary, every rank's RNG),
     every rank its shards of weights and AdamW state (DCP: no gather; .metadata last marks it
     complete). Failed: SaveFailed on every rank, the folder removed, the previous step intact."""
-    rng_states = [None] * run.world_size  # DDP 11: each rank has its own dropout stream
+    rng_states = [None] * run.world_size  # DDP 11: each rank's RNG draws its own dropout masks
     dist.all_gather_object(rng_states, rng_state(run.device))  # so rank 0 can save them all
     folder = os.path.join(run.args.save, f"step-{step:06d}")  # FSDP 3: a folder per step
     if not shards_finite(raw_model):  # a collective: every rank gets the same answer
         raise SaveFailed(f"not saving {folder}: the weights are not finite")
     state = dict(zip(("model", "optimizer"), get_state_dict(raw_model, optimizer)))  # mine
     try:  # rank 0 writes run.json, then every rank its shards
-        save_on_rank_0(lambda: write_file(os.path.join(folder, "run.json"),  # talks
+        save_on_rank_0(lambda: write_file(os.path.join(folder, "run.json"),  # a collective
                                           run_state(run, data, step, rng_states)), run.is_main)
         dcp.save(state, checkpoint_id=folder)  # every rank its shards; .metadata last, by rank 0
     except (SaveFailed, OSError, RuntimeError, CheckpointException) as err:  # DCP: on every rank
-        save_on_rank_0(lambda: shutil.rmtree(folder, ignore_errors=True), run.is_main)  # talks
+        save_on_rank_0(lambda: shutil.rmtree(folder, ignore_errors=True), run.is_main)  # collective
         failed = SaveFailed(f"cannot save {folder}: {first_reason(err, folder, state)}")
         raise (err if isinstance(err, SaveFailed) else failed) from None
-    save_on_rank_0(lambda: drop_older_steps(run.args.save, folder), run.is_main)  # talks
+    save_on_rank_0(lambda: drop_older_steps(run.args.save, folder), run.is_main)  # a collective
     print0(run.is_main, f"step {step}/{run.args.max_steps} | saved {folder}")
 
 
-def save_on_rank_0(write, is_main):  # DDP 12: one writer; every rank waits and learns the outcome
+def save_on_rank_0(write, is_main):
     """A collective: rank 0 calls write(); every rank waits for it and raises what it raised.
-    Never call it inside `if is_main:`: the other ranks would not reach the broadcast."""
+    Never call it inside `if is_main:`, because the other ranks would not reach the broadcast."""
     error = None
     if is_main:
         try:
@@ -553,24 +558,23 @@ def save_on_rank_0(write, is_main):  # DDP 12: one writer; every rank waits and 
         except Exception as err:  # sent to every rank below, so that none goes on alone
             error = err
     outcome = [error]
-    dist.broadcast_object_list(outcome, src=0)  # every rank waits here for rank 0's write
+    dist.broadcast_object_list(outcome, src=0)  # DDP 12: every rank waits here for rank 0's write
     if outcome[0] is not None:
         raise outcome[0]
 
 
-def leave_distributed():  # DDP 13: leave the process group on every path, error or not
-    """Free what a failed run left (a model's hooks may hold the group), then leave the group."""
+def leave_distributed():
+    """Free what a failed run left (its DDP model may still hold the group), then leave it."""
     gc.collect()
     if dist.is_initialized():
-        dist.destroy_process_group()  # waits for no one: each rank leaves on its own
+        dist.destroy_process_group()  # DDP 13: not a collective; each rank leaves on its own
 
 
 # --------------------------------------------------------------------------------- the model: a GPT
 def causal_attention(q, k, v):
-    """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
-    attention on GPUs: no causal mask is built). No dropout on the attention weights: on a CPU it
-    forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
-    bf16 CPU backward kernel is 3x slower than the fp32 one (measured: docs/performance.md)."""
+    """softmax(q k^T / sqrt(d)) v over earlier positions, by PyTorch's fused kernel (flash attention
+    on GPUs). No dropout on the attention weights: on a CPU it forces the slow path. A CPU runs it
+    in fp32 even under bf16 autocast, since the bf16 CPU backward measured 3x slower than fp32."""
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     with torch.autocast("cpu", enabled=False):
@@ -587,8 +591,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
-        # qkv's outputs come head by head (head 0's q, k, v, then head 1's...): equal parts are
-        # whole heads, as a tensor-parallel split by heads needs; -1: the heads this module holds
+        # qkv's outputs hold each head's q, k and v side by side; -1 counts the heads (n_head).
         qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
         q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
         y = causal_attention(q, k, v)
@@ -623,14 +626,12 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # weight tying: one matrix embeds and un-embeds
-        if not self.head.weight.is_meta:  # on the meta device there is nothing to fill yet
+        if not self.head.weight.is_meta:  # a weight with no storage (is_meta) cannot be filled
             self.init_weights(seed=0)
 
     @torch.no_grad()
     def init_weights(self, seed):
-        """Every parameter from initial_value(): the same weights for the same seed, whether
-        the model is made whole here or one parameter at a time (a sharded build, where each rank
-        fills only its own slice)."""
+        """Set every parameter to initial_value(), so the same seed gives the same weights."""
         for name, p in self.named_parameters():
             p.copy_(initial_value(name, p.shape, seed, len(self.blocks)))
 
@@ -661,9 +662,9 @@ class GPT(nn.Module):
 
 
 def initial_value(name, shape, seed, n_layer):
-    """The initial value of parameter `name`, GPT-2's scheme: N(0, 0.02) for matrices (residual
-    projections shrink with depth), zero biases, unit norm weights. Each parameter draws from a
-    generator of its own, seeded by (seed, name), so any one can be made without the others."""
+    """The initial value of parameter `name` in GPT-2's scheme: N(0, 0.02) for matrices, std
+    0.02 / sqrt(2 x layers) for residual projections, zero biases, LayerNorm weights of one. Each
+    draws from a generator seeded by (seed, name), so its value depends on nothing else."""
     if name.endswith(".bias"):
         return torch.zeros(shape)
     if len(shape) == 1:  # a LayerNorm's weight
@@ -675,13 +676,12 @@ def initial_value(name, shape, seed, n_layer):
 
 
 # -------------------------------------------- beyond the core: debugging, the benchmark, the report
-def log_windows(run, windows):  # DDP 14: --debug, which windows each rank reads
-    """A collective: every rank describes its data; rank 0 prints the lines in rank order, so
-    that lines from several processes never splice into each other."""
+def log_windows(run, windows):
+    """A collective: rank 0 prints each rank's windows, in rank order, so lines never splice."""
     line = (f"[rank {run.rank}] {windows.per_epoch} micro-batches per epoch, "
             f"first windows at tokens {windows.starts_of_epoch(0)[:4].tolist()}")
     lines = [None] * run.world_size
-    dist.all_gather_object(lines, line)  # to rank 0, which prints them in rank order
+    dist.all_gather_object(lines, line)  # DDP 14: every rank gets all lines; rank 0 prints
     print0(run.is_main, "\n".join(lines))
 
 
@@ -690,40 +690,39 @@ def benchmark(run, model, optimizer, windows):
     times = []
     for step in range(5 + run.args.max_steps):
         start = time.perf_counter()
-        loss, _ = train_step(run, model, optimizer, windows, step)  # talks
+        loss, _ = train_step(run, model, optimizer, windows, step)  # a collective
         loss.item()  # wait for the device: the step is over
         times.append(time.perf_counter() - start)
     result = {**pace_keys(statistics.median(times[5:]), tokens_per_step(run)),
               "timed_steps": run.args.max_steps}
-    log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
+    log_peak_gpu_memory(run)  # a collective on GPUs: every rank's peak
     print0(run.is_main, f"benchmark | {result['step_ms']} ms/step | "
                         f"{result['throughput']:,.0f} tok/s")
     print0(run.is_main, summary_line(result))
 
 
-def check_replicas_in_sync(run, model, when):  # TP 8: --check-sync, a tp row's copies
-    """A collective in each tp row: raise OutOfSync (exit code 3) if the copies its ranks hold of
-    what TP does not split (embeddings, head, norms, the row-wise layers' biases) differ, by a
-    hash of each rank's FSDP shards of them (a row's ranks hold the same dp slices)."""
+def check_replicas_in_sync(run, model, when):
+    """A collective in each tp group: raise OutOfSync (exit code 3) if its ranks' copies of what TP
+    does not split differ, by a hash of their FSDP shards of it. Only such a group raises; the other
+    ranks wait in their next collective until torchrun ends the job (or --dist-timeout does)."""
     tp = run.mesh["tp"]
 
-    def copied(p):  # on the dp mesh alone, or replicated along "tp"
+    def copied(p):  # whole on each tp rank: the position embedding, norms, row-wise biases
         names = p.device_mesh.mesh_dim_names or ()
         return "tp" not in names or p.placements[names.index("tp")].is_replicate()
     weights = b"".join(p.to_local().detach().cpu().numpy().tobytes()
                        for p in model.parameters() if copied(p))
     digests = [None] * tp.size()
-    dist.all_gather_object(digests, hashlib.sha256(weights).hexdigest()[:12],  # talks: the row's
-                           group=tp.get_group())
-    if len(set(digests)) > 1:  # every rank of the row sees the same digests: all of them stop
+    dist.all_gather_object(digests, hashlib.sha256(weights).hexdigest()[:12],  # TP 8: a collective
+                           group=tp.get_group())  # in this tp group only
+    if len(set(digests)) > 1:  # every rank of the tp group sees the same digests: all of them stop
         raise OutOfSync(f"--check-sync: the tp row of rank {run.rank} holds copies that differ "
                         f"after {when}: {digests}")
 
 
 def report(run, raw_model, data, val_loss, meter):
-    """The done line, the summary line, and a taste of what it learned, printed by rank 0; on GPUs
-    first every rank's peak memory (a collective)."""
-    log_peak_gpu_memory(run)  # talks on GPUs: every rank's peak
+    """Every rank's GPU peak (a collective on GPUs), then rank 0's done line, summary, sample."""
+    log_peak_gpu_memory(run)  # a collective on GPUs: every rank's peak
     summary = {**meter.summary(), "val_loss": val_loss, "baseline_loss": data.baseline}
     unit = "byte" if data.vocab_size == 256 else "token"
     print0(run.is_main, f"done | val loss {val_loss:.4f} ({unit}-frequency baseline "
@@ -731,28 +730,28 @@ def report(run, raw_model, data, val_loss, meter):
                         f"{summary['train_s']:.1f} s of training")
     print0(run.is_main, summary_line(summary))
     if run.args.export:  # FSDP 8: one plain file, for one-process sampling
-        export(run, raw_model, data)  # talks: every rank's shards to rank 0
+        export(run, raw_model, data)  # a collective: every rank's shards to rank 0
     if unit == "byte" or data.itos:  # FSDP 5: every rank generates: each forward gathers weights
         raw_model.eval()
         start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
         first, args = torch.tensor([[start]], device=run.device), run.args
-        torch.manual_seed(args.seed + run.dp_rank)  # TP 2: a row draws one sample, in step
-        out = generate_in_row(raw_model, first, args)  # TP 6: talks: every forward, the row's
+        torch.manual_seed(args.seed + run.dp_rank)  # TP 2: a tp group's ranks draw alike
+        out = generate_in_row(raw_model, first, args)  # TP 6: a collective in each tp group
         print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 5
 
 
-@torch.no_grad()  # TP 6: GPT.generate, for logits split by vocabulary
-def generate_in_row(model, idx, args):  # TP 6
-    """A collective of each tp row: GPT.generate for the split model, every rank of a row drawing
-    the same tokens. Each forward reads the whole context, padded (sequence parallel splits it in
-    tp equal parts; causal, no position reads the padding after it), and gives each rank its share
-    of the vocabulary's logits, gathered for the draw."""
+@torch.no_grad()
+def generate_in_row(model, idx, args):
+    """GPT.generate for logits split by vocabulary; a collective in each tp group, whose ranks all
+    draw the same tokens. Each forward reads a whole context, padded on the right, since sequence
+    parallelism splits it in tp equal parts; attention is causal, so no position reads the padding
+    after it. The ranks' parts of the last position's logits are gathered for the draw."""
     for _ in range(args.max_new_tokens):
         window = idx[:, -model.block_size:]
-        logits, _ = model(F.pad(window, (0, model.block_size - window.shape[1])))  # talks
+        logits, _ = model(F.pad(window, (0, model.block_size - window.shape[1])))  # a collective
         logits = logits[:, window.shape[1] - 1] / args.temperature  # the last token's
         if isinstance(logits, DTensor):
-            logits = logits.full_tensor()  # talks: the row's shares of the vocabulary
+            logits = logits.full_tensor()  # TP 6: gathered from the tp group, a collective
         if args.top_k:
             kth = torch.topk(logits, min(args.top_k, logits.shape[-1])).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -762,26 +761,25 @@ def generate_in_row(model, idx, args):  # TP 6
 
 def export(run, raw_model, data):  # FSDP 8: one plain file, as one process saves it
     """A collective: every rank's shards to rank 0's CPU, which writes one plain state_dict."""
-    if not shards_finite(raw_model):  # talks: every rank gets the same answer
+    if not shards_finite(raw_model):  # a collective: every rank gets the same answer
         raise SaveFailed(f"not exporting {run.args.export}: the weights are not finite")
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0
-    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")  # TP 4: it warns
-    level = redistribute.level  # that each block matrix's gather takes two all-gathers, one per
-    redistribute.setLevel(logging.ERROR)  # dim: true, and once, here; silenced for this call only
+    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")  # TP 4: DTensor
+    level = redistribute.level  # warns that gathering a 2-D-mesh matrix takes two all-gathers,
+    redistribute.setLevel(logging.ERROR)  # one per dim. True, and only once: silenced for this call
     try:
         weights = get_model_state_dict(raw_model, options=options)  # empty on the other ranks
     finally:
         redistribute.setLevel(level)
-    save_on_rank_0(lambda: write_export(run, weights, data), run.is_main)  # talks
+    save_on_rank_0(lambda: write_export(run, weights, data), run.is_main)  # a collective
 
 
-def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
-    """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in rank
-    order (measured: weights, gradients, optimizer state, activations; docs/fsdp.md)."""
+def log_peak_gpu_memory(run):
+    """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in order."""
     if run.device.type != "cuda":
         return
     peaks = [None] * run.world_size
-    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # for rank 0
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # DDP 16
     print0(run.is_main, "peak GPU memory per rank (max_memory_allocated): " +
            ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
 
@@ -790,7 +788,7 @@ def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
 
 
 # ---------------------------------------- guards: each stops one thing going wrong in production
-def avoid_known_failures(args):  # guard: every guard, in one place, before the group is joined
+def avoid_known_failures(args):  # guard: all guards, in one place, before the group is joined
     """Exit code 2 for a launch that could never join a group; a workaround for each known fault."""
     refuse_a_bad_launch(args.device)  # guard: no torchrun, or more processes than GPUs
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -805,8 +803,8 @@ def avoid_known_failures(args):  # guard: every guard, in one place, before the 
         print(warning, flush=True)
 
 
-def avoid_tp_across_nodes(tp, per_node):  # guard: a tp row whose all-reduces cross the network
-    """A warning if a row of tp consecutive ranks may span nodes of per_node processes."""
+def avoid_tp_across_nodes(tp, per_node):  # guard: a tp group whose collectives cross nodes
+    """A warning if a tp group (tp consecutive ranks) may span nodes of per_node processes each."""
     if per_node % tp:
         return (f"warning: --tp {tp} with {per_node} processes per node: a tp row spans nodes, "
                 "and its collectives of every block and micro-batch cross the network")
@@ -828,12 +826,12 @@ def refuse_a_bad_launch(device_name):  # guard: a process that could never join 
 
 
 def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo
-    """The debug level to run at, from the shell's: --debug asks DETAIL (NCCL) or INFO (gloo); a
-    shell's DETAIL on gloo, where it crashes DDP, becomes INFO with one warning from rank 0."""
+    """The debug level to run at, starting from the shell's. --debug asks for DETAIL on NCCL and
+    INFO on gloo. DETAIL crashes DDP on gloo, so there it becomes INFO, with one warning."""
     if debug:
         level = dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO
     if backend == "gloo" and level == dist.DebugLevel.DETAIL:  # the shell's
-        if os.environ["RANK"] == "0":  # before the group: torchrun's RANK says who logs
+        if os.environ["RANK"] == "0":  # no group yet, so torchrun's RANK says who logs
             print("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on gloo "
                   "(docs/troubleshooting.md): going on at INFO", flush=True)
         level = dist.DebugLevel.INFO
@@ -841,8 +839,8 @@ def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=D
 
 
 def avoid_page_faults_on_cpu():  # guard: glibc returning freed memory at once
-    """On Linux CPUs (glibc), keep freed memory in the process: glibc hands each step's tens of MB
-    (the logits) back to the OS, and page faults cost 10-30% of a step (docs/performance.md)."""
+    """On Linux CPUs (glibc), keep freed memory in the process. Otherwise glibc hands each step's
+    tens of MB (the logits) back to the OS, and the page faults cost 10-30% of a step."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -896,9 +894,9 @@ def parse_args(argv=None):
       help="torch.compile backend (default: inductor)")
     a = p.add_argument_group("training").add_argument
     a("--batch-size", type=positive(int), default=16, metavar="B",
-      help="sequences per micro-step, per dp row (default: 16)")  # TP 2: its ranks share them
+      help="sequences per micro-step, per tp group (default: 16)")  # TP 2: not per rank
     a("--grad-accum", type=positive(int), default=1, metavar="K",
-      help="micro-steps per optimizer step (default: 1)")
+      help="micro-batches per optimizer step (default: 1)")
     a("--max-steps", type=positive(int), default=300, metavar="N",
       help="optimizer steps (default: 300)")
     a("--lr", type=positive(float), default=3e-3, help="peak learning rate (default: 0.003)")
@@ -911,7 +909,8 @@ def parse_args(argv=None):
     a("--clip", type=positive(float, zero_ok=True), default=1.0, metavar="NORM",
       help="clip the gradient norm to NORM, 0 = off (default: 1.0)")
     a("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
-      help="autocast dtype; auto: bf16 (or fp16) on GPUs, off on CPUs (default: auto)")
+      help="the compute dtype of FSDP's policy; auto: bf16 on GPUs that have it natively, else "
+           "off (fp32); fp16 is refused (default: auto)")
     a("--seed", type=int, default=0, help="seeds the weights, data order, dropout (default: 0)")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto",
       help="auto = cuda if there is one, else cpu (default: auto)")
@@ -919,8 +918,8 @@ def parse_args(argv=None):
     a("--dist-timeout", type=positive(float), default=300, metavar="S",
       help="seconds a collective waits for a peer before the job fails (default: 300)")
     a("--tp", type=positive(int), default=2, metavar="N",  # TP 1
-      help="tensor-parallel ranks per row: consecutive ranks, one node's GPUs; must divide the "
-           "world size and --n-head; 1: FSDP alone, as chapter 7 (default: 2)")
+      help="ranks per tp group, which splits every layer: consecutive ranks, one node's GPUs; "
+           "must divide the world size and --n-head; 1: FSDP alone (default: 2)")
     a("--grad-sync", choices=["every", "last"], default="every",  # FSDP 7
       help="with --grad-accum: every: reduce-scatter each micro-batch's gradients, they stay "
            "sharded; last: keep them whole and reduce-scatter once (default: every)")
@@ -928,10 +927,11 @@ def parse_args(argv=None):
       help="yes: free each block's gathered weights after its forward (ZeRO-3); no: keep them "
            "until its backward (fewer all-gathers, more memory) (default: yes)")
     a("--sequence-parallel", choices=["on", "off"], default="on",  # TP 4
-      help="split the norms' and dropout's activations by sequence in a tp row (default: on)")
+      help="split the activations of the norms and dropout by sequence position across the tp "
+           "group (default: on)")
     a("--check-sync", action="store_true",  # TP 8
-      help="after every step, compare the copies a tp row's ranks hold of what TP does not "
-           "split, by a hash; copies that differ stop the run (exit code 3)")
+      help="after every step, compare by hash the copies that a tp group's ranks hold of what "
+           "TP does not split; copies that differ stop the run (exit code 3)")
     a("--debug", action="store_true", help="TORCH_DISTRIBUTED_DEBUG and each rank's data windows")
     a = p.add_argument_group("evaluation, logging, checkpoints").add_argument
     a("--eval-every", type=positive(int), default=100, metavar="N",
@@ -940,10 +940,10 @@ def parse_args(argv=None):
       help="validation sequences per evaluation (default: 128)")
     a("--log-every", type=positive(int), default=10, metavar="N",
       help="steps between log lines (default: 10)")
-    a("--save", default="checkpoints/minigpt_tp", metavar="DIR",  # TP 5
+    a("--save", default="checkpoints/minigpt_tp", metavar="DIR",  # TP 5: this trainer's own folder
       help="checkpoint folder of step-N folders, '' for none (default: %(default)s)")
-    a("--export", default="checkpoints/minigpt_tp.pt", metavar="PATH",  # TP 5
-      help="the final weights in one file, chapter 3's format, '' for none (default: %(default)s)")
+    a("--export", default="checkpoints/minigpt_tp.pt", metavar="PATH",  # TP 5: its own file too
+      help="the final weights in one file that --sample reads, '' for none (default: %(default)s)")
     a("--save-every", type=positive(int, zero_ok=True), default=0, metavar="N",
       help="also save every N steps, 0 = only at the end (default: 0)")
     a("--resume", metavar="DIR",  # FSDP 3
@@ -969,7 +969,7 @@ def parse_args(argv=None):
         p.error(f"--n-head {args.n_head} must divide --n-embd {args.n_embd}")
     if args.n_head % args.tp:  # TP 1: every tp rank holds whole heads
         p.error(f"--tp {args.tp} must divide --n-head {args.n_head}: each rank holds whole heads")
-    if args.sequence_parallel == "on" and args.block_size % args.tp:  # TP 4: equal parts
+    if args.sequence_parallel == "on" and args.block_size % args.tp:  # TP 4: tp equal parts
         p.error(f"--sequence-parallel on splits the context in --tp parts: --tp {args.tp} must "
                 f"divide --block-size {args.block_size} (or give --sequence-parallel off)")
     if not 0 <= args.dropout < 1 or not 0 < args.val_fraction < 1:
@@ -1088,8 +1088,8 @@ def on_device(rows, device):
 
 # -------------------------------------------------------------- precision, optimizer, schedule
 def amp_dtype(choice, device):
-    """The autocast dtype, or None for fp32. bf16 has fp32's range: no loss scaling. fp16 needs a
-    GradScaler. Only native bf16 counts: V100s and T4s emulate it, slower than fp16."""
+    """The autocast dtype, or None for fp32. bf16 has fp32's range, so it needs no loss scaling;
+    fp16 needs a GradScaler. Only native bf16 counts: V100s and T4s emulate it, slower than fp16."""
     native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
     if choice == "auto":
         if device.type != "cuda":
@@ -1160,8 +1160,7 @@ def all_finite(state_dict):
 
 
 def state_bytes(state):
-    """About the bytes a checkpoint of `state` takes on disk: its tensors', in nested dicts and
-    lists (a DTensor counts whole)."""
+    """About the bytes a checkpoint of `state` takes: its tensors', in nested dicts and lists."""
     if torch.is_tensor(state):
         return state.nbytes
     if isinstance(state, bytes):  # a file's bytes, ready to write
@@ -1226,7 +1225,7 @@ def free_gathered_weights(model):  # FSDP 5: --reshard-after-forward no keeps th
 
 
 def write_export(run, weights, data):  # FSDP 8: rank 0's part of --export
-    """Write the gathered weights to --export in chapter 3's checkpoint format, atomically."""
+    """Write the gathered weights to --export in the one-file format --sample reads, atomically."""
     path, step = run.args.export, run.args.max_steps
     state = {"model": weights, "optimizer": {}, "scaler": {}, "step": step, "args": vars(run.args),
              "config": model_config(run.args, data.vocab_size), "itos": data.itos, "rng": []}
@@ -1314,7 +1313,7 @@ def read_run_state(path, run, data):  # FSDP 3
     return state
 
 
-def memory_line(model):  # FSDP 2: what each rank holds, against DDP's full copy
+def memory_line(model):  # FSDP 2: what each rank holds, against a whole copy
     """Bytes of weights + gradients + AdamW's two moments (fp32: 4 copies) held by this rank."""
     mine = sum(p.to_local().numel() for p in model.parameters())
     full = sum(p.numel() for p in model.parameters())
@@ -1324,14 +1323,15 @@ def memory_line(model):  # FSDP 2: what each rank holds, against DDP's full copy
             f"({mine:,} of {full:,} parameters; DDP: {16 * full / 2**20:.2f} MiB)")  # TP 3
 
 
-def traffic_line(run):  # TP 3: what each rank sends for TP in one optimizer step
-    """TP's collectives of the activations (B, T, C), in the compute dtype, per optimizer step (as
-    counted in tests/test_tp.py). Per block and micro-batch 2 all-reduces in forward, 2 in backward;
-    sequence parallel, each is an all-gather and a reduce-scatter (an all-reduce's halves: each
-    sends (tp - 1) / tp of the tensor). The embedding and head add 2 per micro-batch. With
-    --grad-checkpointing backward runs each block's forward again as far as it needs: through the
-    attention's reduction, and the MLP's if dropout's mask after it is drawn again (1 or 2
-    all-reduces more; sequence parallel, 2 all-gathers and 1 or 2 reduce-scatters)."""
+def traffic_line(run):
+    """The log line of TP's collectives on the activations (B, T, C), in the compute dtype, per
+    rank and optimizer step, as tests/test_tp.py counts them. Each block runs 2 all-reduces per
+    micro-batch in forward and 2 in backward. With sequence parallelism each all-reduce is an
+    all-gather and a reduce-scatter, its two halves, each sending (tp - 1) / tp of the tensor. The
+    embedding and head add 2 per micro-batch. With --grad-checkpointing, backward runs each block's
+    forward again as far as it needs: through the attention's reduction, and through the MLP's too
+    if dropout's mask after it is drawn again. That is 1 or 2 all-reduces more per block and
+    micro-batch, or with sequence parallelism 2 all-gathers and 1 or 2 reduce-scatters."""
     args, tp = run.args, run.args.tp
     if tp == 1:
         return "TP traffic per rank: none (--tp 1: chapter 7's FSDP alone)"
@@ -1339,7 +1339,7 @@ def traffic_line(run):  # TP 3: what each rank sends for TP in one optimizer ste
     tensor = args.batch_size * args.block_size * args.n_embd * width
     again = args.n_layer * args.grad_accum if args.grad_checkpointing else 0  # recomputed
     reduced = again * (2 if args.dropout else 1)  # forwards, and the reductions they run again
-    each = (4 * args.n_layer + 2) * args.grad_accum  # per step, sequence parallel or not
+    each = (4 * args.n_layer + 2) * args.grad_accum  # TP 3: per step, either way
     if args.sequence_parallel == "on":
         gathers, scatters = each + 2 * again, each + reduced
         what, halves = f"{gathers} all-gathers and {scatters} reduce-scatters", gathers + scatters
@@ -1411,8 +1411,7 @@ def gpu_peak_flops(run):
 
 
 class Meter:
-    """The training clock and the log line. Time between log lines counts training only:
-    main() stops the clock for evaluation and checkpoints."""
+    """The training clock and the log line; main() stops the clock for evaluation and saving."""
 
     def __init__(self, run, raw_model, start):
         self.args, self.tokens = run.args, tokens_per_step(run)
@@ -1428,8 +1427,7 @@ class Meter:
         self.clock.start()
 
     def log_line(self, step, loss, grad_norm):
-        """step N/M | loss | lr | grad norm | ms/step | tok/s, and MFU on CUDA, over the steps
-        since the last log line (docs/conventions.md)."""
+        """step N/M | loss | lr | grad norm | ms/step | tok/s (and MFU), since the last log line."""
         self.intervals.append((step - self.last_step, self.clock.lap()))
         self.last_step = step
         step_s = self.intervals[-1][1] / self.intervals[-1][0]
@@ -1441,7 +1439,7 @@ class Meter:
         return line
 
     def summary(self):
-        """Steps, seconds and tokens/s of training, and the median pace (docs/conventions.md)."""
+        """Steps, seconds and tokens/s of training, and the median pace."""
         steps, train_s = sum(n for n, _ in self.intervals), sum(s for _, s in self.intervals)
         timed = self.intervals[1:] or self.intervals  # the first interval is the warm-up
         step_s = statistics.median([s / n for n, s in timed]) if timed else 0.0
@@ -1451,8 +1449,7 @@ class Meter:
 
 
 def pace_keys(step_s, tokens_per_step):
-    """The summary keys benchmark_scaling.py reads (docs/conventions.md): the median ms per
-    optimizer step, and the throughput of all ranks it implies."""
+    """The summary keys benchmark_scaling.py reads: median ms per step, all ranks' tokens/s."""
     return {"step_ms": round(1000 * step_s, 3), "per_step": tokens_per_step,
             "throughput_unit": "tokens/s",
             "throughput": round(tokens_per_step / step_s, 1) if step_s else 0.0}
@@ -1537,7 +1534,7 @@ class InputError(Stop):
 
 
 class OutOfSync(Stop):  # TP 8
-    """--check-sync found a tp row whose copies of a replicated parameter differ."""
+    """--check-sync found a tp group whose ranks hold different copies of an unsplit parameter."""
     code = 3
 
 
@@ -1559,5 +1556,7 @@ if __name__ == "__main__":
         sys.stderr.write(f"error: {err}\n")  # one write: lines from several ranks never splice
         code = err.code
     finally:
+        # A rank that fails mid-step leaves the group here and exits with a non-zero code. torchrun
+        # then stops the other ranks, which wait in their next collective until it does.
         leave_distributed()  # DDP 13
     sys.exit(code)

@@ -42,6 +42,8 @@ torchrun launches on CPU/gloo. These tests prove:
    (the README's restart setting) is restarted and `--resume auto` goes on from step 8 with the
    uninterrupted run's losses (those of item 1); its export holds the weights of its last
    checkpoint, read offline (`dcp_to_torch_save`), exactly (the control: 4 steps on, they differ);
+   each rank's random streams come back only at the world size and --cp that saved them (the
+   controls: the same cp restores them, another cp or a tp layout does not);
 6. bad input is one line and exit code 2: a --cp that does not divide the world size, a
    --block-size that 2 x cp does not divide, more chunks than tokens, a torch older than chapter
    10's (2.13) or chapter 9's (2.10) calls (the control: their own version passes);
@@ -179,6 +181,24 @@ def test_dp2_x_cp2_on_two_nodes_logs_ddps_losses_and_gradient_norms(runs):
     for step in (0, 6):
         assert val_losses(grid)[step] == pytest.approx(val_losses(ddp)[step], abs=1e-4), step
 
+
+def test_random_streams_come_back_only_at_the_cp_that_saved_them(monkeypatch):
+    """A checkpoint's RNG states are restored rank by rank only at the world size and --cp that
+    saved them: at another cp a rank holds other chunks, and its stream drew masks for those. The
+    control: the same cp restores them; a chapter-7 checkpoint (no cp: 1) restores at --cp 1."""
+    restored = []
+    for name in ("get_state_dict", "set_state_dict"):
+        monkeypatch.setattr(cp, name, lambda *a, **k: ({}, {}))
+    monkeypatch.setattr(cp.dcp, "load", lambda *a, **k: None)
+    monkeypatch.setattr(cp, "shards_finite", lambda model: True)
+    monkeypatch.setattr(cp, "restore_rng", lambda saved, device: restored.append(saved))
+    for here, args, expected in [(2, {"cp": 1}, []), (2, {"cp": 2}, ["rank 1's"]),
+                                 (1, {}, ["rank 1's"]), (2, {}, []), (2, {"cp": 2, "tp": 2}, [])]:
+        run = types.SimpleNamespace(rank=1, world_size=2, device=torch.device("cpu"),
+                                    args=types.SimpleNamespace(cp=here))
+        restored.clear()
+        cp.load_shards("ck", {"args": args, "rng": ["rank 0's", "rank 1's"]}, run, None, None)
+        assert restored == expected, (here, args)
 
 def test_each_rank_holds_an_early_chunk_and_a_late_one(runs):
     held = {0: list(range(0, 8)) + list(range(24, 32)), 1: list(range(8, 24))}
