@@ -1,18 +1,31 @@
-"""Chapter 6: how well does DDP scale on this machine? Runs a trainer at several process counts, under
-torchrun, and reports throughput, speedup and scaling efficiency; --collectives times the raw collectives.
+r"""Chapter 6: how well does distributed training scale on this machine? This script runs a trainer
+under torchrun at several process counts and reports its throughput, speedup and scaling efficiency.
+With --collectives it times the collectives themselves instead.
 
-    python benchmark_scaling.py --device cpu                    # train_ddp_basic.py at 1, 2, 4.. processes (1 per core)
+    python benchmark_scaling.py --device cpu      # train_ddp_basic.py at 1, 2, 4... processes
     python benchmark_scaling.py --nproc 1 2 4 8 --json scaling.json --svg scaling.svg   # 8 GPUs
-    python benchmark_scaling.py --strong 256                    # strong scaling: 256 samples per step at every count
-    python benchmark_scaling.py --trainer train_ddp_minigpt.py -- --benchmark --max-steps 20   # trainer flags after --
-    python benchmark_scaling.py --collectives --max-bytes 64M   # all_reduce, broadcast, barrier: latency, bandwidth
-    # the collectives across 2 nodes of 8 GPUs (chapter 4's launcher; run its --run line on each node):
-    ./launch_multinode_ddp.sh --nnodes 2 --nproc-per-node 8 --master-addr NODE0 benchmark_scaling.py --collectives
+    python benchmark_scaling.py --strong 256      # 256 samples per step at every process count
+    # another trainer; the flags after -- go to the trainer
+    python benchmark_scaling.py --trainer train_ddp_minigpt.py -- --benchmark --max-steps 20
+    python benchmark_scaling.py --collectives --max-bytes 64M   # all_reduce, broadcast, barrier
+    # the collectives on 2 nodes of 8 GPUs: the launcher prints the torchrun command of each node
+    ./launch_multinode_ddp.sh --nnodes 2 --nproc-per-node 8 --master-addr NODE0 \
+        benchmark_scaling.py --collectives
 
-Weak scaling (the default) keeps the trainer's per-process batch, so the global batch grows with the
-process count; ideal is throughput x N. Strong scaling (--strong GLOBAL) splits a fixed global batch over
-the processes. Each run's throughput comes from the trainer's `summary` line: the median over timed steps
-after warm-up (docs/conventions.md), so start-up, evaluation and checkpoints are not counted.
+Terms. Each process that torchrun starts is a rank, numbered from 0. The world size is the number
+of ranks. A collective is an operation that every rank must call, and it completes only when all
+have called it. An all-reduce is a collective that sums a tensor over all ranks and gives each
+rank the sum. A broadcast copies one rank's tensor to every rank. A barrier only waits until every
+rank has reached it.
+
+Weak scaling is the default. It keeps the trainer's batch per process, so the global batch grows
+with the process count, and ideally N times the processes give N times the throughput. Strong
+scaling (--strong GLOBAL) splits one fixed global batch over the processes instead. The speedup
+is a count's throughput over the smallest count's. The efficiency is the speedup over the ideal.
+A run's throughput comes from the `summary` line its trainer prints, the median over the steps
+after warm-up, so start-up, evaluation and checkpoints do not count.
+
+See also docs/conventions.md (the `summary` line) and nccl-tests' PERFORMANCE.md (algbw, busbw).
 """
 import argparse
 import datetime
@@ -27,15 +40,18 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1.0}  # nccl-tests' PERFORMANCE.md
+# The bus bandwidth (busbw) is the algorithm bandwidth (algbw, bytes over time) times this factor
+# at n ranks. It counts what each link carries, so it compares with the links' speed.
+BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1.0}
 
 
 class InputError(Exception):
-    """Bad input, or a run that failed: reported as one line (plus the run's last lines) and exit code 2."""
+    """Bad input, or a run that failed. It is reported in one line, then the run's last lines if
+    there was a run, and exit code 2."""
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit code 2, instead of argparse's usage block
+    def error(self, message):  # print one line and exit with code 2, not argparse's usage block
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -46,7 +62,8 @@ def positive_int(text):
 
 
 def byte_size(text):
-    """'65536', '64K', '64M', '1G' (powers of 1024; a trailing 'B' or 'iB' is allowed) -> bytes, at least 1 KiB."""
+    """The bytes in a size such as '65536', '64K', '64M' or '1G', in powers of 1024. A trailing
+    'B' or 'iB' is allowed, and the size must be at least 1 KiB."""
     m = re.fullmatch(r"(\d+)\s*([KMG]?)(i?B)?", text.strip(), re.IGNORECASE)
     if not m:
         raise argparse.ArgumentTypeError(f"not a size like 64K, 64M or 1G: {text!r}")
@@ -57,29 +74,33 @@ def byte_size(text):
 
 
 def parse_args(argv):
-    """Our flags before `--`, the trainer's after it."""
+    """This script's flags come before `--`, and the trainer's after it."""
     ours, trainer_flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     p = Parser(description=__doc__.split("\n\n")[0].replace("\n", " "),
                epilog="Everything after -- goes to the trainer, e.g. `-- --epochs 1` (see the trainer's --help).")
     p.add_argument("--trainer", default="train_ddp_basic.py", metavar="SCRIPT",
-                   help="DDP trainer to run (default: %(default)s); its own flags go after --")
+                   help="the training script to run (default: %(default)s); its flags go after --")
     p.add_argument("--nproc", type=positive_int, nargs="+", metavar="N",
-                   help="process counts (default: 1, 2, 4, .. up to the GPUs, or the CPU cores, of this machine)")
+                   help="process counts to run (default: 1, 2, 4... up to the GPUs or cores here)")
     p.add_argument("--strong", type=positive_int, metavar="GLOBAL",
-                   help="strong scaling: GLOBAL samples (LM: sequences) per micro-step, split over the processes")
+                   help="strong scaling: at N processes, the trainer gets --batch-size GLOBAL/N")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="auto = cuda if present (default); cpu runs one process per core, gloo")
-    p.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
-    p.add_argument("--svg", metavar="PATH", help="write the chart as an SVG picture")
+                   help="auto picks cuda if there is a GPU (default); cpu runs a process per core")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--svg", metavar="PATH", help="also draw the chart as an SVG picture")
     p.add_argument("--repeat", type=positive_int, default=1, metavar="K",
                    help="runs per count; the run of median throughput is reported (default: 1)")
-    p.add_argument("--timeout", type=positive_int, default=1800, metavar="S", help="per run (default: 1800 s)")
+    p.add_argument("--timeout", type=positive_int, default=1800, metavar="S",
+                   help="seconds each run may take (default: 1800)")
     c = p.add_argument_group("--collectives (nccl-tests' definitions of time, algbw and busbw)")
-    c.add_argument("--collectives", action="store_true", help="time all_reduce, broadcast and barrier instead")
+    c.add_argument("--collectives", action="store_true",
+                   help="time all_reduce, broadcast and barrier instead of a trainer")
     c.add_argument("--max-bytes", type=byte_size, default=byte_size("64M"), metavar="SIZE",
-                   help="largest message, from 1K up by x4 (default: 64M)")
-    c.add_argument("--iters", type=positive_int, default=20, metavar="N", help="timed calls per size (default: 20)")
-    c.add_argument("--warmup", type=positive_int, default=5, metavar="N", help="untimed calls first (default: 5)")
+                   help="the largest message; sizes grow 4-fold from 1K up to it (default: 64M)")
+    c.add_argument("--iters", type=positive_int, default=20, metavar="N",
+                   help="timed calls per size (default: 20)")
+    c.add_argument("--warmup", type=positive_int, default=5, metavar="N",
+                   help="untimed calls before the timed ones (default: 5)")
     args = p.parse_args(ours)
     args.trainer_flags = trainer_flags
     if args.collectives and (trainer_flags or args.strong or args.svg):
@@ -87,14 +108,14 @@ def parse_args(argv):
     return args
 
 
-# ------------------------------------------------------------------------------------------ launching
+# -------------------------------------------------------------------------------------- launching
 
 def devices(choice):
-    """('cuda' or 'cpu', how many processes this machine can run: one per GPU, or one per CPU core)."""
+    """The device type, and how many processes this machine can run: one per GPU or CPU core."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if choice == "cpu":
         return "cpu", cores
-    import torch  # only now: importing it takes seconds
+    import torch  # imported only here, as it takes seconds
     if torch.cuda.is_available():
         return "cuda", torch.cuda.device_count()
     if choice == "cuda":
@@ -113,13 +134,15 @@ def process_counts(requested, device, available):
 
 
 def launch(script, nproc, script_args, device, timeout):
-    """`torchrun --standalone --nproc_per_node=N script args`; returns (stdout, wall seconds), or raises
-    InputError with the run's last lines when it fails or outlives `timeout`."""
+    """Run `torchrun --standalone --nproc_per_node=N script args`; return (stdout, wall seconds).
+    If the run fails or outlives `timeout`, raise InputError with its last lines."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
            *script_args]
     env = dict(os.environ)
+    # One thread per process, at every count. torchrun sets this only for 2 or more processes, so
+    # without it one process would use every core, and the speedups would be understated.
     if device == "cpu":
-        env.setdefault("OMP_NUM_THREADS", "1")  # one core per process, at every count (torchrun sets 1 only for N > 1)
+        env.setdefault("OMP_NUM_THREADS", "1")
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
@@ -128,7 +151,7 @@ def launch(script, nproc, script_args, device, timeout):
     except subprocess.TimeoutExpired:
         out, err = stop(proc)
         raise InputError(failure(script, nproc, f"still running after --timeout {timeout} s", out, err)) from None
-    except KeyboardInterrupt:  # Ctrl-C reaches only us (the run has a session of its own): end the run too
+    except KeyboardInterrupt:  # Ctrl-C reached only this script, as the run has its own session
         stop(proc)
         raise
     if proc.returncode != 0:
@@ -137,8 +160,8 @@ def launch(script, nproc, script_args, device, timeout):
 
 
 def stop(proc):
-    """End a torchrun launch: SIGTERM, which torchrun passes on to its workers; SIGKILL to its whole session
-    if it is still there 30 s later. Returns what it printed."""
+    """End a torchrun launch and return what it printed. SIGTERM goes first, and torchrun passes it
+    on to its workers. SIGKILL goes to its whole session if it is still there 30 s later."""
     proc.send_signal(signal.SIGTERM)
     try:
         return proc.communicate(timeout=30)
@@ -148,11 +171,11 @@ def stop(proc):
 
 
 def failure(script, nproc, what, out, err, keep=12):
-    """The error message for a failed run: what happened, then the workers' own last lines (torchrun's log
-    lines and its failure report are left out, except the exit codes it names)."""
+    """The error message for a failed run: what happened, then the workers' own last lines.
+    torchrun's log lines and its failure report are left out, but for the exit codes it names."""
     lines, in_report = [], False
     for line in (out + "\n" + err).splitlines():
-        # an unprefixed traceback is torchrun's own (the workers' lines start with [rankN]:)
+        # torchrun's report starts at a traceback without the [rankN]: prefix of workers' lines
         in_report = in_report or line.startswith("Traceback (most recent call last)")
         if line.strip() and not re.match(r"[EWI]\d{4} ", line) and (not in_report or "exitcode" in line):
             lines.append(line)
@@ -167,11 +190,11 @@ def read_summary(out, script, nproc):
     return json.loads(lines[-1][len("summary "):])
 
 
-# ------------------------------------------------------------------------------------------- scaling
+# ---------------------------------------------------------------------------------------- scaling
 
 def trainer_args(flags, nproc, strong, device):
-    """The trainer's flags for one run: the user's, plus no checkpoint (unless asked), the device, and under
-    strong scaling this count's share of the global batch."""
+    """The trainer's flags for one run. They are the user's flags, then `--save ''` unless the user
+    gave --save, the device, and under strong scaling the batch per process, GLOBAL / N."""
     given = {flag.split("=")[0] for flag in flags if flag.startswith("--")}
     extra = [] if "--save" in given else ["--save", ""]
     extra += [] if "--device" in given else ["--device", device]
@@ -185,16 +208,17 @@ def trainer_args(flags, nproc, strong, device):
 
 
 def pace_row(summary, nproc, wall_s):
-    """One table row from a trainer's summary: the keys every trainer prints (docs/conventions.md)."""
+    """One table row, from the pace keys that every trainer's summary line holds."""
     return {"nproc": nproc, "per_step": summary["per_step"], "step_ms": summary["step_ms"],
             "throughput": summary["throughput"], "unit": summary["throughput_unit"], "wall_s": round(wall_s, 1)}
 
 
 def measure(args, device, counts):
-    """One trainer run per process count; each row: nproc, per_step, step_ms, throughput, unit, wall_s."""
+    """Run the trainer at each process count, --repeat times, and return one row per count. A row
+    holds nproc, per_step, step_ms, throughput, unit, wall_s, speedup, ideal and efficiency."""
     script = args.trainer if os.path.isabs(args.trainer) else os.path.join(os.getcwd(), args.trainer)
     if not os.path.isfile(script):
-        script = os.path.join(HERE, args.trainer)  # the course's trainers, from any folder
+        script = os.path.join(HERE, args.trainer)  # else beside this script, from any folder
     if not os.path.isfile(script):
         raise InputError(f"trainer not found: {args.trainer}")
     rows = []
@@ -211,7 +235,8 @@ def measure(args, device, counts):
             if not row["throughput"]:
                 raise InputError(failure(script, n, "its summary reports no timed step (throughput 0)", out, ""))
             runs.append(row)
-        rows.append(sorted(runs, key=lambda r: r["throughput"])[len(runs) // 2])  # the median run (upper, if even)
+        # the run of median throughput (of two middle runs, the faster)
+        rows.append(sorted(runs, key=lambda r: r["throughput"])[len(runs) // 2])
     base = rows[0]
     for row in rows:
         row["speedup"] = round(row["throughput"] / base["throughput"], 3)
@@ -232,7 +257,7 @@ def table(rows):
 
 
 def ascii_chart(rows, width=50):
-    """'#' = measured throughput, '.' = what linear scaling from the smallest count would add."""
+    """A text chart. '#' is the measured throughput, and '.' what linear scaling would add."""
     base = rows[0]["throughput"]
     top = max(max(r["throughput"], base * r["ideal"]) for r in rows)
     lines = [f"{rows[0]['unit']}: '#' measured, '.' missing to linear scaling from {plural(rows[0]['nproc'])}"]
@@ -244,18 +269,19 @@ def ascii_chart(rows, width=50):
 
 
 def svg_chart(rows, title):
-    """A bar chart as an SVG document (plain text, no plotting library): measured throughput per process
-    count, the linear-scaling ideal as a dashed outline behind each bar."""
+    """A bar chart as an SVG document, written as text without a plotting library. A bar is the
+    throughput at one process count, and a dashed outline behind it shows the linear ideal."""
     w, h, left, bottom, top_pad = 640, 360, 70, 50, 50
     plot_w, plot_h = w - left - 20, h - bottom - top_pad
     base = rows[0]["throughput"]
-    highest = max(max(r["throughput"], base * r["ideal"]) for r in rows) * 1.08  # room for the labels
+    highest = max(max(r["throughput"], base * r["ideal"]) for r in rows) * 1.08  # room for labels
+    # a round grid step (1, 2, 2.5 or 5 times a power of 10), 4 or 5 of them up to the top
     tick = min(m * 10 ** e for e in range(math.floor(math.log10(highest / 4)), math.floor(math.log10(highest / 4)) + 2)
-               for m in (1, 2, 2.5, 5) if m * 10 ** e >= highest / 5)  # a round step, 4 or 5 of them up to the top
+               for m in (1, 2, 2.5, 5) if m * 10 ** e >= highest / 5)
     top = math.ceil(highest / tick) * tick
     slot = plot_w / len(rows)
 
-    def y(v):  # a value's height on the picture
+    def y(v):  # the picture's y coordinate of value v
         return top_pad + plot_h * (1 - v / top)
 
     def esc(text):
@@ -293,7 +319,7 @@ def plural(nproc):
 
 
 def check_writable(path):
-    """--json/--svg: the folder must exist (or be creatable) and take new files."""
+    """For --json and --svg: the folder must exist, or be creatable, and accept new files."""
     if path is None:
         return
     folder = os.path.dirname(os.path.abspath(path))
@@ -306,7 +332,7 @@ def check_writable(path):
 
 
 def write_atomically(path, text):
-    """Into a temp file beside `path`, then renamed over it: never a half-written file."""
+    """Write `text` beside `path`, then rename it over `path`, so no one sees half a file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
@@ -319,23 +345,25 @@ def write_atomically(path, text):
 
 
 def describe(device, available):
-    """The hardware line of the table and the chart: '8x NVIDIA H100 .., NCCL' or '2-core CPU, gloo'."""
+    """The hardware, as the table and the chart name it: '8x NVIDIA H100 ..., NCCL' or
+    '2-core CPU, gloo'."""
     if device == "cuda":
         import torch
         return f"{available}x {torch.cuda.get_device_name(0)}, NCCL"
     return f"{available}-core CPU, gloo"
 
 
-# ---------------------------------------------------------------------------------------- collectives
+# ------------------------------------------------------------------------------------ collectives
 
 def collectives_worker(args):
-    """Under torchrun: time each collective at each size; rank 0 prints the table and a summary line."""
+    """Run by each rank under torchrun. Time each collective at each size; rank 0 prints the table
+    and a summary line."""
     import torch
     import torch.distributed as dist
     device = torch.device("cpu")
     if args.device != "cpu" and torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)  # before any CUDA work: one GPU per process
+        torch.cuda.set_device(device)  # one GPU per process, set before any CUDA work
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=300))
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -354,12 +382,13 @@ def collectives_worker(args):
 
 
 def time_collective(op, nbytes, args, device, world):
-    """One row: the op's mean time per call (the slowest rank's), nccl-tests' algbw and busbw, and how many
-    elements came out wrong in a check run before the timing (the sum of ranks, or the root's values)."""
+    """One table row for `op`: the mean time per call on the slowest rank, algbw, busbw, and the
+    elements that came out wrong in an untimed first call. There every rank sends rank + 1, so an
+    all-reduce must give the sum of those, and a broadcast rank 0's 1.0."""
     import torch
     import torch.distributed as dist
 
-    def sync():  # a CUDA collective is only queued when the call returns
+    def sync():  # a CUDA collective is only queued when its call returns, so wait for the GPU
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
@@ -376,18 +405,18 @@ def time_collective(op, nbytes, args, device, world):
             dist.broadcast(x, src=0)
             wrong = int((x != 1.0).sum())
             call = functools.partial(dist.broadcast, x, src=0)
-        x.zero_()  # time on zeros: repeated sums stay finite
+        x.zero_()  # time on zeros, so repeated sums stay finite
     for _ in range(args.warmup):
         call()
     sync()
-    dist.barrier()  # start the clock together
+    dist.barrier()  # every rank starts the clock together
     start = time.perf_counter()
     for _ in range(args.iters):
         call()
     sync()
     stats = torch.tensor([(time.perf_counter() - start) / args.iters, wrong], dtype=torch.float64, device=device)
-    dist.all_reduce(stats[:1], op=dist.ReduceOp.MAX)
-    dist.all_reduce(stats[1:], op=dist.ReduceOp.SUM)
+    dist.all_reduce(stats[:1], op=dist.ReduceOp.MAX)  # the slowest rank's time
+    dist.all_reduce(stats[1:], op=dist.ReduceOp.SUM)  # the wrong elements of all ranks
     seconds, wrong = stats.tolist()
     row = {"op": op, "bytes": nbytes, "time_us": round(1e6 * seconds, 2), "wrong": int(wrong)}
     if op != "barrier":
@@ -413,7 +442,8 @@ def collectives_table(rows):
 
 
 def collectives(args, device, counts):
-    """Launch this script under torchrun at every count of 2 or more; each run prints its own table."""
+    """Launch this script under torchrun at each process count of 2 or more (or, if none is, at
+    the largest), and return each run's summary. Each run prints its own table."""
     results = []
     for n in [c for c in counts if c > 1] or [counts[-1]]:
         flags = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("max_bytes", "iters", "warmup", "device")]
@@ -423,13 +453,13 @@ def collectives(args, device, counts):
     return results
 
 
-# ----------------------------------------------------------------------------------------------- main
+# ------------------------------------------------------------------------------------------- main
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.collectives and "RANK" in os.environ:  # we are one of torchrun's workers
+    if args.collectives and "RANK" in os.environ:  # this process is one of torchrun's workers
         return collectives_worker(args)
-    for path in (args.json, args.svg):  # before minutes of runs, not after
+    for path in (args.json, args.svg):  # check now, not after minutes of runs
         check_writable(path)
     device, available = devices(args.device)
     counts = process_counts(args.nproc, device, available)
@@ -454,7 +484,7 @@ if __name__ == "__main__":
     try:
         main()
     except InputError as err:
-        sys.stderr.write(f"error: {err}\n")  # one write: error lines from several ranks never splice
+        sys.stderr.write(f"error: {err}\n")  # one write, so other output never splits the line
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -12,14 +12,14 @@ sequence by cp, and FSDP shards it all over dp x cp. The same math as one proces
 
 The multi-node line prints the torchrun command to run on each node: with --pp 2 on 2
 nodes of 8, each node is one stage, its 8 GPUs 2 cp x 4 tp; dp is what the world size leaves (here
-1). Sampling runs in one plain process. Default data: the first 2,000,000 bytes of this Python's
+1). --sample runs in one plain process. Default data: the first 2,000,000 bytes of this Python's
 own standard library, one token per byte (vocab 256), so nothing is downloaded; `--data` also takes
 a text file, a .bin of uint16 token ids, or a nanoGPT folder.
 
 Read it top-down: main(), then its core steps in the order it calls them, the model, and what goes
 beyond the core (debugging, the benchmark, the report). Every call that communicates with other
-ranks sits above the line that ends `the plumbing`. Below it is code a single process would run
-the same way: guards, flags, data, files, logging, sampling, errors.
+ranks sits above the line that ends `the plumbing`. Below it, no line communicates with another
+rank: guards, flags, data, files, logging, sampling, errors.
 
 Terms. A rank is one of the processes torchrun starts, one per device, numbered from 0; the world
 size is how many there are. A process group is a set of ranks that communicate with each other. A
@@ -114,12 +114,12 @@ def main(argv=None):
     avoid_known_failures(args)  # guard: refuses a bad launch, avoids known failures
     # Setup: one process per device, one group. Every rank calls the collectives in the same order.
     device, rank, world_size = init_distributed(args.device, args.dist_timeout)  # DDP 1: join
-    run = make_run(args, device, rank, world_size)  # a collective: the mesh and CP's Context
+    run = make_run(args, device, rank, world_size)  # a collective: the mesh and the tied groups
     # Data: each replica reads its own windows of the training tokens.
     data = build_data(run)  # a collective with --debug: rank 0 prints every rank's windows
     # Model: this stage's blocks, split by TP across the tp group, sharded by FSDP across dp x cp.
-    raw_model, optimizer = build_model(run, data.vocab_size)  # a collective: the mesh
-    start = resumed_step(run, raw_model, optimizer, data)  # a collective: all ranks, one step
+    raw_model, optimizer = build_model(run, data.vocab_size)  # every rank shards alike
+    start = resumed_step(run, raw_model, optimizer, data)  # a collective: one agreed start step
     model = wrap_model(run, raw_model)  # the same shards: raw_model, its blocks compiled in place
     schedule = pipeline_schedule(run, model)  # PP 1: the stage in its schedule; sends nothing yet
     if args.benchmark:
@@ -178,7 +178,7 @@ class Run:
     stage: int  # PP 2: this rank's stage, 0 to pp - 1: the blocks it holds
     dp_rank: int  # PP 3: this rank's replica, which sets the data it reads
     dp_size: int  # 4D 2: the replicas: world size / (pp x cp x tp)
-    tied: object  # PP 4: the group of this replica's first and last stage; None elsewhere
+    tied: object  # PP 4: the end stages' group at this rank's (dp, cp, tp) place, or None
     context: "Context"  # 4D 3: which tokens of each sequence this rank holds, and its attention
 
 
@@ -323,9 +323,10 @@ def build_data(run):
 
 class Windows:
     """This rank's training batches. Each epoch cuts the tokens into windows that do not overlap,
-    from a random offset, shuffles them (seeded by seed + epoch), deals them to the ranks in turn as
-    DistributedSampler(drop_last=True) with set_epoch(epoch) would. Micro-batch k depends only on
-    k, seed and dp ranks: a run resumed with as many replicas reads what an unbroken run would."""
+    from a random offset, shuffles them (seeded by seed + epoch), and deals them to the replicas in
+    turn, as DistributedSampler(drop_last=True) with set_epoch(epoch) would. Micro-batch k depends
+    only on k, the seed and the replicas: a run resumed with as many replicas reads what an
+    unbroken run would."""
 
     def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
         self.tokens, self.block, self.batch = tokens, block_size, batch_size
@@ -356,7 +357,7 @@ class Windows:
 
 
 def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, then filled
-    """This rank's stage of the model, sharded over the stage's dp group, and its AdamW."""
+    """This rank's stage of the model, split by TP and sharded over dp x cp, and its AdamW."""
     args = run.args
     with torch.device("meta"):  # FSDP 2: shapes and dtypes, no memory
         raw_model = Stage(GPT(**model_config(args, vocab_size)), run.stage, args.pp,  # 4D 3
@@ -401,7 +402,7 @@ def shard(run, model):  # FSDP 2: every block a group of its own, then the root
 
 
 def block_plan(sp):
-    """TP's plan for one block. Column-wise: q, k, v (whole heads, as GPT.qkv orders its outputs
+    """TP's plan for one block. Column-wise: q, k, v (whole heads, as attn.qkv orders its outputs
     head by head) and the MLP's first matrix. Row-wise: attn.proj and the MLP's second matrix, whose
     partial sums an all-reduce adds up. With sequence parallelism (sp), a reduce-scatter leaves each
     rank the sums for its part of the tokens instead; an all-gather joins them before the next."""
@@ -494,7 +495,7 @@ def agree_on_start(start, error, path):
 
 def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
     """A collective: every rank reads the slices its shards hold, whatever world size wrote them
-    (DCP knows which slice each file holds); then its RNG, at the world size that saved."""
+    (DCP knows which slice each file holds); then its RNG, at the layout that saved."""
     model_state, optim_state = get_state_dict(raw_model, optimizer)  # my shards' state
     own_names = as_whole_model(run, raw_model, optim_state)  # PP 6: the whole model's names
     try:
@@ -539,7 +540,7 @@ def pipeline_schedule(run, model):
 
 
 def evaluate(run, model, val):  # FSDP 5: every rank runs as many forwards
-    """The mean validation loss per token, exact at any world size; a collective. Each forward
+    """The mean validation loss per token, each window once; a collective. Each forward
     needs every rank of its groups, so fewer batches are padded with targets of -100: counted 0."""
     batches = list(validation_batches(run, val))  # DDP 4: disjoint slices
     most = torch.tensor(len(batches), device=run.device)
@@ -700,17 +701,17 @@ def save_on_rank_0(write, is_main):
 
 
 def leave_distributed():
-    """Free what a failed run left (its DDP model may still hold the group), then leave it."""
+    """Free what a failed run left (its model may still hold the group), then leave it."""
     gc.collect()
     if dist.is_initialized():
-        dist.destroy_process_group()  # DDP 13: not a collective; each rank leaves on its own
+        dist.destroy_process_group()  # DDP 13: each rank leaves once, when it is done
 
 
 # --------------------------------------------------------------------------------- the model: a GPT
 def causal_attention(q, k, v, causal=None):  # 4D 4: causal, the mask Context passes, or None
     """softmax(q k^T / sqrt(d)) v over earlier positions, in PyTorch's fused kernel, with a mask
     where q is shorter than k (Context's chunks). No dropout on the attention weights: on a CPU it
-    forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
+    forces the slow unfused path. On a CPU, attention runs in fp32 even in a bf16 run: the
     bf16 CPU backward kernel measured 3x slower than the fp32 one."""
     # 4D 4: where q holds the last positions of k's sequence, a lower-right mask aligns the last
     # query with the last key: of queries 12-15 over 16 keys, query 12 reads keys 0-12.
@@ -733,7 +734,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, context=None):  # 4D 3: context, the tokens of each sequence held here
         B, T, C = x.shape
-        # qkv's outputs hold each head's q, k and v side by side; -1 counts the heads (n_head).
+        # qkv's outputs hold each head's q, k and v side by side.
+        # The -1 counts the heads this rank holds.
         qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
         q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
         if context is None:  # 4D 3: the whole sequence is here
@@ -903,7 +905,7 @@ def report(run, raw_model, data, val_loss, meter):
                         f"{summary['train_s']:.1f} s of training")
     print0(run.is_main, summary_line(summary))
     if run.args.export:  # FSDP 8: one plain file, for one-process sampling
-        export(run, raw_model, data)  # a collective: every rank's shards to rank 0
+        export(run, raw_model, data)  # a collective: the weights gathered to rank 0
     if unit == "byte" or data.itos:  # FSDP 5: every rank generates: each forward gathers weights
         raw_model.eval()
         start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
@@ -1343,8 +1345,7 @@ def lr_at(step, args):
 
 def stop_if_diverged(run, step, loss, grad_norm):
     """Raise Diverged, before the optimizer applies it, if a step's loss or gradient norm is not
-    finite. Both are the same on every rank (all-reduced), so every rank stops at this step. With
-    fp16 a non-finite gradient is the GradScaler's to skip; only a non-finite loss stops the run."""
+    finite. Both are the same on every rank, so every rank stops at this step."""
     loss, grad_norm = loss.item(), grad_norm.item()  # a host sync per step: the price of the check
     fp16 = run.amp == "float16"
     if math.isfinite(loss) and (math.isfinite(grad_norm) or fp16):

@@ -9,14 +9,14 @@ ranks, for contexts whose activations no longer fit on one device: the same math
     python train_cp_minigpt.py --sample --ckpt checkpoints/minigpt_cp.pt --prompt "def main("
 
 The multi-node line prints the torchrun command to run on each node; with --cp 8, each node holds
-one row of the mesh. Sampling runs in one plain process. Default data: the first 2,000,000
+one row of the mesh. --sample runs in one plain process. Default data: the first 2,000,000
 bytes of this Python's own standard library, one token per byte (vocab 256), so nothing is
 downloaded; `--data` also takes a text file, a .bin of uint16 token ids, or a nanoGPT folder.
 
 Read it top-down: main(), then its core steps in the order it calls them, the model, and what goes
 beyond the core (debugging, the benchmark, the report). Every call that communicates with other
-ranks sits above the line that ends `the plumbing`. Below it is code a single process would run
-the same way: guards, flags, data, files, logging, sampling, errors.
+ranks sits above the line that ends `the plumbing`. Below it, no line communicates with another
+rank: guards, flags, data, files, logging, sampling, errors.
 
 Terms. A rank is one of the processes torchrun starts, numbered from 0; the world size is how many
 there are. A process group is a set of ranks that communicate with each other. A collective is a
@@ -99,8 +99,8 @@ def main(argv=None):
     # Data: each replica reads its own windows of the training tokens.
     data = build_data(run)  # a collective with --debug: rank 0 prints every rank's windows
     # Model: each rank fills its shards with one process's initial weights, then resumes them.
-    raw_model, optimizer = build_model(run, data.vocab_size)  # a collective: the mesh
-    start = resumed_step(run, raw_model, optimizer, data)  # a collective: all ranks, one step
+    raw_model, optimizer = build_model(run, data.vocab_size)  # every rank shards alike
+    start = resumed_step(run, raw_model, optimizer, data)  # a collective: one agreed start step
     model = wrap_model(run, raw_model)  # the same shards: raw_model, or its compiled form
     if args.benchmark:
         return benchmark(run, model, optimizer, data.windows)  # collectives: timed steps
@@ -179,8 +179,8 @@ def make_run(args, device, rank, world_size):
 
 def grid(cp, device, world_size):
     """The mesh: world size / cp rows of cp ranks, rank r in row r // cp as its rank r % cp. A row
-    is consecutive ranks, one node's GPUs, so its gathers stay on the node's links. shard() flattens
-    both dims into one, so FSDP shards over every rank (_flatten is private in torch 2.14)."""
+    is consecutive ranks, so with cp at most a node's GPUs its gathers stay on the node's links.
+    shard() flattens both dims into one, so FSDP shards over every rank (_flatten is private)."""
     if world_size % cp:
         raise InputError(f"--cp {cp} does not divide the world size {world_size}: start a "
                          f"multiple of {cp} processes, or give --cp 1")
@@ -277,9 +277,10 @@ def build_data(run):
 
 class Windows:
     """This rank's training batches. Each epoch cuts the tokens into windows that do not overlap,
-    from a random offset, shuffles them (seeded by seed + epoch), deals them to the ranks in turn as
-    DistributedSampler(drop_last=True) with set_epoch(epoch) would. Micro-batch k depends only on
-    k, the seed and the ranks: a run resumed with as many ranks reads what an unbroken run would."""
+    from a random offset, shuffles them (seeded by seed + epoch), and deals them to the replicas in
+    turn, as DistributedSampler(drop_last=True) with set_epoch(epoch) would. Micro-batch k depends
+    only on k, the seed and the replicas: a run resumed with as many replicas reads what an
+    unbroken run would."""
 
     def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
         self.tokens, self.block, self.batch = tokens, block_size, batch_size
@@ -330,9 +331,10 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
 
 
 def shard(run, model):  # FSDP 2: every block a group of its own, then the root
-    """fully_shard turns each block's parameters into DTensors split across the ranks (dim 0): a
-    block's weights are all-gathered just before its forward and its gradients reduce-scattered
-    after its backward, so at most a block or two are whole at a time; the root holds the rest."""
+    """fully_shard turns each block's parameters into DTensors split across the ranks (dim 0). A
+    block's weights are all-gathered just before its forward and again before its backward, and
+    its gradients are reduce-scattered after it. The root and the last block stay whole from their
+    forward to their backward; with --reshard-after-forward no, every block does."""
     mesh = run.mesh["dp", "cp"]._flatten("dp_cp")  # CP 1: FSDP over every rank of the mesh
     reshard = run.args.reshard_after_forward == "yes"
     for i, block in enumerate(model.blocks):  # sharding sends nothing: its hooks gather later
@@ -398,7 +400,7 @@ def agree_on_start(start, error, path):
 
 def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
     """A collective: every rank reads the slices its shards hold, whatever world size wrote them
-    (DCP knows which slice each file holds); then its RNG, at the world size that saved."""
+    (DCP knows which slice each file holds); then its RNG, at the layout that saved."""
     model_state, optim_state = get_state_dict(raw_model, optimizer)  # my shards' state
     try:
         dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)  # every rank
@@ -430,7 +432,7 @@ def wrap_model(run, raw_model):  # FSDP 4: no wrapper: the sharded model trains 
 
 
 def evaluate(run, model, val):  # FSDP 5: every rank runs as many forwards
-    """The mean validation loss per token, exact at any world size; a collective. Each forward
+    """The mean validation loss per token, each window once; a collective. Each forward
     all-gathers, so every rank runs as many; padding batches hold targets of -100, which count 0."""
     batches = list(validation_batches(run, val))  # CP 2: each row its own windows
     most = torch.tensor(len(batches), device=run.device)
@@ -552,17 +554,17 @@ def save_on_rank_0(write, is_main):
 
 
 def leave_distributed():
-    """Free what a failed run left (its DDP model may still hold the group), then leave it."""
+    """Free what a failed run left (its model may still hold the group), then leave it."""
     gc.collect()
     if dist.is_initialized():
-        dist.destroy_process_group()  # DDP 13: not a collective; each rank leaves on its own
+        dist.destroy_process_group()  # DDP 13: each rank leaves once, when it is done
 
 
 # --------------------------------------------------------------------------------- the model: a GPT
 def causal_attention(q, k, v, causal=None):  # CP 6: causal, Context's mask made before compile
     """softmax(q k^T / sqrt(d)) v over earlier positions, through PyTorch's fused kernel (flash
     attention on GPUs: no causal mask is built). No dropout on the attention weights: on a CPU it
-    forces the slow unfused path. On a CPU, attention runs in fp32 even under bf16 autocast: the
+    forces the slow unfused path. On a CPU, attention runs in fp32 even in a bf16 run: the
     bf16 CPU backward kernel measured 3x slower than the fp32 one."""
     # CP 6: q holds the last positions of k's sequence. The lower-right mask lines up the last
     # query with the last key: of 16 keys, query 12 (of 12-15) reads keys 0-12. is_causal=True
@@ -585,7 +587,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, context=None):  # CP 6: context says which tokens x holds
         B, T, C = x.shape
-        # qkv's outputs hold each head's q, k and v side by side; -1 counts the heads (n_head).
+        # qkv's outputs hold each head's q, k and v side by side.
+        # The -1 counts the heads this rank holds.
         qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
         q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
         if context is None:  # CP 6: the whole sequence is here
@@ -711,7 +714,7 @@ def report(run, raw_model, data, val_loss, meter):
                         f"{summary['train_s']:.1f} s of training")
     print0(run.is_main, summary_line(summary))
     if run.args.export:  # FSDP 8: one plain file, for one-process sampling
-        export(run, raw_model, data)  # a collective: every rank's shards to rank 0
+        export(run, raw_model, data)  # a collective: the weights gathered to rank 0
     if unit == "byte" or data.itos:  # FSDP 5: every rank generates: each forward gathers weights
         raw_model.eval()
         start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
@@ -1216,8 +1219,7 @@ def lr_at(step, args):
 
 def stop_if_diverged(run, step, loss, grad_norm):
     """Raise Diverged, before the optimizer applies it, if a step's loss or gradient norm is not
-    finite. Both are the same on every rank (all-reduced), so every rank stops at this step. With
-    fp16 a non-finite gradient is the GradScaler's to skip; only a non-finite loss stops the run."""
+    finite. Both are the same on every rank, so every rank stops at this step."""
     loss, grad_norm = loss.item(), grad_norm.item()  # a host sync per step: the price of the check
     fp16 = run.amp == "float16"
     if math.isfinite(loss) and (math.isfinite(grad_norm) or fp16):

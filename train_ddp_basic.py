@@ -1,13 +1,22 @@
 r"""Chapter 2: the same training under DistributedDataParallel (DDP), one process per device.
 
-    torchrun --standalone --nproc_per_node=2 train_ddp_basic.py     # 2 processes: CPU or 2 GPUs
+    torchrun --standalone --nproc_per_node=2 train_ddp_basic.py     # 2 processes, CPU or 2 GPUs
     torchrun --standalone --nproc_per_node=gpu train_ddp_basic.py   # one process per GPU here
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=NODE0:29500 \
-        train_ddp_basic.py                  # the same on each of 2 nodes of 8 GPUs (chapter 4)
+        train_ddp_basic.py                  # run on each of 2 nodes, 8 processes per node
 
-The default data is synthetic and MNIST-shaped (1x28x28, 10 classes), made from --seed, so nothing
-is downloaded; `--dataset mnist --data-dir data` reads the real MNIST files from data/MNIST/raw/.
-`diff train_single_gpu.py train_ddp_basic.py` shows every line DDP changes, tagged `# DDP k`.
+Terms. A rank is one of the processes that torchrun starts, numbered from 0. The world size is the
+number of ranks. The process group connects them. A collective is an operation every rank must
+call; it completes only when all have called it. An all-reduce is a collective that sums a tensor
+over all ranks and gives each rank the sum. Each rank trains a replica, a whole copy of the model,
+and DDP keeps the replicas equal by averaging their gradients with an all-reduce in backward().
+
+The default data is synthetic and shaped like MNIST (1x28x28 images, 10 classes). It is made from
+--seed, so nothing is downloaded. `--dataset mnist --data-dir data` reads the real MNIST files from
+data/MNIST/raw/ instead.
+
+See also `diff train_single_gpu.py train_ddp_basic.py`: it shows every line that training with
+DDP (DistributedDataParallel) changes, each tagged `# DDP k`.
 """
 import argparse
 import errno
@@ -29,83 +38,86 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDatas
 
 
 class Stop(Exception):
-    """A run that cannot go on: one line on stderr and exit code `code`, never a traceback."""
+    """A run that cannot go on. It ends in one line on stderr and exit code `code`, no traceback."""
     code = 1
 
 
 class InputError(Stop):
-    """Bad input from the user: a flag, a file, a checkpoint."""
+    """Bad input from the user, such as a flag, a data file or a checkpoint."""
     code = 2
 
 
 class Diverged(Stop):
-    """A step whose gradient norm is not finite: not applied, the run stops."""
+    """A step whose gradient norm is not finite. The step is not applied and the run stops."""
     code = 4
 
 
 class SaveFailed(Stop):
-    """A checkpoint that could not be written; the previous one is left as it was."""
+    """A checkpoint that could not be written. The previous checkpoint file is left as it was."""
     code = 5
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit code 2, instead of argparse's usage block
+    def error(self, message):  # print one line and exit with code 2, not argparse's usage block
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def positive(kind, zero_ok=False):
-    """An argparse type: a number of `kind` above zero, or at least zero if zero_ok."""
+    """An argparse type that accepts a number of `kind` above zero, or zero too if zero_ok."""
     def parse(text):
         value = kind(text)
         if value < 0 or (value == 0 and not zero_ok):
             bound = "at least 0" if zero_ok else "positive"
             raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
         return value
-    parse.__name__ = f"positive {kind.__name__}"  # argparse names it: "invalid positive int value"
+    parse.__name__ = f"positive {kind.__name__}"  # argparse then says "invalid positive int value"
     return parse
 
 
 def parse_args(argv=None):
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=positive(int), default=3, metavar="N",
-                   help="passes over the training data (default: 3)")
+                   help="how many passes to make over the training data (default: 3)")
     p.add_argument("--batch-size", type=positive(int), default=64, metavar="N",
-                   help="samples per step, per process (default: 64)")
+                   help="samples in each step of each process (default: 64)")
     p.add_argument("--lr", type=positive(float), default=1e-3,
-                   help="Adam's learning rate, constant (default: 0.001)")
-    p.add_argument("--seed", type=int, default=0, help="seeds data, weights, order (default: 0)")
+                   help="Adam's learning rate, the same at every step (default: 0.001)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the synthetic data, the initial weights and the order (default: 0)")
     p.add_argument("--num-workers", type=positive(int, zero_ok=True), default=0, metavar="N",
-                   help="DataLoader worker processes, 0 = load in this one (default: 0)")
+                   help="DataLoader worker processes; 0 loads in the training process (default: 0)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="auto = cuda if there is one, else cpu (default: auto)")
+                   help="auto picks cuda if this machine has a GPU, else cpu (default: auto)")
     p.add_argument("--model", choices=["cnn", "resnet18"], default="cnn",
                    help="a tiny CNN or torchvision's ResNet-18 (default: cnn)")
     p.add_argument("--dataset", choices=["synthetic", "mnist"], default="synthetic",
-                   help="made from --seed, or the real MNIST files (default: synthetic)")
+                   help="data made from --seed, or the real MNIST files (default: synthetic)")
     p.add_argument("--data-dir", default="data", metavar="DIR",
                    help="the folder that holds MNIST/raw/ (default: data)")
     p.add_argument("--train-samples", type=positive(int), metavar="N",
-                   help="use the first N (default: 8000 synthetic, all of MNIST)")
+                   help="train on the first N samples (default: 8000 synthetic, or all of MNIST)")
     p.add_argument("--val-samples", type=positive(int), metavar="N",
-                   help="use the first N (default: 2000 synthetic, all of MNIST)")
+                   help="evaluate the first N samples (default: 2000 synthetic, or all of MNIST)")
     p.add_argument("--save", default="checkpoints/classifier.pt", metavar="PATH",
-                   help="checkpoint written at the end, '' for none (default: %(default)s)")
+                   help="the checkpoint written at the end; '' writes none (default: %(default)s)")
     p.add_argument("--save-every", type=positive(int, zero_ok=True), default=0, metavar="N",
-                   help="also save every N epochs, 0 = only at the end (default: 0)")
+                   help="also save every N epochs; 0 saves only at the end (default: 0)")
     p.add_argument("--resume", metavar="PATH",
-                   help="go on from this checkpoint; 'auto': from --save if it exists")
-    p.add_argument("--eval-only", action="store_true", help="evaluate once, train nothing")
+                   help="continue from this checkpoint; 'auto' continues from --save if it exists")
+    p.add_argument("--eval-only", action="store_true",
+                   help="evaluate the starting weights once and train nothing")
     return p.parse_args(argv)
 
 
 def print0(is_main, message):
-    """Print a log line if this process is the one that logs; flush, so it shows at once."""
+    """Print a log line if this process is the one that logs. Flush it, so it shows at once."""
     if is_main:
         print(message, flush=True)
 
 
 def pick_device(name, index=0):
-    """'auto' means the GPU if this machine has one, else the CPU; `index` picks the GPU."""
+    """The device to train on. 'auto' means the GPU if this machine has one, else the CPU.
+    `index` picks which GPU."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
@@ -116,28 +128,29 @@ def pick_device(name, index=0):
     return torch.device(name, index) if name == "cuda" else torch.device(name)
 
 
-def init_distributed(device):  # DDP 1: join the process group that torchrun describes
+def init_distributed(device):  # DDP 1: join the process group that torchrun's variables describe
     if "RANK" not in os.environ:
         raise InputError("not launched by torchrun: see the commands at the top of this script")
-    if device.type == "cuda":  # DDP 2: one GPU per process, picked by LOCAL_RANK, before CUDA work
+    if device.type == "cuda":  # DDP 2: take the GPU that LOCAL_RANK names, before any CUDA work
         device = pick_device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-    if device.type == "cpu" and dist.get_debug_level() == dist.DebugLevel.DETAIL:  # the shell's
+    if device.type == "cpu" and dist.get_debug_level() == dist.DebugLevel.DETAIL:
         print0(os.environ["RANK"] == "0", "warning: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP "
                                           "on gloo (docs/troubleshooting.md): going on at INFO")
         dist.set_debug_level(dist.DebugLevel.INFO)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            device_id=device if device.type == "cuda" else None)  # binds NCCL
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",  # device_id makes NCCL
+                            device_id=device if device.type == "cuda" else None)  # connect now
     return device, dist.get_rank(), dist.get_world_size()
 
 
 def synthetic_images(n, seed):
-    """MNIST-shaped data a CNN can learn: one random smooth 20x20 template per class, placed at a
-    random offset in a 28x28 frame, scaled in brightness, buried in noise. Same seed, same data."""
+    """Make n MNIST-shaped images, with labels, that a CNN can learn; the same seed gives the
+    same data. Each class has one random, smooth 20x20 template. An image puts its class's
+    template at a random offset in a 28x28 frame, scales its brightness and adds strong noise."""
     g = torch.Generator().manual_seed(seed)
     blobs = (torch.rand(10, 1, 5, 5, generator=g) > 0.5).float()
     templates = F.interpolate(blobs, size=(20, 20), mode="bilinear")
-    frames = torch.zeros(10, 9, 9, 1, 28, 28)  # every class at every offset (0..8, 0..8)
+    frames = torch.zeros(10, 9, 9, 1, 28, 28)  # each class's template at each of the 9 x 9 offsets
     for dy in range(9):
         for dx in range(9):
             frames[:, dy, dx, :, dy:dy + 20, dx:dx + 20] = templates
@@ -149,8 +162,8 @@ def synthetic_images(n, seed):
 
 
 def load_mnist(data_dir):
-    """The real MNIST through torchvision: images as floats in [0, 1], labels. Offline: the four
-    uncompressed files must already be in DATA_DIR/MNIST/raw/."""
+    """The real MNIST, read by torchvision: images as floats in [0, 1], and their labels. Nothing
+    is downloaded, so the four uncompressed files must already be in DATA_DIR/MNIST/raw/."""
     raw = os.path.join(data_dir, "MNIST", "raw")
     files = [f"{split}-{kind}-idx{dims}-ubyte" for split in ("train", "t10k")
              for kind, dims in (("images", 3), ("labels", 1))]
@@ -158,7 +171,7 @@ def load_mnist(data_dir):
     if missing:
         raise InputError(f"MNIST not found: place the uncompressed files {', '.join(missing)} "
                          f"in {raw}/")
-    import torchvision  # only this path and --model resnet18 need it
+    import torchvision  # imported here, as only MNIST and --model resnet18 need it
     try:
         train = torchvision.datasets.MNIST(data_dir, train=True, download=False)
         val = torchvision.datasets.MNIST(data_dir, train=False, download=False)
@@ -170,7 +183,8 @@ def load_mnist(data_dir):
 
 
 def build_datasets(args):
-    """(train, val) TensorDatasets of images normalized by the training split's mean and std."""
+    """The training and validation TensorDatasets, both normalized by the training split's mean
+    and std."""
     if args.dataset == "mnist":
         x_train, y_train, x_val, y_val = load_mnist(args.data_dir)
         x_train, y_train = x_train[:args.train_samples], y_train[:args.train_samples]
@@ -186,13 +200,16 @@ def build_datasets(args):
 
 
 def build_model(name):
-    """A tiny CNN (about 20k weights), or ResNet-18 with a 1-channel 3x3 stem for 28x28 input."""
-    if name == "cnn":  # strided convolutions, no pooling: as accurate here, 4x faster on a CPU
+    """A tiny CNN (about 20k weights), or ResNet-18 with a 1-channel 3x3 first convolution for
+    28x28 input."""
+    # The CNN strides its convolutions instead of pooling. It is as accurate here, and 4x faster
+    # on a CPU.
+    if name == "cnn":
         return nn.Sequential(
             nn.Conv2d(1, 16, 5, stride=2, padding=2), nn.ReLU(),   # 16 x 14 x 14
             nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),  # 32 x 7 x 7
             nn.Flatten(), nn.Linear(32 * 7 * 7, 10))
-    import torchvision  # here, not at the top: importing it costs seconds the CNN does not need
+    import torchvision  # imported here, as it takes seconds that the CNN does not need
     model = torchvision.models.resnet18(num_classes=10)
     model.conv1 = nn.Conv2d(1, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()  # keep the 28x28 resolution for the residual stages
@@ -203,13 +220,14 @@ def main(argv=None):
     args = parse_args(argv)
     # setup
     device = pick_device(args.device)
-    device, rank, world_size = init_distributed(device)  # DDP 1
-    is_main = rank == 0  # DDP 3: rank 0 alone logs and saves
-    global_batch = args.batch_size * world_size  # samples per optimizer step
+    device, rank, world_size = init_distributed(device)  # DDP 1: join all ranks
+    is_main = rank == 0  # DDP 3: rank 0 alone logs and saves, so each line is printed once
+    global_batch = args.batch_size * world_size  # samples in one optimizer step
     print0(is_main, f"world size {world_size} | global batch {global_batch}")
-    torch.manual_seed(args.seed)  # the same initial weights for the same seed
-    # cuDNN picks convolution algorithms by batch shape and runs them in TF32 by default, so a batch
-    # of 32 and two of 16 could differ by 1e-3: exact fp32, the same algorithms, comparable runs
+    torch.manual_seed(args.seed)  # the same --seed makes the same initial weights
+    # By default cuDNN runs convolutions in TF32 and picks their algorithms by batch shape, so a
+    # batch of 32 and two batches of 16 could differ by 1e-3. Full fp32 and deterministic
+    # algorithms keep runs with different batch sizes comparable.
     torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic = False, True
 
     # data
@@ -228,12 +246,14 @@ def main(argv=None):
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     resume = resolve_resume(args.resume, args.save)
     start_epoch = load_checkpoint(resume, model, optimizer, args) if resume else 0
-    model = DDP(model, device_ids=[device] if device.type == "cuda" else None)  # DDP 5: wrap
+    # DDP 5: wrap after resuming, so the weights DDP copies from rank 0 are the resumed ones.
+    # That copy changes nothing here: every rank holds the same weights, from --seed or the file.
+    model = DDP(model, device_ids=[device] if device.type == "cuda" else None)
     n_weights = sum(p.numel() for p in model.parameters())
     resumed = f" | resumed from {resume} after epoch {start_epoch}" if resume else ""
     print0(is_main, f"model {args.model} | {n_weights:,} weights | device {device}{resumed}")
 
-    # train: one line per epoch, after a first evaluation of the starting weights
+    # train: evaluate the starting weights first, then log one line per epoch
     val_loss, val_acc, val_n = loss_and_accuracy(evaluate(model, val_loader, device))
     print0(is_main, f"epoch {start_epoch}/{args.epochs} | val loss {val_loss:.4f} | "
                     f"val acc {100 * val_acc:.2f}%")
@@ -252,7 +272,8 @@ def main(argv=None):
         if args.save_every and (epoch + 1) % args.save_every == 0 and epoch + 1 < args.epochs:
             save_once(args.save, model, optimizer, epoch + 1, args, is_main)
 
-    # summary: the pace keys are what benchmark_scaling.py reads (docs/conventions.md)
+    # summary: one line of JSON that other programs can read. step_ms and throughput come from
+    # the median step, so start-up, evaluation and checkpoints do not count.
     step_s = median_step_seconds(step_times)
     summary = {"val_loss": val_loss, "val_acc": val_acc, "val_samples": val_n,
                "train_samples": samples, "train_s": round(seconds, 3),
@@ -270,9 +291,8 @@ def main(argv=None):
 
 
 def stop_if_diverged(grad_norm, loss, epoch, step, optimizer):
-    """Raise Diverged, before the optimizer applies the step, if the gradient norm is not finite (a
-    non-finite loss makes it so too). Under DDP every rank holds the same all-reduced gradients, so
-    every rank stops at the same step and none is left waiting in a collective."""
+    """Raise Diverged if the gradient norm is not finite, before the optimizer applies the step.
+    A loss that is not finite makes the norm so too."""
     if not torch.isfinite(grad_norm):
         raise Diverged(f"epoch {epoch + 1} step {step}: loss {loss.item():.4g}, gradient norm "
                        f"{grad_norm.item():.4g}: not finite, step not applied; try a lower --lr "
@@ -280,8 +300,9 @@ def stop_if_diverged(grad_norm, loss, epoch, step, optimizer):
 
 
 def train_one_epoch(model, loader, optimizer, device, step_times, epoch):
-    """One pass over the loader. Returns float64 sums [loss sum, correct, samples] and appends each
-    step's seconds (data loading included) to step_times. One host sync per step: the check."""
+    """Train one pass over the loader, and return the float64 sums [loss sum, correct, samples].
+    Each step's seconds, data loading included, go to step_times. The host waits for the GPU only
+    once per step, in the finiteness check."""
     model.train()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     tick = time.perf_counter()
@@ -293,20 +314,20 @@ def train_one_epoch(model, loader, optimizer, device, step_times, epoch):
         loss.backward()
         grad_norm = nn.utils.clip_grad_norm_(model.parameters(), float("inf"))  # measures only
         stop_if_diverged(grad_norm, loss, epoch, step, optimizer)  # the step's one wait for the GPU
-        step_times.append(time.perf_counter() - tick)  # from wait to wait: one whole step
+        step_times.append(time.perf_counter() - tick)  # one whole step, from wait to wait
         tick = time.perf_counter()
         optimizer.step()
-        totals[0] += loss.detach() * len(labels)  # Python numbers: no copy to the device
+        totals[0] += loss.detach() * len(labels)  # summed on the device, so the host does not wait
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)
-    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # DDP 7: sum the metrics over all ranks
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # DDP 7: sum the totals over all ranks
     return totals
 
 
 @torch.no_grad()
 def evaluate(model, loader, device):
-    """Sums over the loader's samples, each counted once: [loss sum, correct, samples]."""
-    model = model.module  # DDP 7: the plain model; ranks may run unequal numbers of batches
+    """The float64 sums [loss sum, correct, samples] over the loader, each sample counted once."""
+    model = model.module  # DDP 7: same weights; the wrapper could hang on unequal batch counts
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     for images, labels in loader:
@@ -325,8 +346,8 @@ def all_finite(state_dict):
 
 
 def state_bytes(state):
-    """About the bytes a checkpoint of `state` takes on disk: its tensors', in nested dicts and
-    lists (a DTensor counts whole)."""
+    """About how many bytes a checkpoint of `state` takes on disk: the bytes of its tensors, in
+    nested dicts and lists."""
     if torch.is_tensor(state):
         return state.nbytes
     if isinstance(state, bytes):  # a file's bytes, ready to write
@@ -337,12 +358,12 @@ def state_bytes(state):
 
 
 def why_not_written(err, tmp, needed):
-    """Why writing `tmp` failed, in one line and the user's words: a full disk (or quota) says so,
-    with the room there is once the partial file is gone and the room a checkpoint needs; the
-    system's or torch's own words follow as the detail."""
+    """Why writing `tmp` failed, in one line and in the user's words. A full disk or quota is
+    named, with the space free once the partial file is gone and the space a checkpoint needs.
+    The system's or torch's own message follows as the detail."""
     detail = getattr(err, "strerror", None) or (str(err).strip().splitlines() or [repr(err)])[0]
     folder = os.path.dirname(os.path.abspath(tmp))
-    while not os.path.isdir(folder):  # a folder that could not be made
+    while not os.path.isdir(folder):  # its folder could not be made, so look further up
         folder = os.path.dirname(folder)
     free = shutil.disk_usage(folder).free + (os.path.getsize(tmp) if os.path.isfile(tmp) else 0)
     if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < needed:
@@ -357,8 +378,9 @@ def readable_size(n):
 
 
 def save_checkpoint(path, model, optimizer, epoch, args):
-    """Write atomically: a temp file in the same folder, fsync, then rename over the final name.
-    Non-finite weights are never written; any failure leaves the previous file as it was."""
+    """Write the checkpoint atomically: to a temporary file in the same folder, synced to disk,
+    then renamed over the final name. Weights that are not finite are never written. Any failure
+    leaves the previous file as it was."""
     weights = model.state_dict()
     if not all_finite(weights):
         raise SaveFailed(f"not saving {path} after epoch {epoch}: the weights are not finite")
@@ -373,18 +395,18 @@ def save_checkpoint(path, model, optimizer, epoch, args):
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half
-    except (OSError, RuntimeError) as err:  # disk full, no permission, a folder at `path`...
+        os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
+    except (OSError, RuntimeError) as err:  # a full disk, no permission, a folder named `path`...
         needed = state_bytes(state)
         raise SaveFailed(f"cannot save {path}: {why_not_written(err, tmp, needed)}") from None
     finally:
-        if os.path.exists(tmp):  # the write failed: drop the partial file
+        if os.path.exists(tmp):  # the write failed, so remove the partial file
             os.remove(tmp)
 
 
 def save_once(path, model, optimizer, epoch, args, is_main):
-    """The checkpoint after `epoch` epochs, written by the process that saves ('' path: none).
-    A failed save raises SaveFailed in every process (under DDP, once rank 0 has told the rest)."""
+    """Save the checkpoint after `epoch` epochs from the process that saves; an empty path saves
+    nothing. A failed save raises SaveFailed in every process."""
     error = None
     if is_main and path:
         try:
@@ -392,18 +414,19 @@ def save_once(path, model, optimizer, epoch, args, is_main):
             print(f"saved {path} after epoch {epoch}", flush=True)
         except SaveFailed as err:
             error = err
-    outcome = [error]  # DDP 8: every rank waits for rank 0's save, and learns how it went
-    dist.broadcast_object_list(outcome, src=0)
+    outcome = [error]  # DDP 8: every rank waits for rank 0's save and learns how it went
+    dist.broadcast_object_list(outcome, src=0)  # a collective: rank 0 sends, all ranks receive
     error = outcome[0]
     if error is not None:
         raise error
 
 
 def load_checkpoint(path, model, optimizer, args):
-    """Restore weights, optimizer and RNG; return the epochs done. Any problem is an InputError."""
+    """Restore the weights, the optimizer and the random generators, and return the epochs done.
+    Any problem with the file raises InputError."""
     if not os.path.isfile(path):
         raise InputError(f"checkpoint not found: {path}")
-    try:  # to the CPU first: load_state_dict then copies each tensor onto this process's device
+    try:  # load to the CPU; load_state_dict then copies each tensor to this process's device
         state = torch.load(path, map_location="cpu", weights_only=True)
         if state["args"]["model"] != args.model:
             raise InputError(f"{path} holds a --model {state['args']['model']}, "
@@ -418,38 +441,38 @@ def load_checkpoint(path, model, optimizer, args):
         return state["epoch"]
     except InputError:
         raise
-    except Exception as err:  # truncated, not a checkpoint of ours, wrong shapes: bad input
+    except Exception as err:  # a truncated file, a file of another kind, wrong shapes
         reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"
         raise InputError(f"cannot resume from {path}: {reason}") from None
 
 
 def resolve_resume(resume, save):
-    """--resume auto: continue from the --save checkpoint if it exists, else start fresh (so that a
-    restart after a crash runs the same command and goes on from the last checkpoint)."""
+    """With --resume auto, continue from the --save checkpoint if it exists, else start fresh.
+    A restart after a crash then runs the same command and goes on from the last checkpoint."""
     if resume != "auto":
         return resume
     if not save:
         raise InputError("--resume auto needs a --save path to look for")
-    found = [os.path.isfile(save)]  # DDP 8: rank 0 looks, every rank follows (docs/multinode.md)
-    dist.broadcast_object_list(found, src=0)
+    found = [os.path.isfile(save)]  # DDP 8: rank 0's answer decides, so all ranks resume or none
+    dist.broadcast_object_list(found, src=0)  # a collective: rank 0 sends its answer to all ranks
     return save if found[0] else None
 
 
 def median_step_seconds(step_times, warmup=5):
-    """The median seconds per step without the first `warmup` steps (lazy initialisation, caches,
-    the allocator) when there are more; 0.0 when no step ran."""
+    """The median seconds per step, leaving out the first `warmup` steps when there are more
+    (they pay for lazy set-up, caches and the allocator). 0.0 when no step ran."""
     timed = step_times[warmup:] or step_times
     return statistics.median(timed) if timed else 0.0
 
 
 def loss_and_accuracy(totals):
-    """[loss sum, correct, samples] -> (mean loss, accuracy, samples)."""
+    """Turn the sums [loss sum, correct, samples] into (mean loss, accuracy, samples)."""
     loss_sum, correct, n = totals.tolist()
     return loss_sum / n, correct / n, int(n)
 
 
 def summary_line(summary):
-    """`summary {...}` in strict JSON: a value that is not finite is written as null."""
+    """The `summary {...}` line in strict JSON, where a value that is not finite becomes null."""
     finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
               for k, v in summary.items()}
     return "summary " + json.dumps(finite, allow_nan=False)
@@ -459,11 +482,11 @@ if __name__ == "__main__":
     code = 0
     try:
         main()
-    except Stop as err:  # handled here, so the traceback (and the model it holds) is freed at once
-        sys.stderr.write(f"error: {err}\n")  # one write: lines from several ranks never splice
+    except Stop as err:  # caught here, so the traceback and the model it holds are freed at once
+        sys.stderr.write(f"error: {err}\n")  # one write, so other output never splits the line
         code = err.code
-    finally:  # DDP 9: leave the process group on every path, error or not
-        gc.collect()  # free what a failed run left (its DDP model holds the group) before leaving
+    finally:  # DDP 9: leave the group on every path. If a rank fails, torchrun stops the rest.
+        gc.collect()  # free a failed run's DDP model, which holds the group, before leaving
         if dist.is_initialized():
             dist.destroy_process_group()
     sys.exit(code)

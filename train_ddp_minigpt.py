@@ -12,26 +12,28 @@ The multi-node line prints the torchrun command for each node; sampling runs in 
 default data, this Python's standard library (2,000,000 bytes, a token per byte, vocab 256), needs
 no download; `--data` also takes a text file, a .bin of uint16 token ids, or a nanoGPT folder.
 
-Terms. torchrun starts one process per device, and each runs this whole file. The world size is
-the number of processes; a process's rank is its number, from 0 to world size - 1. The process
-group lets the processes communicate; its backend moves the data (NCCL between GPUs, gloo on
-CPUs). A collective is a call that every rank makes, in the same order, to exchange data; a rank
-that reaches it waits there for the others. An all-reduce is the collective that adds a tensor up
-over all ranks and gives every rank the sum. Under DDP each rank holds a replica, a whole copy of
-the model, and trains it on data of its own. A window is block_size + 1 consecutive tokens, the
+Terms. torchrun starts the processes, usually one per device; each runs this whole file. The
+world size is the number of processes; a process's rank is its number, from 0 to world size - 1,
+and its LOCAL_RANK its number on its own machine, which picks its GPU. The process group lets the
+processes communicate; its backend moves the data (NCCL between GPUs, gloo on CPUs). A collective
+is a call that every rank makes, in the same order, to exchange data; a rank that reaches it
+waits there for the others. An all-reduce is the collective that adds a tensor up over all ranks
+and gives every rank the sum; a broadcast sends one rank's data to every rank; an all-gather
+gives every rank what each rank sent. Under DDP each rank holds a replica, a whole copy of the
+model, and trains it on data of its own. A window is block_size + 1 consecutive tokens, the
 inputs and targets of one sequence. A micro-batch is --batch-size windows through one forward and
 backward; an optimizer step runs --grad-accum of them on every rank.
 
 Read it top-down: main(), then its core steps in the order it calls them, the model, and the steps
 beyond the core (debugging, the benchmark, the report). Every call that communicates with other
-ranks sits above the line that ends `the plumbing`. Below it is code a single process would run
-the same way: guards, flags, data, files, logging, sampling, errors.
+ranks sits above the line that ends `the plumbing`. Below it, no line communicates with another
+rank: guards, flags, data, files, logging, sampling, errors.
 
 Tags. `# DDP k` marks each line DDP adds to a one-process trainer, numbered in reading order:
   DDP 1   init_process_group joins the processes torchrun started; every collective needs it
   DDP 2   each process picks its GPU by LOCAL_RANK, before any CUDA work, so not all use GPU 0
   DDP 3   only rank 0 logs and writes files
-  DDP 4   each rank reads its own windows, in training and in evaluation; none reads one twice
+  DDP 4   each rank reads its own windows, in training and evaluation; no two ranks read one
   DDP 5   every rank shuffles the windows in the same order, a new order each epoch
   DDP 6   dropout is seeded by rank, so the replicas draw different masks
   DDP 7   rank 0 looks for the checkpoint to resume; every rank loads it, or all stop
@@ -90,7 +92,7 @@ def main(argv=None):
     # Model: every rank builds the same weights, resumes them if asked, then wraps them in DDP.
     raw_model, optimizer = build_model(run, data.vocab_size)
     # Resuming comes before the wrap, so the weights DDP copies from rank 0 are the resumed ones.
-    start = resumed_step(run, raw_model, optimizer, data)  # a collective: all ranks, one step
+    start = resumed_step(run, raw_model, optimizer, data)  # a collective: one agreed start step
     model = wrap_model(run, raw_model)  # a collective: DDP copies rank 0's weights to every rank
     if args.benchmark:
         return benchmark(run, model, optimizer, data.windows)  # collectives: timed steps
@@ -108,7 +110,7 @@ def main(argv=None):
             val_loss = evaluate(run, model, data.val)  # a collective
             print0(run.is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | "
                                 f"baseline {data.baseline:.4f}")
-            if args.check_sync or args.debug:  # before any save, so no diverged replica is saved
+            if args.check_sync or args.debug:  # before this step's save, if it has one
                 check_replicas_in_sync(model, f"step {done}")  # a collective: every rank's hash
         # Save: rank 0 writes the file, and every rank waits to learn whether that worked.
         due = done == args.max_steps or (args.save_every and done % args.save_every == 0)
@@ -187,9 +189,10 @@ def build_data(run):
 
 class Windows:
     """This rank's training batches. Each epoch cuts the tokens into windows that do not overlap,
-    from a random offset, shuffles them (seeded by seed + epoch), deals them to the ranks in turn as
-    DistributedSampler(drop_last=True) with set_epoch(epoch) would. Micro-batch k depends only on
-    k, the seed and the ranks: a run resumed with as many ranks reads what an unbroken run would."""
+    from a random offset, shuffles them (seeded by seed + epoch), and deals them to the replicas in
+    turn, as DistributedSampler(drop_last=True) with set_epoch(epoch) would. Micro-batch k depends
+    only on k, the seed and the replicas: a run resumed with as many replicas reads what an
+    unbroken run would."""
 
     def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
         self.tokens, self.block, self.batch = tokens, block_size, batch_size
@@ -284,12 +287,12 @@ def wrap_model(run, raw_model):
     compiled = raw_model
     if run.args.compile:  # compiled first, so DDP's communication hooks stay outside the graph
         compiled = torch.compile(raw_model, backend=run.args.compile_backend)
-    # The wrap copies rank 0's weights to every rank; here that copy changes nothing.
+    # The wrap copies rank 0's weights to every rank; they already match, so nothing changes.
     return DDP(compiled, device_ids=[run.device] if run.device.type == "cuda" else None)  # DDP 8
 
 
 def evaluate(run, model, val):
-    """The mean validation loss per token, exact at any world size; a collective. It runs the
+    """The mean validation loss per token, each window once; a collective. It runs the
     plain model.module, whose forward runs no collective, so ranks may run unequal batch counts."""
     batches = validation_batches(run, val)  # DDP 4: this rank's windows, none repeated
     return mean_loss_over_ranks(model.module, batches, run.autocast)  # DDP 9: the plain model
@@ -392,17 +395,17 @@ def save_on_rank_0(write, is_main):
 
 
 def leave_distributed():
-    """Free what a failed run left (its DDP model may still hold the group), then leave it."""
+    """Free what a failed run left (its model may still hold the group), then leave it."""
     gc.collect()
     if dist.is_initialized():
-        dist.destroy_process_group()  # DDP 13: not a collective; each rank leaves on its own
+        dist.destroy_process_group()  # DDP 13: each rank leaves once, when it is done
 
 
 # --------------------------------------------------------------------------------- the model: a GPT
 def causal_attention(q, k, v):
     """softmax(q k^T / sqrt(d)) v over earlier positions, by PyTorch's fused kernel (flash attention
     on GPUs). No dropout on the attention weights: on a CPU it forces the slow path. A CPU runs it
-    in fp32 even under bf16 autocast, since the bf16 CPU backward measured 3x slower than fp32."""
+    in fp32 even in a bf16 run, since the bf16 CPU backward measured 3x slower than fp32."""
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     with torch.autocast("cpu", enabled=False):
@@ -419,7 +422,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
-        # qkv's outputs hold each head's q, k and v side by side; -1 counts the heads (n_head).
+        # qkv's outputs hold each head's q, k and v side by side.
+        # The -1 counts the heads this rank holds.
         qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
         q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
         y = causal_attention(q, k, v)
@@ -895,7 +899,7 @@ def lr_at(step, args):
 
 def stop_if_diverged(run, step, loss, grad_norm):
     """Raise Diverged, before the optimizer applies it, if a step's loss or gradient norm is not
-    finite. Both are the same on every rank (all-reduced), so every rank stops at this step. With
+    finite. Both are the same on every rank, so every rank stops at this step. With
     fp16 a non-finite gradient is the GradScaler's to skip; only a non-finite loss stops the run."""
     loss, grad_norm = loss.item(), grad_norm.item()  # a host sync per step: the price of the check
     fp16 = run.amp == "float16"

@@ -1,6 +1,7 @@
 """Chapter 7: a GPT language model trained with FSDP (FSDP2's fully_shard), for models whose
 weights, gradients and optimizer state no longer fit whole on one device. Each rank holds a shard
-of them, and the run computes what one process computes.
+of them; without dropout the run computes, up to rounding, what one process computes from the
+same global batch.
 
     torchrun --standalone --nproc_per_node=1 train_fsdp_minigpt.py    # 1 process: CPU or 1 GPU
     torchrun --standalone --nproc_per_node=2 train_fsdp_minigpt.py    # 2 processes: CPU or 2 GPUs
@@ -12,22 +13,29 @@ The multi-node line prints the torchrun command for each node; sampling runs in 
 default data, this Python's standard library (2,000,000 bytes, a token per byte, vocab 256), needs
 no download; `--data` also takes a text file, a .bin of uint16 token ids, or a nanoGPT folder.
 
-Terms. torchrun starts one process per device, and each runs this whole file. The world size is
-the number of processes; a process's rank is its number, from 0 to world size - 1. The process
-group lets the processes communicate; its backend moves the data (NCCL between GPUs, gloo on
-CPUs). A collective is a call that every rank makes, in the same order, to exchange data; a rank
-that reaches it waits there for the others. An all-reduce adds a tensor up over all ranks and
-gives every rank the sum. A shard is this rank's 1/world-size slice of a parameter (dim 0). An
-all-gather gives every rank every rank's shard, so the whole parameter; a reduce-scatter adds
-the gradients up over the ranks and leaves each rank the slice of the sum its shard needs. A
+Terms. torchrun starts the processes, usually one per device; each runs this whole file. The
+world size is the number of processes; a process's rank is its number, from 0 to world size - 1.
+The process group lets the processes communicate; its backend moves the data (NCCL between GPUs,
+gloo on CPUs). A collective is a call that every rank makes, in the same order, to exchange data;
+a rank that reaches it waits there for the others. An all-reduce adds a tensor up over all ranks
+and gives every rank the sum; a broadcast sends one rank's data to every rank. A shard is this
+rank's 1/world-size slice of a parameter along dim 0. An all-gather gives every rank every rank's
+shard, so the whole parameter; a reduce-scatter adds the gradients up over the ranks and leaves
+each rank the slice of the sum its shard needs (FSDP then divides it by the world size, so each
+shard holds the mean). A DeviceMesh lays the ranks out in a grid, here one line of all of them;
+a DTensor is a tensor spread over a mesh, its placements saying how (Shard(0): split along dim
+0), and to_local() is this rank's part. fully_shard makes each block a unit whose weights are
+gathered and freed together; the root is the unit of the rest (embeddings, final norm, head).
+DCP, torch.distributed.checkpoint, saves and loads every rank's shards at once. Each rank is a
+data-parallel replica: it computes the whole model, one unit at a time, on windows of its own. A
 window is block_size + 1 consecutive tokens, the inputs and targets of one sequence. A
 micro-batch is --batch-size windows through one forward and backward; an optimizer step runs
 --grad-accum of them on every rank.
 
 Read it top-down: main(), then its core steps in the order it calls them, the model, and the steps
 beyond the core (debugging, the benchmark, the report). Every call that communicates with other
-ranks sits above the line that ends `the plumbing`. Below it is code a single process would run
-the same way: guards, flags, data, files, logging, sampling, errors.
+ranks sits above the line that ends `the plumbing`. Below it, no line communicates with another
+rank: guards, flags, data, files, logging, sampling, errors.
 
 Tags. `# FSDP k` marks each line FSDP changes in a DDP trainer, numbered in reading order:
   FSDP 1  a MixedPrecisionPolicy casts the gathered weights, instead of autocast and a GradScaler
@@ -90,8 +98,8 @@ def main(argv=None):
     # Data: each replica reads its own windows of the training tokens.
     data = build_data(run)  # a collective with --debug: rank 0 prints every rank's windows
     # Model: each rank fills its shards with one process's initial weights, then resumes them.
-    raw_model, optimizer = build_model(run, data.vocab_size)  # a collective: the mesh
-    start = resumed_step(run, raw_model, optimizer, data)  # a collective: all ranks, one step
+    raw_model, optimizer = build_model(run, data.vocab_size)  # every rank shards alike
+    start = resumed_step(run, raw_model, optimizer, data)  # a collective: one agreed start step
     model = wrap_model(run, raw_model)  # the same shards: raw_model, or its compiled form
     if args.benchmark:
         return benchmark(run, model, optimizer, data.windows)  # collectives: timed steps
@@ -185,9 +193,10 @@ def build_data(run):
 
 class Windows:
     """This rank's training batches. Each epoch cuts the tokens into windows that do not overlap,
-    from a random offset, shuffles them (seeded by seed + epoch), deals them to the ranks in turn as
-    DistributedSampler(drop_last=True) with set_epoch(epoch) would. Micro-batch k depends only on
-    k, the seed and the ranks: a run resumed with as many ranks reads what an unbroken run would."""
+    from a random offset, shuffles them (seeded by seed + epoch), and deals them to the replicas in
+    turn, as DistributedSampler(drop_last=True) with set_epoch(epoch) would. Micro-batch k depends
+    only on k, the seed and the replicas: a run resumed with as many replicas reads what an
+    unbroken run would."""
 
     def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
         self.tokens, self.block, self.batch = tokens, block_size, batch_size
@@ -238,9 +247,10 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
 
 
 def shard(run, model):  # FSDP 2: every block a group of its own, then the root
-    """fully_shard turns each block's parameters into DTensors split across the ranks (dim 0): a
-    block's weights are all-gathered just before its forward and its gradients reduce-scattered
-    after its backward, so at most a block or two are whole at a time; the root holds the rest."""
+    """fully_shard turns each block's parameters into DTensors split across the ranks (dim 0). A
+    block's weights are all-gathered just before its forward and again before its backward, and
+    its gradients are reduce-scattered after it. The root and the last block stay whole from their
+    forward to their backward; with --reshard-after-forward no, every block does."""
     mesh = init_device_mesh(run.device.type, (run.world_size,))  # on the group's device type
     reshard = run.args.reshard_after_forward == "yes"
     for i, block in enumerate(model.blocks):  # sharding sends nothing: its hooks gather later
@@ -306,7 +316,7 @@ def agree_on_start(start, error, path):
 
 def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
     """A collective: every rank reads the slices its shards hold, whatever world size wrote them
-    (DCP knows which slice each file holds); then its RNG, at the world size that saved."""
+    (DCP knows which slice each file holds); then its RNG, at the layout that saved."""
     model_state, optim_state = get_state_dict(raw_model, optimizer)  # my shards' state
     try:
         dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)  # every rank
@@ -338,7 +348,7 @@ def wrap_model(run, raw_model):  # FSDP 4: no wrapper: the sharded model trains 
 
 
 def evaluate(run, model, val):  # FSDP 5: every rank runs as many forwards
-    """The mean validation loss per token, exact at any world size; a collective. Each forward
+    """The mean validation loss per token, each window once; a collective. Each forward
     all-gathers with every rank, so fewer batches are padded with targets of -100: counted 0."""
     batches = list(validation_batches(run, val))  # DDP 4: disjoint slices
     most = torch.tensor(len(batches), device=run.device)
@@ -453,17 +463,17 @@ def save_on_rank_0(write, is_main):
 
 
 def leave_distributed():
-    """Free what a failed run left (its DDP model may still hold the group), then leave it."""
+    """Free what a failed run left (its model may still hold the group), then leave it."""
     gc.collect()
     if dist.is_initialized():
-        dist.destroy_process_group()  # DDP 13: not a collective; each rank leaves on its own
+        dist.destroy_process_group()  # DDP 13: each rank leaves once, when it is done
 
 
 # --------------------------------------------------------------------------------- the model: a GPT
 def causal_attention(q, k, v):
     """softmax(q k^T / sqrt(d)) v over earlier positions, by PyTorch's fused kernel (flash attention
     on GPUs). No dropout on the attention weights: on a CPU it forces the slow path. A CPU runs it
-    in fp32 even under bf16 autocast, since the bf16 CPU backward measured 3x slower than fp32."""
+    in fp32 even in a bf16 run, since the bf16 CPU backward measured 3x slower than fp32."""
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     with torch.autocast("cpu", enabled=False):
@@ -480,7 +490,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
-        # qkv's outputs hold each head's q, k and v side by side; -1 counts the heads (n_head).
+        # qkv's outputs hold each head's q, k and v side by side.
+        # The -1 counts the heads this rank holds.
         qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
         q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
         y = causal_attention(q, k, v)
@@ -600,7 +611,7 @@ def report(run, raw_model, data, val_loss, meter):
                         f"{summary['train_s']:.1f} s of training")
     print0(run.is_main, summary_line(summary))
     if run.args.export:  # FSDP 8: one plain file, for one-process sampling
-        export(run, raw_model, data)  # a collective: every rank's shards to rank 0
+        export(run, raw_model, data)  # a collective: the weights gathered to rank 0
     if unit == "byte" or data.itos:  # FSDP 5: every rank generates: each forward gathers weights
         raw_model.eval()
         start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
@@ -960,8 +971,7 @@ def lr_at(step, args):
 
 def stop_if_diverged(run, step, loss, grad_norm):
     """Raise Diverged, before the optimizer applies it, if a step's loss or gradient norm is not
-    finite. Both are the same on every rank (all-reduced), so every rank stops at this step. With
-    fp16 a non-finite gradient is the GradScaler's to skip; only a non-finite loss stops the run."""
+    finite. Both are the same on every rank, so every rank stops at this step."""
     loss, grad_norm = loss.item(), grad_norm.item()  # a host sync per step: the price of the check
     fp16 = run.amp == "float16"
     if math.isfinite(loss) and (math.isfinite(grad_norm) or fp16):
