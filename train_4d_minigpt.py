@@ -57,7 +57,7 @@ Tags: each `# 4D k` comment marks a line this chapter adds or changes, numbered 
   4D 8   loss parallel, in training and evaluation: the logits stay split by vocabulary
   4D 9   the gradient norm per mesh (dp x cp, and dp x cp x tp), summed over the stages
   4D 10  sampling: every rank the whole context, padded; the ranks of a replica draw alike
-Lines tagged PP k, FSDP k or DDP k come unchanged from chapters 9, 7 and 3; each tag says on its
+Lines tagged PP k, FSDP k or DDP k come from chapters 9, 7 and 3; each tag says on its
 line what that line does.
 
 See also: docs/4d.md (the layout, what each group sends, measurements) and docs/performance.md.
@@ -1292,8 +1292,8 @@ def on_device(rows, device):
 
 # -------------------------------------------------------------- precision, optimizer, schedule
 def amp_dtype(choice, device):
-    """The autocast dtype, or None for fp32. bf16 has fp32's range, so it needs no loss scaling;
-    fp16 needs a GradScaler. Only native bf16 counts: V100s and T4s emulate it, slower than fp16."""
+    """The compute dtype, or None for fp32. bf16 has fp32's range, so it needs no loss scaling.
+    Only native bf16 counts: V100s and T4s only emulate it."""
     native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
     if choice == "auto":
         if device.type != "cuda":
@@ -1614,7 +1614,7 @@ def tokens_per_step(run):
 
 def peak_tflops(gpu_name, amp):
     """The dense peak TFLOPS of a GPU in the table (datasheets, no sparsity; 16-bit with fp32
-    accumulation, as autocast runs) for the autocast dtype ("off": fp32 without TF32), or None.
+    accumulation) for the compute dtype ("off": fp32 without TF32), or None.
     Names match word by word: an "H100 NVL" is no H100 SXM, an "L40" no "L4", an "A10G" no "A10"."""
     words = gpu_name.replace("-", " ").split()
     table = {  # the words of a model's name: (16-bit tensor cores, fp32); variants first

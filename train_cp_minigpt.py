@@ -46,7 +46,7 @@ Tags: `# CP k` marks each line that context parallelism adds or changes, in read
   CP 5   --cp-rotate ring: keys and values passed from rank to rank, one rank's at a time
   CP 6   the model takes a Context: positions in the whole sequence, a lower-right causal mask
   CP 7   the default --save and --export paths; the files keep the formats of --cp 1
-Lines tagged DDP k or FSDP k come from chapters 3 and 7, unchanged; each says on its line what that
+Lines tagged DDP k or FSDP k come from chapters 3 and 7; each says on its line what that
 line does.
 See also docs/cp.md: the split, the gather and the ring explained and measured.
 """
@@ -1166,8 +1166,8 @@ def on_device(rows, device):
 
 # -------------------------------------------------------------- precision, optimizer, schedule
 def amp_dtype(choice, device):
-    """The autocast dtype, or None for fp32. bf16 has fp32's range, so it needs no loss scaling;
-    fp16 needs a GradScaler. Only native bf16 counts: V100s and T4s emulate it, slower than fp16."""
+    """The compute dtype, or None for fp32. bf16 has fp32's range, so it needs no loss scaling.
+    Only native bf16 counts: V100s and T4s only emulate it."""
     native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
     if choice == "auto":
         if device.type != "cuda":
@@ -1446,7 +1446,7 @@ def tokens_per_step(run):
 
 def peak_tflops(gpu_name, amp):
     """The dense peak TFLOPS of a GPU in the table (datasheets, no sparsity; 16-bit with fp32
-    accumulation, as autocast runs) for the autocast dtype ("off": fp32 without TF32), or None.
+    accumulation) for the compute dtype ("off": fp32 without TF32), or None.
     Names match word by word: an "H100 NVL" is no H100 SXM, an "L40" no "L4", an "A10G" no "A10"."""
     words = gpu_name.replace("-", " ").split()
     table = {  # the words of a model's name: (16-bit tensor cores, fp32); variants first

@@ -46,7 +46,7 @@ Tags. `# FSDP k` marks each line FSDP changes in a DDP trainer, numbered in read
   FSDP 6  the gradient norm is a DTensor over all shards; full_tensor() makes it one number
   FSDP 7  --grad-sync: reduce-scatter after every micro-batch, or once after the last
   FSDP 8  --export gathers the whole model into one plain file
-Lines tagged DDP k are chapter 3's, unchanged; each tag says on its line what that line does.
+Lines tagged DDP k come from chapter 3; each tag says on its line what that line does.
 Lines tagged `# guard:` each avoid one known failure, all before the process group is joined.
 See also docs/fsdp.md (what FSDP holds and sends, measured) and docs/conventions.md.
 """
@@ -918,8 +918,8 @@ def on_device(rows, device):
 
 # -------------------------------------------------------------- precision, optimizer, schedule
 def amp_dtype(choice, device):
-    """The autocast dtype, or None for fp32. bf16 has fp32's range, so it needs no loss scaling;
-    fp16 needs a GradScaler. Only native bf16 counts: V100s and T4s emulate it, slower than fp16."""
+    """The compute dtype, or None for fp32. bf16 has fp32's range, so it needs no loss scaling.
+    Only native bf16 counts: V100s and T4s only emulate it."""
     native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
     if choice == "auto":
         if device.type != "cuda":
@@ -1177,7 +1177,7 @@ def tokens_per_step(run):
 
 def peak_tflops(gpu_name, amp):
     """The dense peak TFLOPS of a GPU in the table (datasheets, no sparsity; 16-bit with fp32
-    accumulation, as autocast runs) for the autocast dtype ("off": fp32 without TF32), or None.
+    accumulation) for the compute dtype ("off": fp32 without TF32), or None.
     Names match word by word: an "H100 NVL" is no H100 SXM, an "L40" no "L4", an "A10G" no "A10"."""
     words = gpu_name.replace("-", " ").split()
     table = {  # the words of a model's name: (16-bit tensor cores, fp32); variants first

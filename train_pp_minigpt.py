@@ -49,7 +49,7 @@ Tags: each `# PP k` comment marks a line that PP adds or changes, numbered in re
   PP 6   checkpoints under the whole model's names, so that any layout resumes any other
   PP 7   evaluation and sampling: a forward-only pipeline of send and recv; the last stage scores
   PP 8   the gradient norm summed over every stage and shard, so clipping matches one process's
-Lines tagged DDP k or FSDP k are chapters 3 and 7's, unchanged; each says on its line what it does.
+Lines tagged DDP k or FSDP k come from chapters 3 and 7; each says on its line what it does.
 
 See also: docs/pp.md (the schedules, the bubble and FSDP's gathers, measured) and docs/mistakes.md.
 """
@@ -1068,8 +1068,8 @@ def on_device(rows, device):
 
 # -------------------------------------------------------------- precision, optimizer, schedule
 def amp_dtype(choice, device):
-    """The autocast dtype, or None for fp32. bf16 has fp32's range, so it needs no loss scaling;
-    fp16 needs a GradScaler. Only native bf16 counts: V100s and T4s emulate it, slower than fp16."""
+    """The compute dtype, or None for fp32. bf16 has fp32's range, so it needs no loss scaling.
+    Only native bf16 counts: V100s and T4s only emulate it."""
     native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
     if choice == "auto":
         if device.type != "cuda":
@@ -1379,7 +1379,7 @@ def tokens_per_step(run):
 
 def peak_tflops(gpu_name, amp):
     """The dense peak TFLOPS of a GPU in the table (datasheets, no sparsity; 16-bit with fp32
-    accumulation, as autocast runs) for the autocast dtype ("off": fp32 without TF32), or None.
+    accumulation) for the compute dtype ("off": fp32 without TF32), or None.
     Names match word by word: an "H100 NVL" is no H100 SXM, an "L40" no "L4", an "A10G" no "A10"."""
     words = gpu_name.replace("-", " ").split()
     table = {  # the words of a model's name: (16-bit tensor cores, fp32); variants first
