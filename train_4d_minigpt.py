@@ -32,7 +32,9 @@ alone form a group of that dim (a tp group, a cp group...). A stage is a run of 
 held by the ranks of one pp coordinate; each stage hands its activations to the next. A replica is
 the ranks of one dp coordinate: together they run the whole model's forward and backward on batches
 of their own. A micro-batch is --batch-size sequences; --grad-accum of them pass through the stages
-one after another and make one optimizer step.
+one after another and make one optimizer step. fully_shard makes each block a unit whose weights
+are gathered and freed together; the root is the unit of the rest (embeddings, final norm, head).
+DCP, torch.distributed.checkpoint, saves and loads every rank's shards, at any layout.
 
 TP and CP's terms. TP splits a linear layer column-wise (each rank computes some of its outputs from
 the whole input) or row-wise (each rank computes, from some of the inputs, a partial sum of every
@@ -379,7 +381,7 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
     return raw_model, optimizer
 
 
-def shard(run, model):  # FSDP 2: every block a group of its own, then the root
+def shard(run, model):  # FSDP 2: every block a unit of its own, then the root
     """TP, then FSDP: parallelize_module splits each block's matrices across the tp group, and the
     tied embedding and head by vocabulary; fully_shard then shards the stage across dp x cp."""
     sp = run.args.sequence_parallel == "on"
@@ -541,7 +543,7 @@ def pipeline_schedule(run, model):
 
 def evaluate(run, model, val):  # FSDP 5: every rank runs as many forwards
     """The mean validation loss per token, each window once; a collective. Each forward
-    needs every rank of its groups, so fewer batches are padded with targets of -100: counted 0."""
+    needs every rank of its groups, so a rank with fewer batches adds padding (targets -100)."""
     batches = list(validation_batches(run, val))  # DDP 4: disjoint slices
     most = torch.tensor(len(batches), device=run.device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most batches any rank holds
@@ -735,7 +737,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, context=None):  # 4D 3: context, the tokens of each sequence held here
         B, T, C = x.shape
         # qkv's outputs hold each head's q, k and v side by side.
-        # The -1 counts the heads this rank holds.
+        # The -1 counts the heads this rank holds, n_head / tp.
         qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
         q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
         if context is None:  # 4D 3: the whole sequence is here

@@ -26,13 +26,16 @@ or --dist-timeout runs out. An all-reduce sums a tensor over a group and gives e
 An all-gather gives every rank the tensors of all the ranks. A reduce-scatter sums the ranks'
 tensors and gives each rank one slice of the sum. FSDP splits every parameter across all the ranks;
 the slice a rank holds is its shard, and a DTensor is a tensor that knows how it is split. The mesh
-lays the ranks out as a 2-D grid of world size / cp rows of cp ranks each. Rank r sits in row
-r // cp as its rank r % cp, so a row's ranks are consecutive. Each row reads its own sequences: the
-rows are data parallel (dp), and the code calls a row a replica. Context parallelism (cp) splits
-each sequence across the ranks of its row. The sequence is cut into 2 x cp equal chunks, and rank i
-of a row holds chunks i and 2 x cp - 1 - i, one early and one late, so that every rank does the
-same attention work. A micro-batch is one of the --grad-accum batches whose gradients add up before
-an optimizer step. The causal mask lets each query attend to keys at its own and earlier positions.
+lays the ranks out as a 2-D grid of world size / cp rows of cp ranks each. Rank r sits in row r //
+cp as its rank r % cp, so a row's ranks are consecutive. Each row reads its own sequences: the rows
+are data parallel (dp), and the code calls a row a replica. Context parallelism (cp) splits each
+sequence across the ranks of its row. The sequence is cut into 2 x cp equal chunks, and rank i of a
+row holds chunks i and 2 x cp - 1 - i, one early and one late, so that every rank does the same
+attention work. A micro-batch is one of the --grad-accum batches whose gradients add up before an
+optimizer step. The causal mask lets each query attend to keys at its own and earlier positions.
+fully_shard makes each block a unit whose weights are gathered and freed together; the root is the
+unit of the rest (embeddings, final norm, head). DCP, torch.distributed.checkpoint, saves and loads
+every rank's shards, at any layout.
 
 What CP saves: each rank holds 1/cp of every sequence's activations, its own queries, keys and
 values included. Backward gathers each block's keys and values again, one block at a time. Each
@@ -330,7 +333,7 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
     return raw_model, optimizer
 
 
-def shard(run, model):  # FSDP 2: every block a group of its own, then the root
+def shard(run, model):  # FSDP 2: every block a unit of its own, then the root
     """fully_shard turns each block's parameters into DTensors split across the ranks (dim 0). A
     block's weights are all-gathered just before its forward and again before its backward, and
     its gradients are reduce-scattered after it. The root and the last block stay whole from their
@@ -588,7 +591,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, context=None):  # CP 6: context says which tokens x holds
         B, T, C = x.shape
         # qkv's outputs hold each head's q, k and v side by side.
-        # The -1 counts the heads this rank holds.
+        # The -1 counts the heads (n_head).
         qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
         q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
         if context is None:  # CP 6: the whole sequence is here

@@ -246,7 +246,7 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
     return raw_model, optimizer
 
 
-def shard(run, model):  # FSDP 2: every block a group of its own, then the root
+def shard(run, model):  # FSDP 2: every block a unit of its own, then the root
     """fully_shard turns each block's parameters into DTensors split across the ranks (dim 0). A
     block's weights are all-gathered just before its forward and again before its backward, and
     its gradients are reduce-scattered after it. The root and the last block stay whole from their
@@ -326,7 +326,7 @@ def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
                    optim_state_dict=optim_state)
     if not shards_finite(raw_model):  # a collective: every rank gets the same answer
         raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
-    saved = state["args"].get("tp", 1), len(state["rng"])  # FSDP 3: the layout that saved
+    saved = state["args"].get("tp", 1), len(state["rng"])  # FSDP 3: the saving run's layout
     if saved == (1, run.world_size):  # the layout that saved them: else the seeds by rank stay
         restore_rng(state["rng"][run.rank], run.device)  # FSDP 3: this rank's streams
 
@@ -349,7 +349,7 @@ def wrap_model(run, raw_model):  # FSDP 4: no wrapper: the sharded model trains 
 
 def evaluate(run, model, val):  # FSDP 5: every rank runs as many forwards
     """The mean validation loss per token, each window once; a collective. Each forward
-    all-gathers with every rank, so fewer batches are padded with targets of -100: counted 0."""
+    all-gathers with every rank, so a rank with fewer batches adds padding (targets -100)."""
     batches = list(validation_batches(run, val))  # DDP 4: disjoint slices
     most = torch.tensor(len(batches), device=run.device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most batches any rank holds
@@ -491,7 +491,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x):
         B, T, C = x.shape
         # qkv's outputs hold each head's q, k and v side by side.
-        # The -1 counts the heads this rank holds.
+        # The -1 counts the heads (n_head).
         qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
         q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
         y = causal_attention(q, k, v)

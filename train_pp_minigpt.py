@@ -24,21 +24,24 @@ Terms. A rank is one of the processes torchrun starts, one per device, numbered 
 size is how many there are. A process group is a set of ranks that communicate with each other. A
 collective is a call that every rank of a group makes, in the same order; each rank waits in it
 until all have made it. An all-reduce sums a tensor over a group and gives every rank the sum; an
-all-gather gives every rank all the ranks' parts; a reduce-scatter sums and gives each rank one part
-of the sum. A send on one rank and a recv on another move a tensor between the two. A stage is a run
-of consecutive blocks (the first stage also holds the embeddings, the last the final norm and the
-head). A replica is one whole copy of the model, its --pp stages on pp ranks; there are dp of them
-(world size / pp), each training on batches of its own. The mesh (a DeviceMesh) lays the ranks out
-as a grid, pp by dp: rank r runs stage r // dp in replica r % dp, its dp rank. The ranks of one
-stage form its dp group: FSDP keeps on each of them a shard (a 1/dp slice) of every parameter of the
-stage, all-gathers a block's weights to run it, and reduce-scatters its gradients, averaged over the
-group. The ranks of one replica, one per stage, form its pp group: they pass activations forward and
-their gradients back. A micro-batch is --batch-size sequences; a schedule orders a step's
---grad-accum micro-batches through the stages. GPipe runs all the forwards, then all the backwards;
-1F1B alternates one forward and one backward once the pipeline is full, so stage s holds the
-activations of at most pp - s micro-batches. The bubble is the time a stage waits idle while the
-pipeline fills and drains. The GPT embeds the tokens and computes the logits with one matrix (tied
-weights); with pp > 1 the first and the last stage each hold a copy of it.
+all-gather gives every rank all the ranks' parts; a reduce-scatter sums and gives each rank one
+part of the sum. A send on one rank and a recv on another move a tensor between the two. A stage is
+a run of consecutive blocks (the first stage also holds the embeddings, the last the final norm and
+the head). A replica is one whole copy of the model, its --pp stages on pp ranks; there are dp of
+them (world size / pp), each training on batches of its own. The mesh (a DeviceMesh) lays the ranks
+out as a grid, pp by dp: rank r runs stage r // dp in replica r % dp, its dp rank. The ranks of one
+stage form its dp group: FSDP keeps on each of them a shard (a 1/dp slice) of every parameter of
+the stage, all-gathers a block's weights to run it, and reduce-scatters its gradients, averaged
+over the group. The ranks of one replica, one per stage, form its pp group: they pass activations
+forward and their gradients back. A micro-batch is --batch-size sequences; a schedule orders a
+step's --grad-accum micro-batches through the stages. GPipe runs all the forwards, then all the
+backwards; 1F1B alternates one forward and one backward once the pipeline is full, so stage s holds
+the activations of at most pp - s micro-batches. The bubble is the time a stage waits idle while
+the pipeline fills and drains. The GPT embeds the tokens and computes the logits with one matrix
+(tied weights); with pp > 1 the first and the last stage each hold a copy of it. fully_shard makes
+each block a unit whose weights are gathered and freed together; the root is the unit of the rest
+(embeddings, final norm, head). DCP, torch.distributed.checkpoint, saves and loads every rank's
+shards, at any layout.
 
 Tags: each `# PP k` comment marks a line that PP adds or changes, numbered in reading order:
   PP 1   a PipelineStage in a schedule (1f1b, gpipe) of --grad-accum micro-batches per step
@@ -279,7 +282,7 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
     return raw_model, optimizer
 
 
-def shard(run, model):  # FSDP 2: every block a group of its own, then the root
+def shard(run, model):  # FSDP 2: every block a unit of its own, then the root
     """fully_shard turns each block's parameters into DTensors split across the ranks (dim 0): a
     block's weights are all-gathered before it runs (once a step with --reshard-after-forward no),
     and its gradients are reduce-scattered once, after the step's last backward, because the
@@ -394,7 +397,7 @@ def pipeline_schedule(run, model):
 
 def evaluate(run, model, val):  # FSDP 5: every rank runs as many forwards
     """The mean validation loss per token, each window once; a collective. Each forward
-    needs every rank of its groups, so fewer batches are padded with targets of -100: counted 0."""
+    needs every rank of its groups, so a rank with fewer batches adds padding (targets -100)."""
     batches = list(validation_batches(run, val))  # DDP 4: disjoint slices
     most = torch.tensor(len(batches), device=run.device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most batches any rank holds
@@ -563,7 +566,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x):
         B, T, C = x.shape
         # qkv's outputs hold each head's q, k and v side by side.
-        # The -1 counts the heads this rank holds.
+        # The -1 counts the heads (n_head).
         qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
         q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
         y = causal_attention(q, k, v)

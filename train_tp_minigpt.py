@@ -23,13 +23,16 @@ Terms. A rank is one of the processes torchrun starts, one per device, numbered 
 size is how many there are. A process group is a set of ranks that communicate with each other. A
 collective is a call that every rank of a group makes, in the same order; each rank waits in it
 until all have made it. An all-reduce sums a tensor over a group and gives every rank the sum; a
-reduce-scatter sums it and gives each rank one part of the sum; an all-gather gives every rank
-all the ranks' parts. A shard is the part of a tensor that one rank holds. The mesh (a DeviceMesh)
-lays the ranks out as a grid of world size / tp by tp, its dims named "dp" and "tp": rank r has
-dp rank r // tp and tp rank r % tp. A tp group is the tp consecutive ranks of one dp rank: they
-split every layer among them and together compute one replica, the model's forward and backward
-on that dp rank's own batches. A dp group is the ranks of one tp rank, one in each replica: FSDP
-shards their part of every parameter across them and averages their gradients.
+reduce-scatter sums it and gives each rank one part of the sum; an all-gather gives every rank all
+the ranks' parts. A shard is the part of a tensor that one rank holds. The mesh (a DeviceMesh) lays
+the ranks out as a grid of world size / tp by tp, its dims named "dp" and "tp": rank r has dp rank
+r // tp and tp rank r % tp. A tp group is the tp consecutive ranks of one dp rank: they split every
+layer among them and together compute one replica, the model's forward and backward on that dp
+rank's own batches. A dp group is the ranks of one tp rank, one in each replica: FSDP shards their
+part of every parameter across them and averages their gradients. fully_shard makes each block a
+unit whose weights are gathered and freed together; the root is the unit of the rest (embeddings,
+final norm, head). DCP, torch.distributed.checkpoint, saves and loads every rank's shards, at any
+layout.
 
 TP's own terms. A column-wise split of a linear layer gives each rank of a tp group some of the
 layer's outputs, computed from the whole input. A row-wise split gives each rank some of the
@@ -593,7 +596,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x):
         B, T, C = x.shape
         # qkv's outputs hold each head's q, k and v side by side.
-        # The -1 counts the heads this rank holds.
+        # The -1 counts the heads this rank holds, n_head / tp.
         qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
         q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
         y = causal_attention(q, k, v)
