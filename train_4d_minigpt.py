@@ -34,19 +34,22 @@ the ranks of one dp coordinate: together they run the whole model's forward and 
 of their own. A micro-batch is --batch-size sequences; --grad-accum of them pass through the stages
 one after another and make one optimizer step. fully_shard makes each block a unit whose weights
 are gathered and freed together; the root is the unit of the rest (embeddings, final norm, head).
-DCP, torch.distributed.checkpoint, saves and loads every rank's shards, at any layout.
+DCP, torch.distributed.checkpoint, saves and loads every rank's shards, at any layout. A rank's
+place is its (dp, cp, tp) coordinates: the ranks at one place, one per stage, form its pp group and
+pass activations along it; the end stages, the first and the last, each hold a copy of the tied
+embedding and head.
 
-TP and CP's terms. TP splits a linear layer column-wise (each rank computes some of its outputs from
-the whole input) or row-wise (each rank computes, from some of the inputs, a partial sum of every
-output; a collective adds the partial sums up). Loss parallel computes the cross-entropy from logits
-split by vocabulary, without gathering them. A DTensor is a tensor spread over a mesh: Shard(d)
-splits it along its dim d, Replicate() puts a whole copy on every rank. CP gives each rank of a cp
-group two of 2 cp equal chunks of every sequence of T tokens, an early one and a late one, so that
-causal attention costs every rank the same: T / cp tokens. Sequence parallelism (sp) splits those
-again by tp, T / (cp x tp) tokens, where each token is worked on alone: the norms, dropout, and what
-a stage sends. Before attention and the MLP, TP's all-gather makes them T / cp again, and TP splits
-the heads and hidden units by tp; CP's all-gather then brings the keys and values of the whole
-sequence, for this rank's heads.
+TP and CP's terms. TP splits a linear layer column-wise (each rank computes some of its outputs
+from the whole input) or row-wise (each rank computes, from some of the inputs, a partial sum of
+every output; a collective adds the partial sums up). Loss parallel computes the cross-entropy from
+logits split by vocabulary, without gathering them. A DTensor is a tensor spread over a mesh:
+Shard(d) splits it along its dim d, Replicate() puts a whole copy on every rank. CP gives each rank
+of a cp group two of 2 cp equal chunks of every sequence of T tokens, an early one and a late one,
+so that causal attention costs every rank the same; each holds T / cp tokens. Sequence parallelism
+(sp) splits those again by tp, T / (cp x tp) tokens, where each token is worked on alone: the
+norms, dropout, and what a stage sends. Before attention and the MLP, TP's all-gather makes them T
+/ cp again, and TP splits the heads and hidden units by tp; CP's all-gather then brings the keys
+and values of the whole sequence, for this rank's heads.
 
 Tags: each `# 4D k` comment marks a line this chapter adds or changes, numbered in reading order:
   4D 1   --pp, --cp, --tp: the (pp, dp, cp, tp) mesh, tp innermost, dp what is left; its layout
@@ -474,7 +477,7 @@ def resume_path(run):
         raise InputError("--resume auto needs a --save path to look for")
     found = [newest_complete_step(save, run.is_main) if run.is_main else None]  # FSDP 3
     dist.broadcast_object_list(found, src=0)  # DDP 7: rank 0 decides for every rank
-    return found[0]  # FSDP 3
+    return found[0]  # FSDP 3: the newest complete step folder, or None
 
 
 def agree_on_start(start, error, path):
@@ -625,7 +628,7 @@ def train_step(run, schedule, model, optimizer, windows, step):
     # tp cancels: mean_over_ranks sums tp copies of each loss, and divides by pp x dp x cp x tp
     loss = mean_over_ranks(loss) * args.pp  # PP 1: the other stages add 0: the last stage's mean
     stop_if_diverged(run, step, loss, grad_norm)
-    optimizer.step()  # FSDP 1
+    optimizer.step()  # FSDP 1: no scaler; each rank steps its shards
     optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm
 
@@ -643,7 +646,7 @@ def local(loss):  # loss_parallel's loss, the same on each rank of a tp group
 
 def clip_gradients(run, model, max_norm):
     """The whole model's clip_grad_norm_: the stages' squared norms summed, the tied matrix once."""
-    twin = model.head.weight if run.stage > 0 and model.head is not None else None  # PP 4
+    twin = model.head.weight if run.stage > 0 and model.head is not None else None  # PP 4: a copy
     on_mesh = {}  # 4D 9: FSDP's dp x cp mesh, or dp x cp x tp where TP split the parameter
     for p in model.parameters():
         on_mesh.setdefault(p.device_mesh, []).append(p)
@@ -939,7 +942,7 @@ def export(run, raw_model, data):  # FSDP 8: one plain file, as one process save
 @torch.no_grad()
 def generate(run, model, idx):
     """Append --max-new-tokens tokens to idx (1, T); a collective of every rank. The last stage
-    draws each token from its logits and sends it to every stage of the column."""
+    draws each token from its logits and sends it to every stage at its place."""
     args = run.args
     whole = Context(None, 0, 1, args.block_size, run.device)  # 4D 10: cp 1, every rank all tokens
     for _ in range(args.max_new_tokens):
@@ -1015,7 +1018,8 @@ def refuse_a_bad_launch(device_name):  # guard: a process that could never join 
 
 def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo
     """The debug level to run at, starting from the shell's. --debug asks for DETAIL on NCCL and
-    INFO on gloo. DETAIL crashes DDP on gloo, so there it becomes INFO, with one warning."""
+    INFO on gloo. DETAIL is known to crash DDP on gloo and untested here, so there it becomes
+    INFO, with one warning."""
     if debug:
         level = dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO
     if backend == "gloo" and level == dist.DebugLevel.DETAIL:  # the shell's
@@ -1124,7 +1128,7 @@ def parse_args(argv=None):
            "1f1b (after a warm-up, one forward and one backward in turn: fewer activations "
            "held) (default: 1f1b)")
     a("--reshard-after-forward", choices=["yes", "no"], default="no",  # PP 1: no by default
-      help="yes: free each block's gathered weights after each forward (ZeRO-3); no: keep them "
+      help="yes: free each block's gathered weights after each forward; no: keep them "
            "until the step's backwards end (one all-gather per block and step, not one per "
            "micro-batch; more memory) (default: no)")
     a("--debug", action="store_true", help="TORCH_DISTRIBUTED_DEBUG and each rank's data windows")

@@ -380,7 +380,7 @@ def resume_path(run):
         raise InputError("--resume auto needs a --save path to look for")
     found = [newest_complete_step(save, run.is_main) if run.is_main else None]  # FSDP 3
     dist.broadcast_object_list(found, src=0)  # DDP 7: rank 0 decides for every rank
-    return found[0]  # FSDP 3
+    return found[0]  # FSDP 3: the newest complete step folder, or None
 
 
 def agree_on_start(start, error, path):
@@ -487,14 +487,14 @@ def train_step(run, model, optimizer, windows, step):
     grad_norm = grad_norm.full_tensor()  # FSDP 6: the norm over all shards, the same everywhere
     loss = mean_over_ranks(loss)  # DDP 9: the same mean on every rank, so all stop or none
     stop_if_diverged(run, step, loss, grad_norm)
-    optimizer.step()  # FSDP 1
+    optimizer.step()  # FSDP 1: no scaler; each rank steps its shards
     optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm
 
 
 def accumulate_gradients(model, batches, context, every=True):  # CP 3: this rank's tokens
     """Forward and backward over each micro-batch (inputs, targets); the loss to average. every:
-    each backward reduce-scatters a group's gradients into the shards, which add up there, so no
+    each backward reduce-scatters a unit's gradients into the shards, which add up there, so no
     rank holds a whole gradient past its group's backward; else (--grad-sync last)
     whole gradients add up on every rank and the last backward reduce-scatters them once."""
     tokens = sum((y != -100).sum() for _, y in batches).double()  # CP 3: -100 marks no target
@@ -909,7 +909,8 @@ def refuse_a_bad_launch(device_name):  # guard: a process that could never join 
 
 def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo
     """The debug level to run at, starting from the shell's. --debug asks for DETAIL on NCCL and
-    INFO on gloo. DETAIL crashes DDP on gloo, so there it becomes INFO, with one warning."""
+    INFO on gloo. DETAIL is known to crash DDP on gloo and untested here, so there it becomes
+    INFO, with one warning."""
     if debug:
         level = dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO
     if backend == "gloo" and level == dist.DebugLevel.DETAIL:  # the shell's
@@ -1009,7 +1010,7 @@ def parse_args(argv=None):
       help="with --grad-accum: every: reduce-scatter each micro-batch's gradients, they stay "
            "sharded; last: keep them whole and reduce-scatter once (default: every)")
     a("--reshard-after-forward", choices=["yes", "no"], default="yes",  # FSDP 2
-      help="yes: free each block's gathered weights after its forward (ZeRO-3); no: keep them "
+      help="yes: free each block's gathered weights after its forward; no: keep them "
            "until its backward (fewer all-gathers, more memory) (default: yes)")
     a("--debug", action="store_true", help="TORCH_DISTRIBUTED_DEBUG and each rank's data windows")
     a = p.add_argument_group("evaluation, logging, checkpoints").add_argument
@@ -1427,7 +1428,7 @@ def memory_line(model):  # FSDP 2: what each rank holds, against a whole copy
 
 def accumulation_line(model, args):  # FSDP 2: the gradients held, and reduce-scattered
     """What a rank holds of the gradients between micro-batches, and the reduce-scatters a step
-    makes (each takes a group's whole fp32 gradient in and gives back its shard)."""
+    makes (each takes a unit's whole fp32 gradient in and gives back its shard)."""
     whole = 4 * sum(p.numel() for p in model.parameters()) / 2**20  # fp32 gradients, all of them
     if args.grad_sync == "every":
         return (f"--grad-sync every: gradients stay sharded between micro-batches; the {whole:.2f} "

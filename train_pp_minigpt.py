@@ -330,7 +330,7 @@ def resume_path(run):
         raise InputError("--resume auto needs a --save path to look for")
     found = [newest_complete_step(save, run.is_main) if run.is_main else None]  # FSDP 3
     dist.broadcast_object_list(found, src=0)  # DDP 7: rank 0 decides for every rank
-    return found[0]  # FSDP 3
+    return found[0]  # FSDP 3: the newest complete step folder, or None
 
 
 def agree_on_start(start, error, path):
@@ -469,7 +469,7 @@ def train_step(run, schedule, model, optimizer, windows, step):
     # ranks, times pp, is the mean over the dp replicas: the global batch's loss, on every rank
     loss = mean_over_ranks(loss) * args.pp  # a collective of every rank
     stop_if_diverged(run, step, loss, grad_norm)
-    optimizer.step()  # FSDP 1
+    optimizer.step()  # FSDP 1: no scaler; each rank steps its shards
     optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm
 
@@ -483,7 +483,7 @@ def sum_tied_gradients(run, model):
 
 def clip_gradients(run, model, max_norm):
     """The whole model's clip_grad_norm_: the stages' squared norms summed, the tied matrix once."""
-    twin = model.head.weight if run.stage > 0 and model.head is not None else None  # PP 4
+    twin = model.head.weight if run.stage > 0 and model.head is not None else None  # PP 4: a copy
     norm = nn.utils.get_total_norm([p.grad for p in model.parameters() if p is not twin])
     norm = norm.full_tensor() ** 2  # the stage's norm over its shards, on each of its ranks
     dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=run.mesh.get_group("pp"))  # PP 8: stages
@@ -810,7 +810,8 @@ def refuse_a_bad_launch(device_name):  # guard: a process that could never join 
 
 def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo
     """The debug level to run at, starting from the shell's. --debug asks for DETAIL on NCCL and
-    INFO on gloo. DETAIL crashes DDP on gloo, so there it becomes INFO, with one warning."""
+    INFO on gloo. DETAIL is known to crash DDP on gloo and untested here, so there it becomes
+    INFO, with one warning."""
     if debug:
         level = dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO
     if backend == "gloo" and level == dist.DebugLevel.DETAIL:  # the shell's
@@ -911,7 +912,7 @@ def parse_args(argv=None):
            "1f1b (after a warm-up, one forward and one backward in turn: fewer activations "
            "held) (default: 1f1b)")
     a("--reshard-after-forward", choices=["yes", "no"], default="no",  # PP 1: no by default
-      help="yes: free each block's gathered weights after each forward (ZeRO-3); no: keep them "
+      help="yes: free each block's gathered weights after each forward; no: keep them "
            "until the step's backwards end (one all-gather per block and step, not one per "
            "micro-batch; more memory) (default: no)")
     a("--debug", action="store_true", help="TORCH_DISTRIBUTED_DEBUG and each rank's data windows")

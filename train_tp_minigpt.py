@@ -372,7 +372,7 @@ def resume_path(run):
         raise InputError("--resume auto needs a --save path to look for")
     found = [newest_complete_step(save, run.is_main) if run.is_main else None]  # FSDP 3
     dist.broadcast_object_list(found, src=0)  # DDP 7: rank 0 decides for every rank
-    return found[0]  # FSDP 3
+    return found[0]  # FSDP 3: the newest complete step folder, or None
 
 
 def agree_on_start(start, error, path):
@@ -458,7 +458,7 @@ def mean_loss_over_ranks(model, batches):  # FSDP 1: no autocast; DDP 9: sum, di
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
     for x, y in batches:
-        logits, _ = model(x)  # FSDP 1
+        logits, _ = model(x)  # FSDP 1: no autocast; the policy casts
         with loss_parallel():  # TP 6: from the logits split by vocabulary
             loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
         totals[0] += local(loss)  # TP 6: the whole sum, on every rank of the tp group
@@ -481,7 +481,7 @@ def train_step(run, model, optimizer, windows, step):
     grad_norm = clip_gradients(model, args.clip or float("inf"))  # TP 7: over both meshes
     loss = mean_over_ranks(loss)  # DDP 9: the same mean on every rank, so all stop or none
     stop_if_diverged(run, step, loss, grad_norm)
-    optimizer.step()  # FSDP 1
+    optimizer.step()  # FSDP 1: no scaler; each rank steps its shards
     optimizer.zero_grad(set_to_none=True)
     if args.check_sync:  # TP 8: debugging: compare a tp group's copies after every step
         check_replicas_in_sync(run, model, f"step {step + 1}")  # a collective in each tp group
@@ -490,7 +490,7 @@ def train_step(run, model, optimizer, windows, step):
 
 def accumulate_gradients(model, batches, every=True):  # FSDP 7: stay sharded, or not
     """Forward and backward over each micro-batch (inputs, targets); the loss to average. every:
-    each backward reduce-scatters a group's gradients into the shards, which add up there, so no
+    each backward reduce-scatters a unit's gradients into the shards, which add up there, so no
     rank holds a whole gradient past its group's backward; else (--grad-sync last)
     whole gradients add up on every rank and the last backward reduce-scatters them once."""
     total = 0.0
@@ -832,7 +832,8 @@ def refuse_a_bad_launch(device_name):  # guard: a process that could never join 
 
 def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo
     """The debug level to run at, starting from the shell's. --debug asks for DETAIL on NCCL and
-    INFO on gloo. DETAIL crashes DDP on gloo, so there it becomes INFO, with one warning."""
+    INFO on gloo. DETAIL is known to crash DDP on gloo and untested here, so there it becomes
+    INFO, with one warning."""
     if debug:
         level = dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO
     if backend == "gloo" and level == dist.DebugLevel.DETAIL:  # the shell's
@@ -929,7 +930,7 @@ def parse_args(argv=None):
       help="with --grad-accum: every: reduce-scatter each micro-batch's gradients, they stay "
            "sharded; last: keep them whole and reduce-scatter once (default: every)")
     a("--reshard-after-forward", choices=["yes", "no"], default="yes",  # FSDP 2
-      help="yes: free each block's gathered weights after its forward (ZeRO-3); no: keep them "
+      help="yes: free each block's gathered weights after its forward; no: keep them "
            "until its backward (fewer all-gathers, more memory) (default: yes)")
     a("--sequence-parallel", choices=["on", "off"], default="on",  # TP 4
       help="split the activations of the norms and dropout by sequence position across the tp "
@@ -1356,7 +1357,7 @@ def traffic_line(run):
 
 def accumulation_line(model, args):  # FSDP 2: the gradients held, and reduce-scattered
     """What a rank holds of the gradients between micro-batches, and the reduce-scatters a step
-    makes (each takes a group's whole fp32 gradient in and gives back its shard)."""
+    makes (each takes a unit's whole fp32 gradient in and gives back its shard)."""
     whole = 4 * sum(p.numel() for p in model.parameters()) / 2**20  # fp32 gradients, all of them
     if args.grad_sync == "every":
         return (f"--grad-sync every: gradients stay sharded between micro-batches; the {whole:.2f} "
