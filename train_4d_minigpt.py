@@ -220,7 +220,8 @@ def grid(args, device, world_size):
                          "processes, or give smaller sizes")
     shape, names = (args.pp, world_size // inner, args.cp, args.tp), ("pp", "dp", "cp", "tp")
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)  # 4D 1: groups along each dim
-    # dp x cp x tp as one dim too, so that a norm sums over them in one collective (private API)
+    # dp x cp x tp as one mesh too: DTensor's redistribute finds it by its ranks, and then reduces
+    # a norm over those dims in one collective, not one per dim (private API)
     mesh["dp", "cp", "tp"]._flatten("dp_cp_tp")  # 4D 1
     return mesh
 
@@ -788,7 +789,8 @@ class GPT(nn.Module):
             p.copy_(initial_value(name, p.shape, seed, len(self.blocks)))
 
     def forward(self, idx, targets=None):
-        """Logits (B, T, vocab), and the mean cross-entropy per token if targets are given."""
+        """Logits (B, T, vocab), and the mean cross-entropy per token if targets are given. With
+        tp > 1 the logits are a DTensor split by vocabulary, and the loss needs loss_parallel()."""
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
         for block in self.blocks:

@@ -37,12 +37,16 @@ layout.
 TP's own terms. A column-wise split of a linear layer gives each rank of a tp group some of the
 layer's outputs, computed from the whole input. A row-wise split gives each rank some of the
 inputs, so that it computes a partial sum of every output; a collective adds the partial sums up.
-Sequence parallelism splits the activations between those layers by sequence position across the
-tp group, so that the norms and dropout each work on one part. Loss parallel computes the
+Sequence parallelism splits the activations between those layers by sequence position across the tp
+group, so that the norms and dropout each work on one part. Loss parallel computes the
 cross-entropy from logits split by vocabulary across the tp group, without gathering them. A
 DTensor is a tensor spread over a mesh, with one placement per mesh dim: Shard(d), split along its
 dim d; Replicate(), a whole copy on every rank; Partial, one part of a sum. A micro-batch is the
-batch of one forward and backward; --grad-accum of them make one optimizer step.
+batch of one forward and backward; --grad-accum of them make one optimizer step. In a plan,
+input_layouts and desired_input_layouts say how a module's input arrives and how it must be laid
+out, and the style runs the collective between them; output_layouts says how its output leaves, and
+use_local_output=False keeps it a DTensor. The ends are the tied embedding and head, which split
+the vocabulary.
 
 Tags: each `# TP k` comment marks a line that TP adds or changes, numbered in reading order:
   TP 1   --tp N: the (world size / N, N) mesh; a tp group is N consecutive ranks, on one node
@@ -195,7 +199,8 @@ def grid(tp, device, world_size):
                          f"multiple of {tp} processes, or give --tp 1")
     shape, names = (world_size // tp, tp), ("dp", "tp")
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)  # TP 1: creates the groups
-    # Both dims as one, so that DTensor sums the gradient norm in one collective, not one per dim
+    # Both dims as one mesh too: DTensor's redistribute finds it by its ranks, and then reduces a
+    # norm over both dims in one collective, not one per dim
     mesh["dp", "tp"]._flatten("dp_tp")  # TP 1: private in torch 2.14; torchtitan uses it too
     return mesh
 
@@ -641,7 +646,8 @@ class GPT(nn.Module):
             p.copy_(initial_value(name, p.shape, seed, len(self.blocks)))
 
     def forward(self, idx, targets=None):
-        """Logits (B, T, vocab), and the mean cross-entropy per token if targets are given."""
+        """Logits (B, T, vocab), and the mean cross-entropy per token if targets are given. With
+        tp > 1 the logits are a DTensor split by vocabulary, and the loss needs loss_parallel()."""
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
         for block in self.blocks:
