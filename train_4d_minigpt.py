@@ -336,7 +336,7 @@ class Windows:
 
     def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
         self.tokens, self.block, self.batch = tokens, block_size, batch_size
-        self.rank, self.world, self.seed = rank, world_size, seed
+        self.rank, self.world, self.seed = rank, world_size, seed  # DDP 4: replica index and count
         # The windows that fit whatever the offset (at most block_size), split evenly over ranks.
         per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size
         self.per_epoch = per_rank // batch_size  # per rank: all ranks change epoch together

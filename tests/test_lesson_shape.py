@@ -263,7 +263,12 @@ def test_the_key_check_fails_on_an_unkeyed_tag_and_an_inherited_row():
                                          ("train_cp_minigpt.py", "CP"),
                                          ("train_cp_minigpt.py", "FSDP"),
                                          ("train_4d_minigpt.py", "4D"),
-                                         ("train_4d_minigpt.py", "PP")])
+                                         ("train_4d_minigpt.py", "PP"),
+                                         ("train_4d_minigpt.py", "FSDP"),
+                                         ("train_tp_minigpt.py", "DDP"),
+                                         ("train_pp_minigpt.py", "DDP"),
+                                         ("train_cp_minigpt.py", "DDP"),
+                                         ("train_4d_minigpt.py", "DDP")])
 def test_tags_first_appear_in_reading_order(name, family):
     seen = []
     for line in lines(name):
