@@ -595,7 +595,7 @@ def pipeline_forward(run, model, x, context=None):  # 4D 3: None: the run's Cont
     if run.stage > 0:  # every stage knows x (B, T): the activations that arrive are (B, T, C)
         h = torch.empty(*stream_shape(run, x.shape), dtype=activation_dtype(run),  # 4D 6
                         device=run.device)
-        dist.recv(h, group=group, group_src=run.stage - 1)  # PP 7: waits for the stage before
+        dist.recv(h, group=group, group_src=run.stage - 1)  # PP 7: the stage before, by group rank
         x = h
     out = model(x, context)  # 4D 3
     if run.stage == last:
@@ -1427,7 +1427,7 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
             os.remove(tmp)
 
 
-def free_gathered_weights(model):  # FSDP 5: --reshard-after-forward no keeps them gathered
+def free_gathered_weights(model):  # FSDP 5: a forward without a backward leaves weights whole
     """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
     sampling) gathered are freed, and the parameters are this rank's shards again."""
     for module in model.modules():

@@ -38,7 +38,8 @@ unit of the rest (embeddings, final norm, head). DCP, torch.distributed.checkpoi
 every rank's shards, at any layout.
 
 What CP saves: each rank holds 1/cp of every sequence's activations, its own queries, keys and
-values included. Backward gathers each block's keys and values again, one block at a time. Each
+values included. The all-gather runs again in backward, one block at a time (the ring passes
+keys and values round again instead). Each
 token keeps its position in the whole sequence, so its position embedding is the one-process one.
 
 Tags: `# CP k` marks each line that context parallelism adds or changes, in reading order:
@@ -182,7 +183,7 @@ def make_run(args, device, rank, world_size):
 
 def grid(cp, device, world_size):
     """The mesh: world size / cp rows of cp ranks, rank r in row r // cp as its rank r % cp. A row
-    is consecutive ranks, so with cp at most a node's GPUs its gathers stay on the node's links.
+    is consecutive ranks, so with cp dividing a node's GPUs its gathers stay on the node's links.
     shard() flattens both dims into one, so FSDP shards over every rank (_flatten is private)."""
     if world_size % cp:
         raise InputError(f"--cp {cp} does not divide the world size {world_size}: start a "
@@ -495,7 +496,7 @@ def train_step(run, model, optimizer, windows, step):
 def accumulate_gradients(model, batches, context, every=True):  # CP 3: this rank's tokens
     """Forward and backward over each micro-batch (inputs, targets); the loss to average. every:
     each backward reduce-scatters a unit's gradients into the shards, which add up there, so no
-    rank holds a whole gradient past its group's backward; else (--grad-sync last)
+    rank holds a whole gradient past its unit's backward; else (--grad-sync last)
     whole gradients add up on every rank and the last backward reduce-scatters them once."""
     tokens = sum((y != -100).sum() for _, y in batches).double()  # CP 3: -100 marks no target
     dist.all_reduce(tokens, op=dist.ReduceOp.SUM)  # a collective: all ranks' targets this step
@@ -1297,7 +1298,7 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
             os.remove(tmp)
 
 
-def free_gathered_weights(model):  # FSDP 5: --reshard-after-forward no keeps them gathered
+def free_gathered_weights(model):  # FSDP 5: a forward without a backward leaves weights whole
     """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
     sampling) gathered are freed, and the parameters are this rank's shards again."""
     for module in model.modules():

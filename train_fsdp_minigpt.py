@@ -406,7 +406,7 @@ def train_step(run, model, optimizer, windows, step):
 def accumulate_gradients(model, batches, every=True):  # FSDP 7: stay sharded, or not
     """Forward and backward over each micro-batch (inputs, targets); the loss to average. every:
     each backward reduce-scatters a unit's gradients into the shards, which add up there, so no
-    rank holds a whole gradient past its group's backward; else (--grad-sync last)
+    rank holds a whole gradient past its unit's backward; else (--grad-sync last)
     whole gradients add up on every rank and the last backward reduce-scatters them once."""
     total = 0.0
     for i, (x, y) in enumerate(batches):
@@ -1046,7 +1046,7 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
             os.remove(tmp)
 
 
-def free_gathered_weights(model):  # FSDP 5: --reshard-after-forward no keeps them gathered
+def free_gathered_weights(model):  # FSDP 5: a forward without a backward leaves weights whole
     """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
     sampling) gathered are freed, and the parameters are this rank's shards again."""
     for module in model.modules():

@@ -441,7 +441,7 @@ def pipeline_forward(run, model, x):
     group, last = run.mesh.get_group("pp"), run.args.pp - 1
     if run.stage > 0:  # every stage knows x (B, T): the activations that arrive are (B, T, C)
         h = torch.empty(*x.shape, run.args.n_embd, dtype=activation_dtype(run), device=run.device)
-        dist.recv(h, group=group, group_src=run.stage - 1)  # PP 7: waits for the stage before
+        dist.recv(h, group=group, group_src=run.stage - 1)  # PP 7: the stage before, by group rank
         x = h
     out = model(x)
     if run.stage == last:
@@ -459,7 +459,7 @@ def train_step(run, schedule, model, optimizer, windows, step):
     first, last, losses = run.stage == 0, run.stage == args.pp - 1, []
     inputs, target = ((x,) if first else ()), (y if last else None)
     schedule.step(*inputs, target=target, losses=losses if last else None,
-                  return_outputs=False)  # PP 1: a collective of the replica's stages
+                  return_outputs=False)  # PP 1: a collective; it keeps no logits
     loss = torch.stack(losses).mean() if last else torch.zeros((), device=run.device)
     sum_tied_gradients(run, model)  # PP 4: a collective of the two ends
     for group in optimizer.param_groups:
@@ -753,7 +753,8 @@ def export(run, raw_model, data):  # FSDP 8: one plain file, as one process save
 
 @torch.no_grad()
 def generate(run, model, idx):
-    """Append --max-new-tokens tokens to idx (1, T); a collective of the replica's pp group."""
+    """Append --max-new-tokens tokens to idx (1, T); a collective of the replica's pp group, and of
+    each stage's dp group, whose FSDP gathers the weights."""
     args = run.args
     for _ in range(args.max_new_tokens):
         logits = pipeline_forward(run, model, idx[:, -args.block_size:])  # PP 7: a collective
@@ -1199,7 +1200,7 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
             os.remove(tmp)
 
 
-def free_gathered_weights(model):  # FSDP 5: --reshard-after-forward no keeps them gathered
+def free_gathered_weights(model):  # FSDP 5: a forward without a backward leaves weights whole
     """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
     sampling) gathered are freed, and the parameters are this rank's shards again."""
     for module in model.modules():
@@ -1347,7 +1348,7 @@ def traffic_line(run, vocab_size):
     if args.pp == 1:
         return "PP traffic per rank: none (--pp 1: chapter 7's FSDP alone)"
     tensor = args.batch_size * args.block_size * args.n_embd * activation_dtype(run).itemsize
-    tied = vocab_size * args.n_embd * 4 / run.dp_size  # PP 5: one rank's shard of the tied gradient
+    tied = vocab_size * args.n_embd * 4 / run.dp_size  # PP 4: one rank's shard of the tied gradient
     return (f"PP traffic per rank: {tensor / 2**20:.2f} MiB of activations to the next stage and "
             f"{tensor / 2**20:.2f} MiB of their gradients back, per micro-batch ({args.grad_accum}"
             f" per step); the tied matrix: an all-reduce of {tied / 2**20:.2f} MiB per step "

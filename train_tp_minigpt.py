@@ -48,6 +48,14 @@ out, and the style runs the collective between them; output_layouts says how its
 use_local_output=False keeps it a DTensor. The ends are the tied embedding and head, which split
 the vocabulary.
 
+What the block's code sees. Without sequence parallelism every tensor between the layers is a
+plain local tensor: the residual stream whole, (B, T, C); qkv's output this rank's heads, (B, T,
+3C / tp); proj's output summed back to (B, T, C). With it, the residual stream is a plain (B, T /
+tp, C) tensor. SequenceParallel and PrepareModuleInput return DTensors (their use_local_output is
+False by default), so attn and mlp receive a Replicate DTensor, whole and (B, T, C) in shape; the
+column-wise layer's output is again a plain local tensor, and so is the row-wise layer's, (B, T /
+tp, C). The head's logits stay a DTensor split by vocabulary, for loss parallel.
+
 Tags: each `# TP k` comment marks a line that TP adds or changes, numbered in reading order:
   TP 1   --tp N: the (world size / N, N) mesh; a tp group is N consecutive ranks, on one node
   TP 2   data and batch by dp rank; dropout seeds too, or by rank under sequence parallelism
@@ -496,7 +504,7 @@ def train_step(run, model, optimizer, windows, step):
 def accumulate_gradients(model, batches, every=True):  # FSDP 7: stay sharded, or not
     """Forward and backward over each micro-batch (inputs, targets); the loss to average. every:
     each backward reduce-scatters a unit's gradients into the shards, which add up there, so no
-    rank holds a whole gradient past its group's backward; else (--grad-sync last)
+    rank holds a whole gradient past its unit's backward; else (--grad-sync last)
     whole gradients add up on every rank and the last backward reduce-scatters them once."""
     total = 0.0
     for i, (x, y) in enumerate(batches):
@@ -1227,7 +1235,7 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
             os.remove(tmp)
 
 
-def free_gathered_weights(model):  # FSDP 5: --reshard-after-forward no keeps them gathered
+def free_gathered_weights(model):  # FSDP 5: a forward without a backward leaves weights whole
     """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
     sampling) gathered are freed, and the parameters are this rank's shards again."""
     for module in model.modules():
