@@ -1119,7 +1119,7 @@ def amp_dtype(choice, device):
         raise InputError("--amp fp16 needs a CUDA device; on a CPU use --amp bf16 or --amp off")
     if choice == "bf16" and device.type == "cuda" and not native_bf16:
         raise InputError("--amp bf16: this GPU has no native bf16 (only slow emulation); "
-                         "use --amp fp16")
+                         "use --amp off")  # FSDP 1: fp16 is refused
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[choice]
 
 
@@ -1163,13 +1163,12 @@ def stop_if_diverged(run, step, loss, grad_norm):
     """Raise Diverged, before the optimizer applies it, if a step's loss or gradient norm is not
     finite. Both are the same on every rank, so every rank stops at this step."""
     loss, grad_norm = loss.item(), grad_norm.item()  # a host sync per step: the price of the check
-    fp16 = run.amp == "float16"
-    if math.isfinite(loss) and (math.isfinite(grad_norm) or fp16):
+    if math.isfinite(loss) and math.isfinite(grad_norm):  # FSDP 1: no fp16, so no scaler to skip
         return
     args = run.args
     raise Diverged(f"step {step + 1}/{args.max_steps}: loss {loss:.4g}, grad norm {grad_norm:.4g}: "
                    f"not finite, step not applied; try a lower --lr (now {args.lr:g}), a --clip "
-                   f"(now {args.clip:g}){', or --amp bf16 instead of fp16' if fp16 else ''}")
+                   f"(now {args.clip:g})")
 
 
 # ------------------------------------------------------------------------------- checkpoint files

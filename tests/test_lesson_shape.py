@@ -35,7 +35,7 @@
    7's by at most 219 (the stage, the schedule, the tied weight, forward-only pipelines), chapter
    10's from chapter 7's by at most 254 (the mesh, the split, the gather, the ring), chapter 11's
    from chapter 9's by at most 271 (the 4-D mesh, TP's plans, CP's Context, the norm); the whole
-   files, past their docstrings, by at most 426, 285, 410, 355 and 415 lines (the plumbing stays
+   files, past their docstrings, by at most 433, 285, 410, 355 and 415 lines (the plumbing stays
    shared, but for chapters 8, 10 and 11's warnings of a group across nodes, and --grad-sync);
 8. every block of code a twin adds or changes holds its tag (`# FSDP k`, k = 1..8; `# TP k`,
    1..8; `# PP k`, 1..8; `# CP k`, 1..7; `# 4D k`, 1..10; in reading order) on one of its lines,
@@ -383,7 +383,7 @@ def test_the_block_check_fails_on_untagged_code_and_passes_reworded_comments():
 @pytest.mark.parametrize("parent,child,tag,changes,limit,chapter,row", [
     # lines changed past the module docstrings (each keys its own family); chapter 7: most are
     # the meta build, DCP checkpoints and the export
-    ("train_ddp_minigpt.py", "train_fsdp_minigpt.py", FSDP_TAG, FSDP_CHANGES, 426, "7", "F"),
+    ("train_ddp_minigpt.py", "train_fsdp_minigpt.py", FSDP_TAG, FSDP_CHANGES, 433, "7", "F"),
     # chapter 8: 98 for sequence parallelism and loss parallel, 5 for compile by block
     ("train_fsdp_minigpt.py", "train_tp_minigpt.py", TP_TAG, TP_CHANGES, 285, "8", "T"),
     ("train_fsdp_minigpt.py", "train_pp_minigpt.py", PP_TAG, PP_CHANGES, 410, "9", "P"),
