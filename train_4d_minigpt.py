@@ -62,8 +62,8 @@ Tags: each `# 4D k` comment marks a line this chapter adds or changes, numbered 
   4D 8   loss parallel, in training and evaluation: the logits stay split by vocabulary
   4D 9   the gradient norm per mesh (dp x cp, and dp x cp x tp), summed over the stages
   4D 10  sampling: every rank the whole context, padded; the ranks of a replica draw alike
-Lines tagged PP k, FSDP k or DDP k come from chapters 9, 7 and 3; each tag says on its
-line what that line does.
+Lines tagged PP k, FSDP k or DDP k mark what chapters 9, 7 and 3 changed; the key of each is in
+its chapter, and most say on the line what it does.
 
 See also: docs/4d.md (the layout, what each group sends, measurements) and docs/performance.md.
 """

@@ -50,8 +50,8 @@ Tags: `# CP k` marks each line that context parallelism adds or changes, in read
   CP 5   --cp-rotate ring: keys and values passed from rank to rank, one rank's at a time
   CP 6   the model takes a Context: positions in the whole sequence, a lower-right causal mask
   CP 7   the default --save and --export paths; the files keep the formats of --cp 1
-Lines tagged DDP k or FSDP k come from chapters 3 and 7; each says on its line what that
-line does.
+Lines tagged DDP k or FSDP k mark what chapters 3 and 7 changed; the key of each is in its
+chapter, and most say on the line what it does.
 See also docs/cp.md: the split, the gather and the ring explained and measured.
 """
 import argparse

@@ -46,7 +46,8 @@ Tags. `# FSDP k` marks each line FSDP changes in a DDP trainer, numbered in read
   FSDP 6  the gradient norm is a DTensor over all shards; full_tensor() makes it one number
   FSDP 7  --grad-sync: reduce-scatter after every micro-batch, or once after the last
   FSDP 8  --export gathers the whole model into one plain file
-Lines tagged DDP k come from chapter 3; each tag says on its line what that line does.
+Lines tagged DDP k mark what chapter 3 changes for DDP; its docstring keys them (DDP 8, 10 and
+15, DDP's wrapper, no_sync and replica check, have no place here).
 Lines tagged `# guard:` each avoid one known failure, all before the process group is joined.
 See also docs/fsdp.md (what FSDP holds and sends, measured) and docs/conventions.md.
 """

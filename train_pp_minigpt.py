@@ -52,7 +52,8 @@ Tags: each `# PP k` comment marks a line that PP adds or changes, numbered in re
   PP 6   checkpoints under the whole model's names, so that any layout resumes any other
   PP 7   evaluation and sampling: a forward-only pipeline of send and recv; the last stage scores
   PP 8   the gradient norm summed over every stage and shard, so clipping matches one process's
-Lines tagged DDP k or FSDP k come from chapters 3 and 7; each says on its line what it does.
+Lines tagged DDP k or FSDP k mark what chapters 3 and 7 changed; the key of each is in its
+chapter, and most say on the line what it does.
 
 See also: docs/pp.md (the schedules, the bubble and FSDP's gathers, measured) and docs/mistakes.md.
 """

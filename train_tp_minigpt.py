@@ -65,7 +65,8 @@ Tags: each `# TP k` comment marks a line that TP adds or changes, numbered in re
   TP 6   loss parallel: the loss and its backward from logits split by vocabulary
   TP 7   the gradient norm per mesh, then combined, since clip_grad_norm_ cannot mix meshes
   TP 8   --check-sync: the copies a tp group's ranks hold of unsplit weights, compared by hash
-Lines tagged DDP k or FSDP k come from chapters 3 and 7; each tag says what its line does.
+Lines tagged DDP k or FSDP k mark what chapters 3 and 7 changed; the key of each is in its
+chapter, and most say on the line what it does.
 
 See also: docs/tp.md (why TP stays inside one node, and measurements) and docs/mistakes.md.
 """
