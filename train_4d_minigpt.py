@@ -592,7 +592,7 @@ def mean_loss_over_ranks(run, model, batches):  # PP 7: run; FSDP 1: no autocast
 def pipeline_forward(run, model, x, context=None):  # 4D 3: None: the run's Context
     """A forward through the replica's stages, a collective: the last stage's logits, else None."""
     group, last = run.mesh.get_group("pp"), run.args.pp - 1
-    if run.stage > 0:  # every stage knows x (B, T): the activations that arrive are (B, T, C)
+    if run.stage > 0:  # every stage knows x's shape; stream_shape says what arrives
         h = torch.empty(*stream_shape(run, x.shape), dtype=activation_dtype(run),  # 4D 6
                         device=run.device)
         dist.recv(h, group=group, group_src=run.stage - 1)  # PP 7: the stage before, by group rank
@@ -1130,7 +1130,8 @@ def parse_args(argv=None):
            "1f1b (after a warm-up, one forward and one backward in turn: fewer activations "
            "held) (default: 1f1b)")
     a("--reshard-after-forward", choices=["yes", "no"], default="no",  # PP 1: no by default
-      help="yes: free each block's gathered weights after each forward; no: keep them "
+      help="yes: free each block's gathered weights (but the last's) after each forward; "
+           "no: keep them "
            "until the step's backwards end (one all-gather per block and step, not one per "
            "micro-batch; more memory) (default: no)")
     a("--debug", action="store_true", help="TORCH_DISTRIBUTED_DEBUG and each rank's data windows")
@@ -1426,7 +1427,7 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
             os.remove(tmp)
 
 
-def free_gathered_weights(model):  # FSDP 5: a forward without a backward leaves weights whole
+def free_gathered_weights(model):  # FSDP 5: a forward alone leaves the root's weights whole
     """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
     sampling) gathered are freed, and the parameters are this rank's shards again."""
     for module in model.modules():

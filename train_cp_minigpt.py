@@ -1011,7 +1011,8 @@ def parse_args(argv=None):
       help="with --grad-accum: every: reduce-scatter each micro-batch's gradients, they stay "
            "sharded; last: keep them whole and reduce-scatter once (default: every)")
     a("--reshard-after-forward", choices=["yes", "no"], default="yes",  # FSDP 2
-      help="yes: free each block's gathered weights after its forward; no: keep them "
+      help="yes: free each block's gathered weights (but the last's) after its forward; "
+           "no: keep them "
            "until its backward (fewer all-gathers, more memory) (default: yes)")
     a("--debug", action="store_true", help="TORCH_DISTRIBUTED_DEBUG and each rank's data windows")
     a = p.add_argument_group("evaluation, logging, checkpoints").add_argument
@@ -1297,7 +1298,7 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
             os.remove(tmp)
 
 
-def free_gathered_weights(model):  # FSDP 5: a forward without a backward leaves weights whole
+def free_gathered_weights(model):  # FSDP 5: a forward alone leaves the root's weights whole
     """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
     sampling) gathered are freed, and the parameters are this rank's shards again."""
     for module in model.modules():

@@ -13,24 +13,25 @@ The multi-node line prints the torchrun command for each node; sampling runs in 
 default data, this Python's standard library (2,000,000 bytes, a token per byte, vocab 256), needs
 no download; `--data` also takes a text file, a .bin of uint16 token ids, or a nanoGPT folder.
 
-Terms. torchrun starts the processes, usually one per device; each runs this whole file. The
-world size is the number of processes; a process's rank is its number, from 0 to world size - 1.
-The process group lets the processes communicate; its backend moves the data (NCCL between GPUs,
-gloo on CPUs). A collective is a call that every rank makes, in the same order, to exchange data;
-a rank that reaches it waits there for the others. An all-reduce adds a tensor up over all ranks
-and gives every rank the sum; a broadcast sends one rank's data to every rank. A shard is this
-rank's 1/world-size slice of a parameter along dim 0. An all-gather gives every rank every rank's
-shard, so the whole parameter; a reduce-scatter adds the gradients up over the ranks and leaves
-each rank the slice of the sum its shard needs (FSDP then divides it by the world size, so each
-shard holds the mean). A DeviceMesh lays the ranks out in a grid, here one line of all of them;
-a DTensor is a tensor spread over a mesh, its placements saying how (Shard(0): split along dim
-0), and to_local() is this rank's part. fully_shard makes each block a unit whose weights are
-gathered and freed together; the root is the unit of the rest (embeddings, final norm, head).
-DCP, torch.distributed.checkpoint, saves and loads every rank's shards at once. Each rank is a
-data-parallel replica: it computes the whole model, one unit at a time, on windows of its own. A
-window is block_size + 1 consecutive tokens, the inputs and targets of one sequence. A
-micro-batch is --batch-size windows through one forward and backward; an optimizer step runs
---grad-accum of them on every rank.
+Terms. torchrun starts the processes, usually one per device; each runs this whole file. The world
+size is the number of processes; a process's rank is its number, from 0 to world size - 1. The
+process group lets the processes communicate; its backend moves the data (NCCL between GPUs, gloo
+on CPUs). A collective is a call that every rank makes, in the same order, to exchange data; a rank
+that reaches it waits there for the others. An all-reduce adds a tensor up over all ranks and gives
+every rank the sum; a broadcast sends one rank's data to every rank. A shard is this rank's
+1/world-size slice of a parameter along dim 0 (FSDP pads dim 0 where the world size does not divide
+it). An all-gather gives every rank every rank's shard, so the whole parameter; a reduce-scatter
+adds the gradients up over the ranks and leaves each rank the slice of the sum its shard needs
+(FSDP then divides it by the world size, so each shard holds the mean). A DeviceMesh lays the ranks
+out in a grid, here one line of all of them; a DTensor is a tensor spread over a mesh, its
+placements saying how (Shard(0): split along dim 0), and to_local() is this rank's part.
+fully_shard makes each block a unit whose weights are gathered and freed together; the root is the
+unit of the rest (embeddings, final norm, head). It also turns the module into an FSDPModule, which
+adds methods such as reshard() and set_requires_gradient_sync(). DCP, torch.distributed.checkpoint,
+saves and loads every rank's shards at once. Each rank is a data-parallel replica: it computes the
+whole model, one unit at a time, on windows of its own. A window is block_size + 1 consecutive
+tokens, the inputs and targets of one sequence. A micro-batch is --batch-size windows through one
+forward and backward; an optimizer step runs --grad-accum of them on every rank.
 
 Read it top-down: main(), then its core steps in the order it calls them, the model, and the steps
 beyond the core (debugging, the benchmark, the report). Every call that communicates with other
@@ -767,7 +768,8 @@ def parse_args(argv=None):
       help="with --grad-accum: every: reduce-scatter each micro-batch's gradients, they stay "
            "sharded; last: keep them whole and reduce-scatter once (default: every)")
     a("--reshard-after-forward", choices=["yes", "no"], default="yes",  # FSDP 2
-      help="yes: free each block's gathered weights after its forward; no: keep them "
+      help="yes: free each block's gathered weights (but the last's) after its forward; "
+           "no: keep them "
            "until its backward (fewer all-gathers, more memory) (default: yes)")
     a("--debug", action="store_true", help="TORCH_DISTRIBUTED_DEBUG and each rank's data windows")
     a = p.add_argument_group("evaluation, logging, checkpoints").add_argument
@@ -1046,7 +1048,7 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
             os.remove(tmp)
 
 
-def free_gathered_weights(model):  # FSDP 5: a forward without a backward leaves weights whole
+def free_gathered_weights(model):  # FSDP 5: a forward alone leaves the root's weights whole
     """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
     sampling) gathered are freed, and the parameters are this rank's shards again."""
     for module in model.modules():

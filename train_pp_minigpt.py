@@ -914,7 +914,8 @@ def parse_args(argv=None):
            "1f1b (after a warm-up, one forward and one backward in turn: fewer activations "
            "held) (default: 1f1b)")
     a("--reshard-after-forward", choices=["yes", "no"], default="no",  # PP 1: no by default
-      help="yes: free each block's gathered weights after each forward; no: keep them "
+      help="yes: free each block's gathered weights (but the last's) after each forward; "
+           "no: keep them "
            "until the step's backwards end (one all-gather per block and step, not one per "
            "micro-batch; more memory) (default: no)")
     a("--debug", action="store_true", help="TORCH_DISTRIBUTED_DEBUG and each rank's data windows")
@@ -1200,7 +1201,7 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
             os.remove(tmp)
 
 
-def free_gathered_weights(model):  # FSDP 5: a forward without a backward leaves weights whole
+def free_gathered_weights(model):  # FSDP 5: a forward alone leaves the root's weights whole
     """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
     sampling) gathered are freed, and the parameters are this rank's shards again."""
     for module in model.modules():

@@ -4,9 +4,9 @@ data-parallel replicas. Without dropout it computes, up to rounding, what one pr
 
     torchrun --standalone --nproc_per_node=2 train_tp_minigpt.py --tp 2  # dp 1, tp 2: CPU or 2 GPUs
     torchrun --standalone --nproc_per_node=4 train_tp_minigpt.py --tp 2  # dp 2, tp 2: CPU or 4 GPUs
-    torchrun --standalone --nproc_per_node=gpu train_tp_minigpt.py --tp 8  # TP across one node
+    torchrun --standalone --nproc_per_node=gpu train_tp_minigpt.py --tp 8 --n-head 8  # one node
     ./launch_multinode_ddp.sh --nnodes 2 --nproc-per-node 8 --master-addr N0 \
-        train_tp_minigpt.py --tp 8
+        train_tp_minigpt.py --tp 8 --n-head 8
     python train_tp_minigpt.py --sample --ckpt checkpoints/minigpt_tp.pt --prompt "def main("
 
 The multi-node line prints the torchrun command to run on each node; with --tp 8, each node holds
@@ -945,7 +945,8 @@ def parse_args(argv=None):
       help="with --grad-accum: every: reduce-scatter each micro-batch's gradients, they stay "
            "sharded; last: keep them whole and reduce-scatter once (default: every)")
     a("--reshard-after-forward", choices=["yes", "no"], default="yes",  # FSDP 2
-      help="yes: free each block's gathered weights after its forward; no: keep them "
+      help="yes: free each block's gathered weights (but the last's) after its forward; "
+           "no: keep them "
            "until its backward (fewer all-gathers, more memory) (default: yes)")
     a("--sequence-parallel", choices=["on", "off"], default="on",  # TP 4
       help="split the activations of the norms and dropout by sequence position across the tp "
@@ -1235,7 +1236,7 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
             os.remove(tmp)
 
 
-def free_gathered_weights(model):  # FSDP 5: a forward without a backward leaves weights whole
+def free_gathered_weights(model):  # FSDP 5: a forward alone leaves the root's weights whole
     """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
     sampling) gathered are freed, and the parameters are this rank's shards again."""
     for module in model.modules():
