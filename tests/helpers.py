@@ -319,6 +319,17 @@ class Held:
         self.saved.release(self.key, self.nbytes)
 
 
+def streams_restored(module, monkeypatch):
+    """Patch a sharded trainer's load_shards to load nothing (no DCP, no shards) and to record the
+    random states it restores; returns the list they are appended to."""
+    restored = []
+    for name in ("get_state_dict", "set_state_dict"):
+        monkeypatch.setattr(module, name, lambda *a, **k: ({}, {}))
+    monkeypatch.setattr(module.dcp, "load", lambda *a, **k: None)
+    monkeypatch.setattr(module, "shards_finite", lambda model: True)
+    monkeypatch.setattr(module, "restore_rng", lambda saved, device: restored.append(saved))
+    return restored
+
 def unpack(held):
     return held.tensor if isinstance(held, Held) else held
 

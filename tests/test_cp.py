@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
+from helpers import streams_restored
 from helpers import (EVAL_6, GPT, NEEDS_CP, REPO, SHARDED, as_script, command, ddp_reference,
                      finish, in_process, needs_torch, ok, one_process_reference, start,
                      start_two_nodes, summary, trainer)
@@ -186,12 +187,7 @@ def test_random_streams_come_back_only_at_the_cp_that_saved_them(monkeypatch):
     """A checkpoint's RNG states are restored rank by rank only at the world size and --cp that
     saved them: at another cp a rank holds other chunks, and its stream drew masks for those. The
     control: the same cp restores them; a chapter-7 checkpoint (no cp: 1) restores at --cp 1."""
-    restored = []
-    for name in ("get_state_dict", "set_state_dict"):
-        monkeypatch.setattr(cp, name, lambda *a, **k: ({}, {}))
-    monkeypatch.setattr(cp.dcp, "load", lambda *a, **k: None)
-    monkeypatch.setattr(cp, "shards_finite", lambda model: True)
-    monkeypatch.setattr(cp, "restore_rng", lambda saved, device: restored.append(saved))
+    restored = streams_restored(cp, monkeypatch)
     for here, args, expected in [(2, {"cp": 1}, []), (2, {"cp": 2}, ["rank 1's"]),
                                  (1, {}, ["rank 1's"]), (2, {}, []), (2, {"cp": 2, "tp": 2}, [])]:
         run = types.SimpleNamespace(rank=1, world_size=2, device=torch.device("cpu"),

@@ -42,6 +42,7 @@ import types
 import pytest
 import torch
 from helpers import logged_val_losses as val_losses
+from helpers import streams_restored
 from helpers import (CONSTANT_LR, EVAL_6, GPT, REPO, SHARDED, TINY_GPT, command, ddp_reference,
                      finish, hostile_shell, in_process, ok, start, start_two_nodes, summary,
                      trainer)
@@ -162,12 +163,7 @@ def test_random_streams_come_back_only_at_the_layout_that_saved_them(monkeypatch
     without tensor parallelism: a tp row's ranks draw the same dropout masks (chapter 8), so
     restored here they would give two data-parallel ranks one stream; otherwise each rank keeps
     its seed by rank. The control: the same world size without tp restores them."""
-    restored = []
-    for name in ("get_state_dict", "set_state_dict"):
-        monkeypatch.setattr(fsdp, name, lambda *a, **k: ({}, {}))
-    monkeypatch.setattr(fsdp.dcp, "load", lambda *a, **k: None)
-    monkeypatch.setattr(fsdp, "shards_finite", lambda model: True)
-    monkeypatch.setattr(fsdp, "restore_rng", lambda saved, device: restored.append(saved))
+    restored = streams_restored(fsdp, monkeypatch)
     run = types.SimpleNamespace(rank=1, world_size=2, device=torch.device("cpu"))
     for args, expected in [({"tp": 2}, []), ({}, ["rank 1's"]), ({"tp": 1}, ["rank 1's"])]:
         restored.clear()
