@@ -19,7 +19,9 @@ never imports it:
         the others' filesystem
 
 Errors end the probe as they end the script: one line and the script's exit code
-(helpers.run_as_script).
+(helpers.run_as_script). The crash, hang and desync modes then end the process without Python's
+teardown (os._exit, once the group is left and the output flushed): a restarted rank once
+aborted there, after its run had finished ("terminate called without an active exception").
 """
 import errno
 import json
@@ -77,7 +79,12 @@ def fault(mode, at):
         return result
 
     trainer.train_step = faulty_step
-    run_as_script(trainer)
+    try:
+        run_as_script(trainer)  # the script's own end: its error line, the group left
+    except SystemExit as exit_:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_.code)  # then no Python teardown of torch, whose threads can abort there
 
 
 def no_space(from_write):
