@@ -474,7 +474,8 @@ CATALOGUE = [
     Mistake("cp-streams-restored-at-any-cp", 10, C10,
             [("    if saved == (1, run.args.cp, run.world_size):",
               "    if saved[::2] == (1, run.world_size):")],
-            "random streams restored by rank at another --cp: each rank's stream drew for other chunks",
+            "random streams restored by rank at another --cp: each rank's stream drew masks "
+            "for other chunks",
             "restored only at the cp that saved them  # CP 3",
             [T_CP + "test_random_streams_come_back_only_at_the_cp_that_saved_them"]),
 

@@ -22,7 +22,8 @@
    then the plumbing with the guards; each GPT script's docstring keys its own family's tags
    alone, every one of them, and says in one line where the other tags come from (controls: an
    unkeyed number and an inherited row are caught); it has a Terms paragraph and one See also
-   line, and no other comment, docstring or help string names a docs page or another chapter;
+   line, and no other comment, docstring or help string names a docs page or another chapter
+   (a control: planted names are found);
    chapter 3's words name none of the later chapters' machinery (a control: a planted comment
    is caught); no GPT script is longer, its docstring's key aside,
    than it was before the key (1,202 / 1,314 / 1,384 / 1,550 / 1,438), but for the lines SIZE
@@ -79,7 +80,8 @@ SIZE = {"train_ddp_minigpt.py": 1202, "train_fsdp_minigpt.py": 1345,  # lines, a
 # chapters 7 and 10: 1 for random streams restored only at the layout that saved them;
 # chapter 8: 84 for sequence parallelism and loss parallel (the two plans, the dropout stream,
 # sampling from logits split by vocabulary, the traffic line's two forms, the flag and its guard);
-# chapter 7: 10 for its Terms paragraph, 2 for its debug guard's and --reshard's words (the others' stand after their reading order);
+# chapter 7: 10 for its Terms paragraph, 2 for its debug guard's and --reshard's words (the
+# other chapters' Terms stand after their reading order, which this count leaves out);
 # chapter 11: 1,788 at its first version (chapter 9's 1,552 with chapter 8's plans and chapter 10's
 # Context and gather, without the ring)
 
@@ -277,6 +279,18 @@ def test_tags_first_appear_in_reading_order(name, family):
     assert seen == sorted(seen) and seen, f"{name}: {family} tags first appear as {seen}"
 
 
+def code_part(line):
+    """A line without its comment, its right end stripped (a line inside a string keeps all)."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(line.strip() + "\n").readline))
+        cut = next((t.start[1] for t in tokens if t.type == tokenize.COMMENT), None)
+    except (tokenize.TokenError, IndentationError, SyntaxError):  # inside a string
+        cut = None
+    if cut is None:
+        return line.rstrip()
+    return line[:len(line) - len(line.lstrip()) + cut].rstrip()
+
+
 def code_of_main(name):
     """main()'s lines with their comments taken off: [(code, the line as written)]. Each twin's
     comments say what its own chapter does; its code stays the parent's."""
@@ -284,11 +298,7 @@ def code_of_main(name):
     node = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)
                 and n.name == "main")
     text = source.splitlines()[node.lineno - 1:node.end_lineno]
-    tokens = tokenize.generate_tokens(io.StringIO("\n".join(text) + "\n").readline)
-    comments = {t.start[0]: t.start[1] for t in tokens if t.type == tokenize.COMMENT}
-    code = [(line[:comments[i]] if i in comments else line).rstrip()
-            for i, line in enumerate(text, 1)]
-    return [(c, raw) for c, raw in zip(code, text) if c.strip()]
+    return [(code_part(line), line) for line in text if code_part(line).strip()]
 
 
 def test_main_runs_the_same_code_in_the_twins():
@@ -318,14 +328,7 @@ STRING = re.compile(r"""(?:\b[rbfuRBFU]{1,2})?("([^"\\]|\\.)*"|'([^'\\]|\\.)*')"
 def without_comments(block):
     """A block's code as one string, with its comments and the text of its strings (help,
     messages) taken off, strings in a row as one: a change there is words, not code."""
-    code = []
-    for line in block:
-        try:
-            tokens = list(tokenize.generate_tokens(io.StringIO(line + "\n").readline))
-            cut = next((t.start[1] for t in tokens if t.type == tokenize.COMMENT), len(line))
-        except (tokenize.TokenError, IndentationError, SyntaxError):  # inside a string
-            cut = line.find("  # ") if "  # " in line else len(line)
-        code.append(STRING.sub('""', line[:cut]).strip())
+    code = [STRING.sub('""', code_part(line)).strip() for line in block]
     return re.sub(r'(?:"")+', '""', "".join(code))
 
 
@@ -447,11 +450,23 @@ def test_chapter_3_speaks_only_of_what_it_runs():
     """Chapter 3 runs DDP: its comments, docstrings and help strings name none of the later
     chapters' machinery (a control: a planted comment is found)."""
     source = (REPO / "train_ddp_minigpt.py").read_text()
-    named = [f"line {n}: {text.strip()}" for n, text in prose(source) if OTHER_MACHINERY.search(text)]
+    named = [f"line {n}: {text.strip()}" for n, text in prose(source)
+             if OTHER_MACHINERY.search(text)]
     assert not named, "chapter 3 speaks of what it does not run:\n" + "\n".join(named)
     planted = source + "\nx = 1  # the model, sharded\n"
     assert [text for _, text in prose(planted) if OTHER_MACHINERY.search(text)] == [
         "# the model, sharded"]
+
+
+def other_pages_and_chapters(source):
+    """The lines of a script's words, outside its See also line, that name a docs page or a
+    chapter other than its own (the key's line of where inherited tags come from aside)."""
+    doc, words = ast.get_docstring(ast.parse(source)), prose(source)
+    see_also = next(n for n, text in words if text.startswith("See also"))
+    own = re.match(r"Chapter (\d+)", doc).group(1)
+    return [f"line {n}: {text.strip()}" for n, text in words if n != see_also and (
+        re.search(r"docs/|\.md\b", text) or set(re.findall(r"\bchapters?[ -](\d+)", text, re.I))
+        - {own} and not re.search(r"\btagged\b", text))]
 
 
 @pytest.mark.parametrize("name", SCRIPTS[2:])
@@ -463,13 +478,14 @@ def test_each_chapter_defines_its_terms_and_names_no_other_page(name):
     doc = ast.get_docstring(ast.parse(source))
     assert re.search(r"^Terms\b", doc, re.M), f"{name}: no Terms paragraph"
     assert len(re.findall(r"^See also\b", doc, re.M)) == 1, f"{name}: one See also line"
-    words = prose(source)
-    see_also = next(n for n, text in words if text.startswith("See also"))
-    pages = [f"line {n}: {text.strip()}" for n, text in words
-             if re.search(r"docs/|\.md\b", text) and n != see_also]
-    assert not pages, f"{name} names a page outside its See also line:\n" + "\n".join(pages)
-    own = re.match(r"Chapter (\d+)", doc).group(1)
-    chapters = [f"line {n}: {text.strip()}" for n, text in words if n != see_also
-                and set(re.findall(r"\bchapters?[ -](\d+)", text, re.I)) - {own}
-                and not re.search(r"\btagged\b", text)]
-    assert not chapters, f"{name} names another chapter:\n" + "\n".join(chapters)
+    named = other_pages_and_chapters(source)
+    assert not named, f"{name} names a page or another chapter:\n" + "\n".join(named)
+
+
+def test_the_page_and_chapter_check_finds_a_planted_name():
+    """The control: a comment naming a docs page, or another chapter, is found; its own is not."""
+    source = (REPO / "train_cp_minigpt.py").read_text()
+    assert not other_pages_and_chapters(source)
+    for planted in ("# see docs/fsdp.md", "# as chapter 7 does", "# as in chapter-9"):
+        assert len(other_pages_and_chapters(source + f"\nx = 1  {planted}\n")) == 1, planted
+    assert not other_pages_and_chapters(source + "\nx = 1  # this chapter 10 alone\n")
