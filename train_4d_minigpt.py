@@ -284,7 +284,9 @@ def chunk_positions(cp_rank, cp, block_size):
 
 class GatherContext(torch.autograd.Function):
     """An all-gather over the cp group along the sequence (dim -2), in rank order, that carries
-    gradients. Its backward is a reduce-scatter that sums, as every rank's queries read each key."""
+    gradients. Its backward is a reduce-scatter that sums, as every rank's queries read each key.
+    dist.all_gather_single and reduce_scatter_single are all_gather_into_tensor and
+    reduce_scatter_tensor under the names torch 2.13 gave them."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -394,11 +396,11 @@ def shard(run, model):  # FSDP 2: every block a unit of its own, then the root
     mesh = run.mesh["dp", "cp"]._flatten("dp_cp")  # 4D 5
     reshard = run.args.reshard_after_forward == "yes"
     for i, block in enumerate(model.blocks.values()):  # PP 5: the stage's blocks
-        last = i == len(model.blocks) - 1  # its backward comes first: no gather in between
+        last = i == len(model.blocks) - 1  # the first backward: kept whole
         if run.args.tp > 1:  # 4D 5: --tp 1 leaves the blocks whole
             parallelize_module(block, run.mesh["tp"], block_plan(sp))  # collectives in forward
         fully_shard(block, mesh=mesh, mp_policy=run.policy,
-                    reshard_after_forward=reshard and not last)  # hooks
+                    reshard_after_forward=reshard and not last)  # only sets hooks
     plan = ends_plan(model, sp)  # 4D 5: the ends this stage holds, split by vocabulary
     if run.args.tp > 1 and plan:
         parallelize_module(model, run.mesh["tp"], plan)  # collectives in forward
@@ -446,7 +448,7 @@ def init_shards(model, seed, n_layer):  # PP 5: n_layer is the GPT's; a stage ho
     for name, p in model.named_parameters():
         name = "tok_emb.weight" if name == "head.weight" else name  # PP 4: both copies alike
         full = initial_value(name, p.shape, seed, n_layer).to(p.device)
-        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))  # mine
+        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))
 
 
 def dropout_stream(run):
@@ -456,8 +458,8 @@ def dropout_stream(run):
 
 def resumed_step(run, raw_model, optimizer, data):
     """A collective: the step to go on from, 0 or --resume's; every rank loads it, or all stop."""
-    path, state, problem = resume_path(run), None, None  # FSDP 3: read the small file, agree,
-    try:  # and only then load the shards, a collective
+    path, state, problem = resume_path(run), None, None  # FSDP 3: run.json first
+    try:  # every rank reads it; the shards load only once all agree
         state = read_run_state(path, run, data) if path else None
     except InputError as err:  # told to every rank below, so that none waits for this one
         problem = str(err)
@@ -473,10 +475,10 @@ def resume_path(run):
     it, so a restart after a crash reruns the same command; ranks looking alone could disagree."""
     resume, save = run.args.resume, run.args.save
     if resume != "auto":
-        return resume and newest_complete_step(resume, run.is_main) or resume  # FSDP 3: a step
+        return resume and newest_complete_step(resume, run.is_main) or resume  # FSDP 3: newest
     if not save:
         raise InputError("--resume auto needs a --save path to look for")
-    found = [newest_complete_step(save, run.is_main) if run.is_main else None]  # FSDP 3
+    found = [newest_complete_step(save, run.is_main) if run.is_main else None]  # FSDP 3: newest
     dist.broadcast_object_list(found, src=0)  # DDP 7: rank 0 decides for every rank
     return found[0]  # FSDP 3: the newest complete step folder, or None
 
@@ -677,7 +679,7 @@ def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every ran
     folder = os.path.join(run.args.save, f"step-{step:06d}")  # FSDP 3: a folder per step
     if not shards_finite(raw_model):  # a collective: every rank gets the same answer
         raise SaveFailed(f"not saving {folder}: the weights are not finite")
-    state = dict(zip(("model", "optimizer"), get_state_dict(raw_model, optimizer)))  # mine
+    state = dict(zip(("model", "optimizer"), get_state_dict(raw_model, optimizer)))  # shards
     as_whole_model(run, raw_model, state["optimizer"])  # PP 6: named as the whole model names it
     try:  # rank 0 writes run.json, then every rank its shards
         save_on_rank_0(lambda: write_file(os.path.join(folder, "run.json"),  # a collective
@@ -977,9 +979,10 @@ def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
 # ---------------------------------------- guards: each stops one thing going wrong in production
 def avoid_known_failures(args):  # guard: all guards, in one place, before the group is joined
     """Exit code 2 for a launch that could never join a group; a workaround for each known fault."""
-    if torch.__version__ < "2.13":  # 4D 4: GatherContext's collectives, from torch 2.13 on
-        sys.stderr.write(f"error: this chapter needs torch 2.13 or newer: {torch.__version__}\n")
-        sys.exit(2)  # as refuse_a_bad_launch; torch.__version__ compares as a version, not text
+    if not hasattr(dist, "all_gather_single"):  # 4D 4: GatherContext's collectives (torch 2.13)
+        sys.stderr.write("error: this chapter needs torch 2.13 or newer (dist.all_gather_single): "
+                         f"this is {torch.__version__}\n")
+        sys.exit(2)  # as refuse_a_bad_launch; a nightly 2.13.0a0 has it, so ask for the function
     refuse_a_bad_launch(args.device)  # guard: no torchrun, or more processes than GPUs
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     backend = "nccl" if cuda else "gloo"
@@ -1020,13 +1023,13 @@ def refuse_a_bad_launch(device_name):  # guard: a process that could never join 
 
 def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo
     """The debug level to run at, starting from the shell's. --debug asks for DETAIL on NCCL and
-    INFO on gloo. DETAIL is known to crash DDP on gloo and untested here, so there it becomes
-    INFO, with one warning."""
+    INFO on gloo. DETAIL on gloo is untested here (it crashes other trainers), so there it
+    becomes INFO, with one warning."""
     if debug:
         level = dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO
     if backend == "gloo" and level == dist.DebugLevel.DETAIL:  # the shell's
         if os.environ["RANK"] == "0":  # no group yet, so torchrun's RANK says who logs
-            print("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on gloo "
+            print("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL is untested on gloo "
                   "(docs/troubleshooting.md): going on at INFO", flush=True)
         level = dist.DebugLevel.INFO
     return level
@@ -1277,7 +1280,7 @@ def load_data(args, world_size):
     need = world_size * args.batch_size * (args.block_size + 1)
     if len(train) < need + args.block_size or len(val) < args.block_size + 1:
         raise InputError(f"{args.data or 'the default corpus'} has {len(train):,} training and "
-                         f"{len(val):,} validation tokens: too few for {world_size} process(es) x "
+                         f"{len(val):,} validation tokens: too few for {world_size} replica(s) x "
                          f"--batch-size {args.batch_size} x --block-size {args.block_size}; give "
                          "more data or smaller sizes")
     return train, val, vocab_size, itos
@@ -1438,6 +1441,7 @@ def free_gathered_weights(model):  # FSDP 5: a forward alone leaves the root's w
 def write_export(run, weights, data):  # FSDP 8: rank 0's part of --export
     """Write the gathered weights to --export in the one-file format --sample reads, atomically."""
     path, step = run.args.export, run.args.max_steps
+    # A one-process checkpoint's keys, so that --sample reads it; no fp16 here, so no scaler state.
     state = {"model": weights, "optimizer": {}, "scaler": {}, "step": step, "args": vars(run.args),
              "config": model_config(run.args, data.vocab_size), "itos": data.itos, "rng": []}
     buffer = io.BytesIO()

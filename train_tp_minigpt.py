@@ -301,12 +301,12 @@ def shard(run, model):
     the rest (the position embedding; the norms without sequence parallelism) on "dp" alone."""
     mesh, sp = run.mesh["dp"], run.args.sequence_parallel == "on"  # TP 4: FSDP in the dp group
     reshard = run.args.reshard_after_forward == "yes"
-    for i, block in enumerate(model.blocks):  # sharding sends nothing: its hooks gather later
+    for i, block in enumerate(model.blocks):  # no sends yet: hooks gather later
         if run.args.tp > 1:  # TP 4: --tp 1 is FSDP alone
             parallelize_module(block, run.mesh["tp"], block_plan(sp))  # TP 4: split across tp
-        last = i == len(model.blocks) - 1  # its backward comes first: no gather in between
+        last = i == len(model.blocks) - 1  # the first backward: kept whole
         fully_shard(block, mesh=mesh, mp_policy=run.policy,
-                    reshard_after_forward=reshard and not last)  # hooks
+                    reshard_after_forward=reshard and not last)  # only sets hooks
     if run.args.tp > 1:  # TP 4: the ends of the model, split by vocabulary
         parallelize_module(model, run.mesh["tp"], ends_plan(sp))  # the embedding and head
         model.head.weight = model.tok_emb.weight  # one matrix again: each split it by rows alike
@@ -352,7 +352,7 @@ def init_shards(model, seed):  # FSDP 2: one whole parameter at a time, each ran
     seed, one at a time; each rank keeps its slice, sending nothing (src_data_rank=None)."""
     for name, p in model.named_parameters():
         full = initial_value(name, p.shape, seed, len(model.blocks)).to(p.device)
-        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))  # mine
+        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))
 
 
 def dropout_stream(run):
@@ -364,8 +364,8 @@ def dropout_stream(run):
 
 def resumed_step(run, raw_model, optimizer, data):
     """A collective: the step to go on from, 0 or --resume's; every rank loads it, or all stop."""
-    path, state, problem = resume_path(run), None, None  # FSDP 3: read the small file, agree,
-    try:  # and only then load the shards, a collective
+    path, state, problem = resume_path(run), None, None  # FSDP 3: run.json first
+    try:  # every rank reads it; the shards load only once all agree
         state = read_run_state(path, run, data) if path else None
     except InputError as err:  # told to every rank below, so that none waits for this one
         problem = str(err)
@@ -381,10 +381,10 @@ def resume_path(run):
     it, so a restart after a crash reruns the same command; ranks looking alone could disagree."""
     resume, save = run.args.resume, run.args.save
     if resume != "auto":
-        return resume and newest_complete_step(resume, run.is_main) or resume  # FSDP 3: a step
+        return resume and newest_complete_step(resume, run.is_main) or resume  # FSDP 3: newest
     if not save:
         raise InputError("--resume auto needs a --save path to look for")
-    found = [newest_complete_step(save, run.is_main) if run.is_main else None]  # FSDP 3
+    found = [newest_complete_step(save, run.is_main) if run.is_main else None]  # FSDP 3: newest
     dist.broadcast_object_list(found, src=0)  # DDP 7: rank 0 decides for every rank
     return found[0]  # FSDP 3: the newest complete step folder, or None
 
@@ -553,7 +553,7 @@ def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every ran
     folder = os.path.join(run.args.save, f"step-{step:06d}")  # FSDP 3: a folder per step
     if not shards_finite(raw_model):  # a collective: every rank gets the same answer
         raise SaveFailed(f"not saving {folder}: the weights are not finite")
-    state = dict(zip(("model", "optimizer"), get_state_dict(raw_model, optimizer)))  # mine
+    state = dict(zip(("model", "optimizer"), get_state_dict(raw_model, optimizer)))  # shards
     try:  # rank 0 writes run.json, then every rank its shards
         save_on_rank_0(lambda: write_file(os.path.join(folder, "run.json"),  # a collective
                                           run_state(run, data, step, rng_states)), run.is_main)
@@ -736,7 +736,7 @@ def check_replicas_in_sync(run, model, when):
     dist.all_gather_object(digests, hashlib.sha256(weights).hexdigest()[:12],  # TP 8: a collective
                            group=tp.get_group())  # in this tp group only
     if len(set(digests)) > 1:  # every rank of the tp group sees the same digests: all of them stop
-        raise OutOfSync(f"--check-sync: the tp row of rank {run.rank} holds copies that differ "
+        raise OutOfSync(f"--check-sync: the tp group of rank {run.rank} holds copies that differ "
                         f"after {when}: {digests}")
 
 
@@ -826,7 +826,7 @@ def avoid_known_failures(args):  # guard: all guards, in one place, before the g
 def avoid_tp_across_nodes(tp, per_node):  # guard: a tp group whose collectives cross nodes
     """A warning if a tp group (tp consecutive ranks) may span nodes of per_node processes each."""
     if per_node % tp:
-        return (f"warning: --tp {tp} with {per_node} processes per node: a tp row spans nodes, "
+        return (f"warning: --tp {tp} with {per_node} processes per node: a tp group spans nodes, "
                 "and its collectives of every block and micro-batch cross the network")
 
 
@@ -847,13 +847,13 @@ def refuse_a_bad_launch(device_name):  # guard: a process that could never join 
 
 def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo
     """The debug level to run at, starting from the shell's. --debug asks for DETAIL on NCCL and
-    INFO on gloo. DETAIL is known to crash DDP on gloo and untested here, so there it becomes
-    INFO, with one warning."""
+    INFO on gloo. DETAIL on gloo is untested here (it crashes other trainers), so there it
+    becomes INFO, with one warning."""
     if debug:
         level = dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO
     if backend == "gloo" and level == dist.DebugLevel.DETAIL:  # the shell's
         if os.environ["RANK"] == "0":  # no group yet, so torchrun's RANK says who logs
-            print("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on gloo "
+            print("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL is untested on gloo "
                   "(docs/troubleshooting.md): going on at INFO", flush=True)
         level = dist.DebugLevel.INFO
     return level
@@ -1086,7 +1086,7 @@ def load_data(args, world_size):
     need = world_size * args.batch_size * (args.block_size + 1)
     if len(train) < need + args.block_size or len(val) < args.block_size + 1:
         raise InputError(f"{args.data or 'the default corpus'} has {len(train):,} training and "
-                         f"{len(val):,} validation tokens: too few for {world_size} process(es) x "
+                         f"{len(val):,} validation tokens: too few for {world_size} replica(s) x "
                          f"--batch-size {args.batch_size} x --block-size {args.block_size}; give "
                          "more data or smaller sizes")
     return train, val, vocab_size, itos
@@ -1247,6 +1247,7 @@ def free_gathered_weights(model):  # FSDP 5: a forward alone leaves the root's w
 def write_export(run, weights, data):  # FSDP 8: rank 0's part of --export
     """Write the gathered weights to --export in the one-file format --sample reads, atomically."""
     path, step = run.args.export, run.args.max_steps
+    # A one-process checkpoint's keys, so that --sample reads it; no fp16 here, so no scaler state.
     state = {"model": weights, "optimizer": {}, "scaler": {}, "step": step, "args": vars(run.args),
              "config": model_config(run.args, data.vocab_size), "itos": data.itos, "rng": []}
     buffer = io.BytesIO()
@@ -1354,7 +1355,7 @@ def traffic_line(run):
     micro-batch, or with sequence parallelism 2 all-gathers and 1 or 2 reduce-scatters."""
     args, tp = run.args, run.args.tp
     if tp == 1:
-        return "TP traffic per rank: none (--tp 1: chapter 7's FSDP alone)"
+        return "TP traffic per rank: none (--tp 1: FSDP alone)"
     width = 2 if run.amp in ("bfloat16", "float16") else 4
     tensor = args.batch_size * args.block_size * args.n_embd * width
     again = args.n_layer * args.grad_accum if args.grad_checkpointing else 0  # recomputed

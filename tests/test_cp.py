@@ -45,8 +45,8 @@ torchrun launches on CPU/gloo. These tests prove:
    each rank's random streams come back only at the world size and --cp that saved them (the
    controls: the same cp restores them, another cp or a tp layout does not);
 6. bad input is one line and exit code 2: a --cp that does not divide the world size, a
-   --block-size that 2 x cp does not divide, more chunks than tokens, a torch older than chapter
-   10's (2.13) or chapter 9's (2.10) calls (the control: their own version passes);
+   --block-size that 2 x cp does not divide, more chunks than tokens, a torch without chapter
+   10's (2.13) or chapter 9's (2.10) calls, whatever its version (the control: a nightly with them);
 7. benchmark_scaling.py reads its summary: the global batch counts the dp rows, not the ranks.
 """
 import json
@@ -391,20 +391,28 @@ def test_a_cp_that_does_not_divide_the_world_is_one_line():
 @pytest.mark.parametrize("script,needs", [(CP, "2.13"), ("train_pp_minigpt.py", "2.10")])
 def test_a_torch_older_than_the_chapters_calls_is_one_line(script, needs, monkeypatch, capsys):
     """Chapters 9 and 10 call what older torches lack; the course's floor (requirements.txt) is
-    the oldest torch where chapters 1-8 pass. A torch just older than the chapter's is refused in
-    one line, exit code 2, before any other guard; the control: at the chapter's own version the
-    next guard speaks (this test process was not started by torchrun)."""
+    the oldest torch where chapters 1-8 pass. A torch without the call is refused in one line,
+    exit code 2, before any other guard, whatever its version says. The control: a nightly's
+    version (below the release as a version) with the call passes, and the next guard speaks
+    (this test process was not started by torchrun)."""
     from torch.torch_version import TorchVersion
     module = trainer(script)
     monkeypatch.delenv("RANK", raising=False)
     args = module.parse_args(["--device", "cpu"])
-    older = f"2.{int(needs.split('.')[1]) - 1}.1+cu128"
-    for version, said in [(older, f"this chapter needs torch {needs} or newer: {older}"),
-                          (needs + ".0", "not launched by torchrun: see the commands at the top")]:
-        monkeypatch.setattr(module.torch, "__version__", TorchVersion(version))
+    monkeypatch.setattr(module.torch, "__version__", TorchVersion(needs + ".0a0+git1234"))
+    with monkeypatch.context() as older:
+        if script == CP:
+            older.delattr(module.dist, "all_gather_single")
+        else:
+            older.setattr(module.ScheduleGPipe, "step", lambda self, *args, target=None: None)
         with pytest.raises(SystemExit) as stop:
             module.avoid_known_failures(args)
-        assert stop.value.code == 2 and capsys.readouterr().err.startswith(f"error: {said}")
+        assert stop.value.code == 2
+        assert capsys.readouterr().err.startswith(f"error: this chapter needs torch {needs} or newer")
+    with pytest.raises(SystemExit) as stop:
+        module.avoid_known_failures(args)
+    said = "error: not launched by torchrun: see the commands at the top"
+    assert stop.value.code == 2 and capsys.readouterr().err.startswith(said)
 
 
 def test_a_cp_row_across_nodes_is_a_warning():

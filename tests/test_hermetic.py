@@ -24,8 +24,8 @@ import os
 import pytest
 import test_launcher
 import torch.distributed as dist
-from helpers import (DDP, DETAIL, DETAIL_WARNING, GPT, HOSTILE_SHELL, SMALL, TINY_GPT, environment,
-                     hostile_shell, in_process, trainer)
+from helpers import (DDP, DETAIL, DETAIL_UNTESTED, DETAIL_WARNING, GPT, HOSTILE_SHELL, SMALL,
+                     TINY_GPT, environment, hostile_shell, in_process, trainer)
 
 
 @pytest.fixture
@@ -79,4 +79,5 @@ def test_detail_debugging_on_gloo_is_one_warning_and_the_run_goes_on_at_info():
                          ("train_fsdp_minigpt.py", flags + ["--export", ""]),
                          ("train_tp_minigpt.py", flags + ["--tp", 1, "--export", ""])):
         out = in_process(script, args, env=DETAIL)  # without the warning, a segfault ends pytest
-        assert out.splitlines().count(DETAIL_WARNING) == 1 and "\nsummary {" in out, (script, out)
+        said = DETAIL_WARNING if script in (GPT, DDP) else DETAIL_UNTESTED  # FSDP: no DDP to crash
+        assert out.splitlines().count(said) == 1 and "\nsummary {" in out, (script, out)

@@ -157,11 +157,11 @@ def test_dp2_x_pp2_at_4_processes_computes_what_ddp_computes(runs):
 
 
 def test_a_column_reads_one_batch_and_column_j_reads_what_ddp_rank_j_reads(runs):
-    windows = dict(re.findall(r"^\[rank (\d)\] stage \d, dp column \d: \d+ micro-batches per "
+    windows = dict(re.findall(r"^\[rank (\d)\] stage \d, replica \d: \d+ micro-batches per "
                               r"epoch, first windows at tokens (\[[\d, ]+\])$", runs["grid"], re.M))
     ddp = dict(re.findall(r"^\[rank (\d)\] \d+ micro-batches per epoch, first windows at tokens "
                           r"(\[[\d, ]+\])$", runs["ddp"], re.M))
-    assert "[rank 2] stage 1, dp column 0:" in runs["grid"]  # a stage is consecutive ranks
+    assert "[rank 2] stage 1, replica 0:" in runs["grid"]  # a stage is consecutive ranks
     assert windows["0"] == windows["2"] == ddp["0"] and windows["1"] == windows["3"] == ddp["1"]
     assert windows["0"] != windows["1"]
 

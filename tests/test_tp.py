@@ -107,7 +107,7 @@ def test_check_sync_stops_a_tp_row_whose_copies_drift_apart(runs):
     assert "done | val loss" in runs["grid"]
     assert drift.returncode != 0 and "step 1/4 | loss" in drift.stdout
     assert "step 2/4 | loss" not in drift.stdout  # stopped before step 2's log line
-    said = [f"error: --check-sync: the tp row of rank {rank} holds copies that differ after "
+    said = [f"error: --check-sync: the tp group of rank {rank} holds copies that differ after "
             "step 2: [" in drift.stderr for rank in (0, 1)]  # both see it; torchrun may stop
     assert any(said) and "exitcode  : 3" in drift.stderr, drift.stderr  # one before it prints
 
@@ -179,7 +179,7 @@ def test_the_grid_checkpoint_resumes_at_dp1_x_tp2_and_at_tp1(runs):
     fails in AOTAutograd, the stage the aot_eager backend used here runs without inductor's C++
     build) and at tp 1, each logs DDP's and one process's next 8 losses (1e-4)."""
     ddp, one = losses(runs["ddp"]), losses(runs["one"])
-    assert "TP traffic per rank: none (--tp 1: chapter 7's FSDP alone)" in runs["column"]
+    assert "TP traffic per rank: none (--tp 1: FSDP alone)" in runs["column"]
     for out, grid in ((runs["row"], "1 dp x 2 tp"), (runs["column"], "1 dp x 1 tp")):
         assert f"world size {2 if '2 tp' in grid else 1} ({grid})" in out
         assert f"resumed from {runs['dir'] / 'ck' / 'step-000010'} at step 10" in out
