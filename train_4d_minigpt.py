@@ -190,7 +190,7 @@ class Run:
 def make_run(args, device, rank, world_size):
     """This process's Run; logs the run's shape (world size, device, precision, batch)."""
     is_main = rank == 0  # DDP 3: only rank 0 logs and writes files
-    amp, policy = mixed_precision(args.amp, device)  # FSDP 1
+    amp, policy = mixed_precision(args.amp, device)  # FSDP 1: FSDP's dtypes
     mesh = grid(args, device, world_size)  # 4D 1: pp x dp x cp x tp ranks, tp innermost
     stage, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     context = Context(mesh["cp"].get_group(), mesh.get_local_rank("cp"),  # 4D 3: the tokens of
@@ -222,7 +222,7 @@ def grid(args, device, world_size):
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)  # 4D 1: groups along each dim
     # dp x cp x tp as one mesh too: DTensor's redistribute finds it by its ranks, and then reduces
     # a norm over those dims in one collective, not one per dim (private API)
-    mesh["dp", "cp", "tp"]._flatten("dp_cp_tp")  # 4D 1
+    mesh["dp", "cp", "tp"]._flatten("dp_cp_tp")  # 4D 1: one group of a stage's ranks
     return mesh
 
 
@@ -521,7 +521,7 @@ def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
         restore_rng(state["rng"][run.rank], run.device)  # FSDP 3: this rank's streams
 
 
-def shards_finite(model):  # FSDP 3
+def shards_finite(model):  # FSDP 3: checked before every save
     """A collective: True on every rank if every rank's shards are free of NaN and infinity."""
     mine = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
     flag = torch.tensor([float(mine)], device=next(model.parameters()).device)
@@ -599,7 +599,7 @@ def pipeline_forward(run, model, x, context=None):  # 4D 3: None: the run's Cont
                         device=run.device)
         dist.recv(h, group=group, group_src=run.stage - 1)  # PP 7: the stage before, by group rank
         x = h
-    out = model(x, context)  # 4D 3
+    out = model(x, context)  # 4D 3: with this rank's positions
     if run.stage == last:
         return out
     dist.send(out.contiguous(), group=group, group_dst=run.stage + 1)  # the next stage's input
@@ -644,7 +644,7 @@ def sum_tied_gradients(run, model):
 
 
 def local(loss):  # loss_parallel's loss, the same on each rank of a tp group
-    return loss.to_local() if isinstance(loss, DTensor) else loss  # 4D 8
+    return loss.to_local() if isinstance(loss, DTensor) else loss  # 4D 8: a plain tensor
 
 
 def clip_gradients(run, model, max_norm):
@@ -658,7 +658,7 @@ def clip_gradients(run, model, max_norm):
     norm = sum(n.full_tensor() ** 2 for n in norms)  # each a collective: the stage's squared norm
     dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=run.mesh.get_group("pp"))  # PP 8: stages
     norm = norm.sqrt()
-    for ps in on_mesh.values():  # 4D 9
+    for ps in on_mesh.values():  # 4D 9: one clip per mesh, by the global norm
         nn.utils.clip_grads_with_norm_(ps, max_norm, norm)
     return norm
 
@@ -839,7 +839,7 @@ class Stage(nn.Module):
 
     def __init__(self, gpt, stage, pp, context):  # 4D 3: the run's Context, for its forwards
         super().__init__()
-        self.context = context  # 4D 3
+        self.context = context  # 4D 3: shared with every block's attention
         first, last = stage == 0, stage == pp - 1
         self.whole_params = sum(p.numel() for p in gpt.parameters())  # the tied matrix once
         self.whole_groups = [[n for n, p in gpt.named_parameters() if p.dim() >= 2],  # AdamW's
@@ -920,7 +920,7 @@ def report(run, raw_model, data, val_loss, meter):
         start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
         torch.manual_seed(run.args.seed + run.dp_rank)  # 4D 10: a replica's ranks draw alike
         out = generate(run, raw_model, torch.tensor([[start]], device=run.device))  # PP 7
-        print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 5
+        print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 5: rank 0's
 
 
 def export(run, raw_model, data):  # FSDP 8: one plain file, as one process saves it
@@ -968,7 +968,7 @@ def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
     if run.device.type != "cuda":
         return
     peaks = [None] * run.world_size
-    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # DDP 16
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # DDP 16: all peaks
     print0(run.is_main, "peak GPU memory per rank (max_memory_allocated): " +
            ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
 

@@ -167,7 +167,7 @@ class Run:
 def make_run(args, device, rank, world_size):
     """This process's Run; logs the run's shape (world size, device, precision, batch)."""
     is_main = rank == 0  # DDP 3: only rank 0 logs and writes files
-    amp, policy = mixed_precision(args.amp, device)  # FSDP 1
+    amp, policy = mixed_precision(args.amp, device)  # FSDP 1: FSDP's dtypes
     mesh = grid(args.cp, device, world_size)  # CP 1: world size / cp rows of cp ranks
     context = Context(mesh["cp"].get_group(), mesh.get_local_rank("cp"), args.cp,
                       args.block_size, device, args.cp_rotate)  # CP 3: this rank's chunks
@@ -421,7 +421,7 @@ def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
         restore_rng(state["rng"][run.rank], run.device)  # FSDP 3: this rank's streams
 
 
-def shards_finite(model):  # FSDP 3
+def shards_finite(model):  # FSDP 3: checked before every save
     """A collective: True on every rank if every rank's shards are free of NaN and infinity."""
     mine = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
     flag = torch.tensor([float(mine)], device=next(model.parameters()).device)
@@ -507,7 +507,7 @@ def accumulate_gradients(model, batches, context, every=True):  # CP 3: this ran
     scale = dist.get_world_size() / tokens.clamp(min=1)  # CP 3: FSDP divides the world size out
     total = 0.0
     for i, (x, y) in enumerate(batches):
-        model.set_requires_gradient_sync(every or i == len(batches) - 1)  # FSDP 7
+        model.set_requires_gradient_sync(every or i == len(batches) - 1)  # FSDP 7: when to reduce
         logits, _ = model(x, context=context)  # CP 3: on this rank's tokens of each sequence
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum") * scale
         loss.backward()  # CP 4: each block reduce-scatters its K, V gradients over the row
@@ -726,7 +726,7 @@ def report(run, raw_model, data, val_loss, meter):
         start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
         first, args = torch.tensor([[start]], device=run.device), run.args
         out = raw_model.generate(first, args.max_new_tokens, args.temperature, args.top_k)
-        print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 5
+        print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 5: rank 0's
 
 
 def export(run, raw_model, data):  # FSDP 8: one plain file, as one process saves it
@@ -743,7 +743,7 @@ def log_peak_gpu_memory(run):
     if run.device.type != "cuda":
         return
     peaks = [None] * run.world_size
-    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # DDP 16
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # DDP 16: all peaks
     print0(run.is_main, "peak GPU memory per rank (max_memory_allocated): " +
            ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
 

@@ -564,7 +564,7 @@ def log_peak_gpu_memory(run):
     if run.device.type != "cuda":
         return
     peaks = [None] * run.world_size
-    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # DDP 16
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # DDP 16: all peaks
     print0(run.is_main, "peak GPU memory per rank (max_memory_allocated): " +
            ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
 

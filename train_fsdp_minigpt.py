@@ -160,7 +160,7 @@ class Run:
 def make_run(args, device, rank, world_size):
     """This process's Run; logs the run's shape (world size, device, precision, batch)."""
     is_main = rank == 0  # DDP 3: only rank 0 logs and writes files
-    amp, policy = mixed_precision(args.amp, device)  # FSDP 1
+    amp, policy = mixed_precision(args.amp, device)  # FSDP 1: FSDP's dtypes
     run = Run(args, device, rank, world_size, is_main, amp, policy)
     print0(is_main, f"world size {world_size} | device {device} | amp {amp} | "
                     f"{tokens_per_step(run):,} tokens per step ({args.batch_size} x "
@@ -333,7 +333,7 @@ def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
         restore_rng(state["rng"][run.rank], run.device)  # FSDP 3: this rank's streams
 
 
-def shards_finite(model):  # FSDP 3
+def shards_finite(model):  # FSDP 3: checked before every save
     """A collective: True on every rank if every rank's shards are free of NaN and infinity."""
     mine = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
     flag = torch.tensor([float(mine)], device=next(model.parameters()).device)
@@ -412,7 +412,7 @@ def accumulate_gradients(model, batches, every=True):  # FSDP 7: stay sharded, o
     whole gradients add up on every rank and the last backward reduce-scatters them once."""
     total = 0.0
     for i, (x, y) in enumerate(batches):
-        model.set_requires_gradient_sync(every or i == len(batches) - 1)  # FSDP 7
+        model.set_requires_gradient_sync(every or i == len(batches) - 1)  # FSDP 7: when to reduce
         _, loss = model(x, y)
         loss = loss / len(batches)  # micro-batches of equal size: the mean of their means
         loss.backward()  # reduce-scatters (last: only the last one): each rank its shard's mean
@@ -619,7 +619,7 @@ def report(run, raw_model, data, val_loss, meter):
         start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
         first, args = torch.tensor([[start]], device=run.device), run.args
         out = raw_model.generate(first, args.max_new_tokens, args.temperature, args.top_k)
-        print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 5
+        print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 5: rank 0's
 
 
 def export(run, raw_model, data):  # FSDP 8: one plain file, as one process saves it
@@ -636,7 +636,7 @@ def log_peak_gpu_memory(run):
     if run.device.type != "cuda":
         return
     peaks = [None] * run.world_size
-    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # DDP 16
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # DDP 16: all peaks
     print0(run.is_main, "peak GPU memory per rank (max_memory_allocated): " +
            ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
 

@@ -173,7 +173,7 @@ class Run:
 def make_run(args, device, rank, world_size):
     """This process's Run; logs the run's shape (world size, device, precision, batch)."""
     is_main = rank == 0  # DDP 3: only rank 0 logs and writes files
-    amp, policy = mixed_precision(args.amp, device)  # FSDP 1
+    amp, policy = mixed_precision(args.amp, device)  # FSDP 1: FSDP's dtypes
     mesh = grid(args.pp, device, world_size)  # PP 2: pp stages by dp = world size / pp replicas
     stage, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     run = Run(args, device, rank, world_size, is_main, amp, policy, mesh, stage, dp_rank,
@@ -371,7 +371,7 @@ def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
         restore_rng(state["rng"][run.rank], run.device)  # FSDP 3: this rank's streams
 
 
-def shards_finite(model):  # FSDP 3
+def shards_finite(model):  # FSDP 3: checked before every save
     """A collective: True on every rank if every rank's shards are free of NaN and infinity."""
     mine = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
     flag = torch.tensor([float(mine)], device=next(model.parameters()).device)
@@ -737,7 +737,7 @@ def report(run, raw_model, data, val_loss, meter):
         raw_model.eval()
         start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
         out = generate(run, raw_model, torch.tensor([[start]], device=run.device))  # PP 7
-        print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 5
+        print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 5: rank 0's
 
 
 def export(run, raw_model, data):  # FSDP 8: one plain file, as one process saves it
@@ -773,7 +773,7 @@ def log_peak_gpu_memory(run):  # DDP 16: every rank's peak, printed by rank 0
     if run.device.type != "cuda":
         return
     peaks = [None] * run.world_size
-    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # DDP 16
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # DDP 16: all peaks
     print0(run.is_main, "peak GPU memory per rank (max_memory_allocated): " +
            ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
 
@@ -1347,7 +1347,8 @@ def memory_line(model, held):
 def traffic_line(run, vocab_size):
     """PP's sends and recvs: per micro-batch, each stage but the last sends its activations
     (B, T, C) in the compute dtype to the next, and each stage but the first sends their gradient
-    back; per step, the first and last stage all-reduce the tied matrix's gradient shard (fp32)."""
+    back; per step, the first and last stage all-reduce the tied matrix's gradient shard (fp32).
+    FSDP's gathers of the weights and reduce-scatters of the gradients come on top, not counted."""
     args = run.args
     if args.pp == 1:
         return "PP traffic per rank: none (--pp 1: FSDP alone)"

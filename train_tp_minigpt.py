@@ -188,7 +188,7 @@ class Run:
 def make_run(args, device, rank, world_size):
     """This process's Run; logs the run's shape (world size, device, precision, batch)."""
     is_main = rank == 0  # DDP 3: only rank 0 logs and writes files
-    amp, policy = mixed_precision(args.amp, device)  # FSDP 1
+    amp, policy = mixed_precision(args.amp, device)  # FSDP 1: FSDP's dtypes
     mesh = grid(args.tp, device, world_size)  # TP 1: the (world size / tp, tp) mesh
     run = Run(args, device, rank, world_size, is_main, amp, policy, mesh,
               mesh.get_local_rank("dp"), mesh.size(0))
@@ -426,7 +426,7 @@ def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
         restore_rng(state["rng"][run.rank], run.device)  # FSDP 3: this rank's streams
 
 
-def shards_finite(model):  # FSDP 3
+def shards_finite(model):  # FSDP 3: checked before every save
     """A collective: True on every rank if every rank's shards are free of NaN and infinity."""
     mine = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
     flag = torch.tensor([float(mine)], device=next(model.parameters()).device)
@@ -509,7 +509,7 @@ def accumulate_gradients(model, batches, every=True):  # FSDP 7: stay sharded, o
     whole gradients add up on every rank and the last backward reduce-scatters them once."""
     total = 0.0
     for i, (x, y) in enumerate(batches):
-        model.set_requires_gradient_sync(every or i == len(batches) - 1)  # FSDP 7
+        model.set_requires_gradient_sync(every or i == len(batches) - 1)  # FSDP 7: when to reduce
         with loss_parallel():  # TP 6: the loss and its backward from logits split by vocabulary
             _, loss = model(x, y)
             loss = loss / len(batches)  # micro-batches of equal size: the mean of their means
@@ -757,7 +757,7 @@ def report(run, raw_model, data, val_loss, meter):
         first, args = torch.tensor([[start]], device=run.device), run.args
         torch.manual_seed(args.seed + run.dp_rank)  # TP 2: a tp group's ranks draw alike
         out = generate_in_row(raw_model, first, args)  # TP 6: a collective in each tp group
-        print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 5
+        print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 5: rank 0's
 
 
 @torch.no_grad()
@@ -799,7 +799,7 @@ def log_peak_gpu_memory(run):
     if run.device.type != "cuda":
         return
     peaks = [None] * run.world_size
-    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # DDP 16
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # DDP 16: all peaks
     print0(run.is_main, "peak GPU memory per rank (max_memory_allocated): " +
            ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
 
@@ -1352,7 +1352,8 @@ def traffic_line(run):
     embedding and head add 2 per micro-batch. With --grad-checkpointing, backward runs each block's
     forward again as far as it needs: through the attention's reduction, and through the MLP's too
     if dropout's mask after it is drawn again. That is 1 or 2 all-reduces more per block and
-    micro-batch, or with sequence parallelism 2 all-gathers and 1 or 2 reduce-scatters."""
+    micro-batch, or with sequence parallelism 2 all-gathers and 1 or 2 reduce-scatters. FSDP's
+    gathers of the weights and reduce-scatters of the gradients come on top, not counted here."""
     args, tp = run.args, run.args.tp
     if tp == 1:
         return "TP traffic per rank: none (--tp 1: FSDP alone)"
