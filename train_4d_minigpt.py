@@ -44,7 +44,7 @@ from the whole input) or row-wise (each rank computes, from some of the inputs, 
 every output; a collective adds the partial sums up). Loss parallel computes the cross-entropy from
 logits split by vocabulary, without gathering them. A DTensor is a tensor spread over a mesh:
 Shard(d) splits it along its dim d, Replicate() puts a whole copy on every rank. CP gives each rank
-of a cp group two of 2 cp equal chunks of every sequence of T tokens, an early one and a late one,
+of a cp group two of 2 x cp equal chunks of every sequence of T tokens, an early one and a late one,
 so that causal attention costs every rank the same; each holds T / cp tokens. Sequence parallelism
 (sp) splits those again by tp, T / (cp x tp) tokens, where each token is worked on alone: the
 norms, dropout, and what a stage sends. Before attention and the MLP, TP's all-gather makes them T
@@ -54,7 +54,7 @@ and values of the whole sequence, for this rank's heads.
 Tags: each `# 4D k` comment marks a line this chapter adds or changes, numbered in reading order:
   4D 1   --pp, --cp, --tp: the (pp, dp, cp, tp) mesh, tp innermost, dp what is left; its layout
   4D 2   data and global batch by dp rank: the ranks of a replica read the same sequences
-  4D 3   Context: cp rank i holds chunks i and 2 cp - 1 - i of each sequence, at their positions
+  4D 3   Context: cp rank i holds chunks i and 2 x cp - 1 - i of each sequence, at their positions
   4D 4   attention over the cp group's keys and values, all-gathered; backward reduce-scatters
   4D 5   TP's plans in each block and at the stage's ends, then FSDP over dp x cp; dropout seeds
   4D 6   what a stage sends: a cp rank's tokens, split by tp under sequence parallelism; bytes sent
@@ -64,6 +64,22 @@ Tags: each `# 4D k` comment marks a line this chapter adds or changes, numbered 
   4D 10  sampling: every rank the whole context, padded; the ranks of a replica draw alike
 Lines tagged PP k, FSDP k or DDP k mark what chapters 9, 7 and 3 changed; the key of each is in
 its chapter, and most say on the line what it does.
+
+One micro-batch at the default 8 ranks (pp 2 x cp 2 x tp 2, dp 1), through one block of stage 0:
+  in         (B, T / 4, C) on each rank: its cp chunks, split again by tp (sequence parallelism)
+  ln1        on those tokens alone; no collective
+  into attn  TP's all-gather over the tp group: this cp rank's T / 2 tokens, whole
+  qkv        this rank's heads only; then CP's all-gather over the cp group brings the keys and
+             values of the whole sequence, for those heads
+  attention  this rank's queries against every earlier key, under a lower-right causal mask
+  proj       partial sums, reduce-scattered over the tp group back to (B, T / 4, C)
+  the MLP    TP's pair again: an all-gather in, a reduce-scatter out
+  out        after its last block, stage 0 sends (B, T / 4, C) to stage 1 over the pp group
+Backward runs it in reverse: TP's pairs swap roles, and attention is computed again (it was
+checkpointed), with a second all-gather of K and V, whose gradients are reduce-scattered over the
+cp group in fp32. FSDP all-gathers a block's weights over dp x cp before their first use in a
+step, and reduce-scatters the gradients after the step's last backward; then the two end stages
+sum the tied matrix's gradient, and the stages sum their squared gradient norms.
 
 See also: docs/4d.md (the layout, what each group sends, measurements) and docs/performance.md.
 """
@@ -178,7 +194,7 @@ class Run:
     world_size: int
     is_main: bool  # True on rank 0 alone, the one process that logs and writes files
     amp: str  # FSDP 1: the compute dtype's name ("bfloat16"), or "off"
-    policy: MixedPrecisionPolicy  # FSDP 1: casts the gathered weights; no autocast, no scaler
+    policy: MixedPrecisionPolicy  # FSDP 1: bf16 compute, fp32 reductions; no autocast, no scaler
     mesh: object  # 4D 1: the (pp, dp, cp, tp) grid of ranks, a DeviceMesh
     stage: int  # PP 2: this rank's stage, 0 to pp - 1: the blocks it holds
     dp_rank: int  # PP 3: this rank's replica, which sets the data it reads
@@ -220,8 +236,8 @@ def grid(args, device, world_size):
                          "processes, or give smaller sizes")
     shape, names = (args.pp, world_size // inner, args.cp, args.tp), ("pp", "dp", "cp", "tp")
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)  # 4D 1: groups along each dim
-    # dp x cp x tp as one mesh too: DTensor's redistribute finds it by its ranks, and then reduces
-    # a norm over those dims in one collective, not one per dim (private API)
+    # dp x cp x tp as one mesh too. clip_gradients reduces a norm over those dims; DTensor finds
+    # this flattened mesh by its ranks and makes that one collective instead of one per dim.
     mesh["dp", "cp", "tp"]._flatten("dp_cp_tp")  # 4D 1: one group of a stage's ranks
     return mesh
 
@@ -276,7 +292,7 @@ class Context:
 
 
 def chunk_positions(cp_rank, cp, block_size):
-    """The positions of chunks cp_rank and 2 cp - 1 - cp_rank of 2 cp, in block_size tokens."""
+    """The positions of chunks cp_rank and 2 x cp - 1 - cp_rank of 2 x cp, in block_size tokens."""
     size = block_size // (2 * cp)
     chunks = (cp_rank, 2 * cp - 1 - cp_rank)
     return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])  # 4D 3
@@ -396,17 +412,17 @@ def shard(run, model):  # FSDP 2: every block a unit of its own, then the root
     mesh = run.mesh["dp", "cp"]._flatten("dp_cp")  # 4D 5
     reshard = run.args.reshard_after_forward == "yes"
     for i, block in enumerate(model.blocks.values()):  # PP 5: the stage's blocks
-        last = i == len(model.blocks) - 1  # the first backward: kept whole
+        last = i == len(model.blocks) - 1  # the backward starts with it: kept whole
         if run.args.tp > 1:  # 4D 5: --tp 1 leaves the blocks whole
             parallelize_module(block, run.mesh["tp"], block_plan(sp))  # collectives in forward
         fully_shard(block, mesh=mesh, mp_policy=run.policy,
-                    reshard_after_forward=reshard and not last)  # only sets hooks
+                    reshard_after_forward=reshard and not last)  # its parameters become shards
     plan = ends_plan(model, sp)  # 4D 5: the ends this stage holds, split by vocabulary
     if run.args.tp > 1 and plan:
         parallelize_module(model, run.mesh["tp"], plan)  # collectives in forward
         if model.tok_emb is not None and model.head is not None:  # --pp 1: one matrix again
             model.head.weight = model.tok_emb.weight  # both split the vocabulary alike
-    fully_shard(model, mesh=mesh, mp_policy=run.policy)  # the root: whole from forward to backward
+    fully_shard(model, mesh=mesh, mp_policy=run.policy)  # the root: whole until its backward
 
 
 def block_plan(sp):
@@ -532,8 +548,9 @@ def shards_finite(model):  # FSDP 3: checked before every save
 def wrap_model(run, raw_model):  # FSDP 4: no wrapper: the sharded model trains itself
     """The model that trains: the sharded raw_model, compiled with --compile. Two handles to one
     set of shards: `raw_model` (saved, exported) and `model`, the very same module object."""
-    for block in raw_model.blocks.values() if run.args.compile else []:  # PP 1: in place, so
-        block.compile(backend=run.args.compile_backend)  # the schedule gets an FSDP module
+    # PP 1: in place, so that the schedule gets the FSDP module (it switches its gradient sync).
+    for block in raw_model.blocks.values() if run.args.compile else []:
+        block.compile(backend=run.args.compile_backend)
     return raw_model
 
 
@@ -571,7 +588,7 @@ def validation_batches(run, val):
 
 
 @torch.no_grad()
-def mean_loss_over_ranks(run, model, batches):  # PP 7: run; FSDP 1: no autocast; DDP 9: SUM
+def mean_loss_over_ranks(run, model, batches):  # PP 7: through every stage, summed over ranks
     """A collective: the mean cross-entropy per target over all ranks' batches (inputs, targets).
     Each rank sums its own losses and counts them; one all-reduce adds those up over the ranks."""
     model.eval()
@@ -585,7 +602,7 @@ def mean_loss_over_ranks(run, model, batches):  # PP 7: run; FSDP 1: no autocast
         totals[0] += local(loss)  # 4D 8: a tp group adds tp copies of its sum, and of its count
         totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # DDP 9: all ranks' sums, divided below
-    free_gathered_weights(model)  # FSDP 5: forwards without a backward leave them
+    free_gathered_weights(model)  # FSDP 5: forwards without a backward leave weights gathered
     model.train()
     return (totals[0] / totals[1]).item()
 
@@ -621,7 +638,7 @@ def train_step(run, schedule, model, optimizer, windows, step):
     inputs, target = ((x,) if first else ()), (y if last else None)
     with loss_parallel():  # 4D 8: the loss and its backward from logits split by vocabulary
         schedule.step(*inputs, target=target, losses=losses if last else None,
-                      return_outputs=False)  # each cp rank's mean, over as many tokens as all
+                      return_outputs=False)  # each cp rank's mean; all have as many targets
     losses = [local(part) for part in losses]  # 4D 8: plain tensors, a copy on each tp rank
     loss = torch.stack(losses).mean() if last else torch.zeros((), device=run.device)
     sum_tied_gradients(run, model)  # PP 4: a collective of the two ends
@@ -650,7 +667,7 @@ def local(loss):  # loss_parallel's loss, the same on each rank of a tp group
 def clip_gradients(run, model, max_norm):
     """The whole model's clip_grad_norm_: the stages' squared norms summed, the tied matrix once."""
     twin = model.head.weight if run.stage > 0 and model.head is not None else None  # PP 4: a copy
-    on_mesh = {}  # 4D 9: FSDP's dp x cp mesh, or dp x cp x tp where TP split the parameter
+    on_mesh = {}  # 4D 9: FSDP's dp x cp mesh, or dp x cp x tp for parameters TP placed
     for p in model.parameters():
         on_mesh.setdefault(p.device_mesh, []).append(p)
     norms = [nn.utils.get_total_norm([p.grad for p in ps if p is not twin])
@@ -674,7 +691,7 @@ def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every ran
     """A collective: rank 0 writes DIR/step-N/run.json (step, flags, vocabulary, every rank's RNG),
     every rank its shards of weights and AdamW state (DCP: no gather; .metadata last marks it
     complete). Failed: SaveFailed on every rank, the folder removed, the previous step intact."""
-    rng_states = [None] * run.world_size  # DDP 11: each rank's RNG draws its own dropout masks
+    rng_states = [None] * run.world_size  # DDP 11: every rank's RNG, for an exact resume
     dist.all_gather_object(rng_states, rng_state(run.device))  # so rank 0 can save them all
     folder = os.path.join(run.args.save, f"step-{step:06d}")  # FSDP 3: a folder per step
     if not shards_finite(raw_model):  # a collective: every rank gets the same answer
@@ -1114,12 +1131,12 @@ def parse_args(argv=None):
     a("--seed", type=int, default=0, help="seeds the weights, data order, dropout (default: 0)")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto",
       help="auto = cuda if there is one, else cpu (default: auto)")
-    a = p.add_argument_group("distributed: timeouts and debugging (chapters 5 and 6)").add_argument
+    a = p.add_argument_group("distributed: timeouts, debugging and the layout").add_argument
     a("--dist-timeout", type=positive(float), default=300, metavar="S",
       help="seconds a collective waits for a peer before the job fails (default: 300)")
     a("--pp", type=positive(int), default=2, metavar="N",  # PP 2
       help="pipeline stages: runs of consecutive blocks, each on world size / N consecutive "
-           "ranks (a node); must divide the world size, at most --n-layer (default: 2)")
+           "ranks; must divide the world size, at most --n-layer (default: 2)")
     a("--cp", type=positive(int), default=2, metavar="N",  # 4D 1
       help="context-parallel ranks: each sequence's tokens split in 2 x N chunks; 2 x N must "
            "divide --block-size; 1: no split (default: 2)")
@@ -1315,13 +1332,13 @@ def amp_dtype(choice, device):
         raise InputError("--amp fp16 needs a CUDA device; on a CPU use --amp bf16 or --amp off")
     if choice == "bf16" and device.type == "cuda" and not native_bf16:
         raise InputError("--amp bf16: this GPU has no native bf16 (only slow emulation); "
-                         "use --amp off")  # FSDP 1: fp16 is refused
+                         "use --amp off")  # FSDP 1: not fp16, which this trainer refuses
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[choice]
 
 
 def mixed_precision(choice, device):  # FSDP 1: FSDP's policy casts the weights, not autocast
-    """(the dtype's name, FSDP's policy): compute in bf16 on the gathered weights, gradients
-    reduced in fp32, shards kept in fp32; no GradScaler."""
+    """(the dtype's name, FSDP's policy). Each shard is cast to bf16 before its all-gather, so
+    gathers and compute run in bf16; gradients are reduced in fp32; shards stay fp32. No scaler."""
     dtype = amp_dtype(choice, device)
     if dtype == torch.float16 and choice == "auto":  # FSDP 1: no native bf16: fp32 here
         dtype = None
@@ -1430,7 +1447,7 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
             os.remove(tmp)
 
 
-def free_gathered_weights(model):  # FSDP 5: a forward alone leaves the root's weights whole
+def free_gathered_weights(model):  # FSDP 5: a forward alone leaves the root and last block whole
     """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
     sampling) gathered are freed, and the parameters are this rank's shards again."""
     for module in model.modules():

@@ -102,7 +102,7 @@ def main(argv=None):
     run = make_run(args, device, rank, world_size)  # a collective: the mesh
     # Data: each replica reads its own windows of the training tokens.
     data = build_data(run)  # a collective with --debug: rank 0 prints every rank's windows
-    # Model: each rank fills its shards with one process's initial weights, then resumes them.
+    # Model: each rank's shards of the weights one process starts with; a resume overwrites them.
     raw_model, optimizer = build_model(run, data.vocab_size)  # every rank shards alike
     start = resumed_step(run, raw_model, optimizer, data)  # a collective: one agreed start step
     model = wrap_model(run, raw_model)  # the same shards: raw_model, or its compiled form
@@ -157,7 +157,7 @@ class Run:
     world_size: int
     is_main: bool  # True on rank 0 alone, the one process that logs and writes files
     amp: str  # FSDP 1: the compute dtype's name ("bfloat16"), or "off"
-    policy: MixedPrecisionPolicy  # FSDP 1: casts the gathered weights; no autocast, no scaler
+    policy: MixedPrecisionPolicy  # FSDP 1: bf16 compute, fp32 reductions; no autocast, no scaler
     mesh: object  # CP 1: the DeviceMesh of (dp, cp) ranks
     dp_rank: int  # CP 2: this rank's row, which picks the sequences it reads
     dp_size: int  # CP 2: the number of rows (replicas), world size / cp
@@ -193,7 +193,7 @@ def grid(cp, device, world_size):
 
 
 class Context:
-    """Rank i of a row holds chunks i and 2 cp - 1 - i of 2 cp: one early, one late, equal work.
+    """Rank i of a row holds chunks i and 2 x cp - 1 - i of 2 x cp: one early, one late, equal work.
     Its queries reach the row's keys and values by an all-gather, done again in backward rather
     than kept, or, with --cp-rotate ring, passed round the row one rank's keys at a time."""
 
@@ -228,7 +228,7 @@ class Context:
 
 def chunk_positions(cp_rank, cp, block_size):
     """The positions rank cp_rank of a row holds in a sequence of block_size tokens: chunks
-    cp_rank and 2 cp - 1 - cp_rank of 2 cp equal chunks."""
+    cp_rank and 2 x cp - 1 - cp_rank of 2 x cp equal chunks."""
     size = block_size // (2 * cp)
     chunks = (cp_rank, 2 * cp - 1 - cp_rank)  # CP 3: an early chunk and a late one
     return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
@@ -339,15 +339,16 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
 def shard(run, model):  # FSDP 2: every block a unit of its own, then the root
     """fully_shard turns each block's parameters into DTensors split across the ranks (dim 0). A
     block's weights are all-gathered just before its forward and again before its backward, and
-    its gradients are reduce-scattered after it. The root and the last block stay whole from their
-    forward to their backward; with --reshard-after-forward no, every block does."""
+    its gradients are reduce-scattered after it. The root (torch does this for a root) and the last
+    block stay whole from their forward to their backward; with --reshard-after-forward no, every
+    block does."""
     mesh = run.mesh["dp", "cp"]._flatten("dp_cp")  # CP 1: FSDP over every rank of the mesh
     reshard = run.args.reshard_after_forward == "yes"
-    for i, block in enumerate(model.blocks):  # no sends yet: hooks gather later
-        last = i == len(model.blocks) - 1  # the first backward: kept whole
+    for i, block in enumerate(model.blocks):  # sharding sends nothing; hooks gather later
+        last = i == len(model.blocks) - 1  # the backward starts with it: kept whole
         fully_shard(block, mesh=mesh, mp_policy=run.policy,
-                    reshard_after_forward=reshard and not last)  # only sets hooks
-    fully_shard(model, mesh=mesh, mp_policy=run.policy)  # the root: whole from forward to backward
+                    reshard_after_forward=reshard and not last)  # its parameters become shards
+    fully_shard(model, mesh=mesh, mp_policy=run.policy)  # the root: whole until its backward
 
 
 @torch.no_grad()
@@ -471,7 +472,7 @@ def mean_loss_over_ranks(model, batches, context):  # CP 3: on this rank's token
         totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
         totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # CP 3: each token on one rank, so counted once
-    free_gathered_weights(model)  # FSDP 5: forwards without a backward leave them
+    free_gathered_weights(model)  # FSDP 5: forwards without a backward leave weights gathered
     model.train()
     return (totals[0] / totals[1]).item()
 
@@ -496,7 +497,7 @@ def train_step(run, model, optimizer, windows, step):
 
 
 def accumulate_gradients(model, batches, context, every=True):  # CP 3: this rank's tokens
-    """Forward and backward over each micro-batch (inputs, targets); the loss to average. every:
+    """Forward and backward over each micro-batch (inputs, targets); returns their mean loss. every:
     each backward reduce-scatters a unit's gradients into the shards, which add up there, so no
     rank holds a whole gradient past its unit's backward; else (--grad-sync last)
     whole gradients add up on every rank and the last backward reduce-scatters them once."""
@@ -1001,7 +1002,7 @@ def parse_args(argv=None):
     a("--seed", type=int, default=0, help="seeds the weights, data order, dropout (default: 0)")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto",
       help="auto = cuda if there is one, else cpu (default: auto)")
-    a = p.add_argument_group("distributed: timeouts and debugging (chapters 5 and 6)").add_argument
+    a = p.add_argument_group("distributed: timeouts, debugging and the layout").add_argument
     a("--dist-timeout", type=positive(float), default=300, metavar="S",
       help="seconds a collective waits for a peer before the job fails (default: 300)")
     a("--cp", type=positive(int), default=2, metavar="N",  # CP 1
@@ -1186,13 +1187,13 @@ def amp_dtype(choice, device):
         raise InputError("--amp fp16 needs a CUDA device; on a CPU use --amp bf16 or --amp off")
     if choice == "bf16" and device.type == "cuda" and not native_bf16:
         raise InputError("--amp bf16: this GPU has no native bf16 (only slow emulation); "
-                         "use --amp off")  # FSDP 1: fp16 is refused
+                         "use --amp off")  # FSDP 1: not fp16, which this trainer refuses
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[choice]
 
 
 def mixed_precision(choice, device):  # FSDP 1: FSDP's policy casts the weights, not autocast
-    """(the dtype's name, FSDP's policy): compute in bf16 on the gathered weights, gradients
-    reduced in fp32, shards kept in fp32; no GradScaler."""
+    """(the dtype's name, FSDP's policy). Each shard is cast to bf16 before its all-gather, so
+    gathers and compute run in bf16; gradients are reduced in fp32; shards stay fp32. No scaler."""
     dtype = amp_dtype(choice, device)
     if dtype == torch.float16 and choice == "auto":  # FSDP 1: no native bf16: fp32 here
         dtype = None
@@ -1301,7 +1302,7 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
             os.remove(tmp)
 
 
-def free_gathered_weights(model):  # FSDP 5: a forward alone leaves the root's weights whole
+def free_gathered_weights(model):  # FSDP 5: a forward alone leaves the root and last block whole
     """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
     sampling) gathered are freed, and the parameters are this rank's shards again."""
     for module in model.modules():
@@ -1437,7 +1438,7 @@ def accumulation_line(model, args):  # FSDP 2: the gradients held, and reduce-sc
     whole = 4 * sum(p.numel() for p in model.parameters()) / 2**20  # fp32 gradients, all of them
     if args.grad_sync == "every":
         return (f"--grad-sync every: gradients stay sharded between micro-batches; the {whole:.2f} "
-                f"MiB of them reduce-scattered {args.grad_accum} times per step, group by group")
+                f"MiB of them reduce-scattered {args.grad_accum} times per step, unit by unit")
     return (f"--grad-sync last: every rank holds the whole gradients, {whole:.2f} MiB, from the "
             f"first micro-batch to the last; reduce-scattered once per step")
 

@@ -408,7 +408,7 @@ def causal_attention(q, k, v):
     in fp32 even in a bf16 run, since the bf16 CPU backward measured 3x slower than fp32."""
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    with torch.autocast("cpu", enabled=False):
+    with torch.autocast("cpu", enabled=False):  # fp32 even under a caller's autocast
         y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
     return y.to(q.dtype)
 
@@ -696,7 +696,7 @@ def parse_args(argv=None):
     a("--seed", type=int, default=0, help="seeds the weights, data order, dropout (default: 0)")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto",
       help="auto = cuda if there is one, else cpu (default: auto)")
-    a = p.add_argument_group("distributed: timeouts and debugging (chapters 5 and 6)").add_argument
+    a = p.add_argument_group("distributed: timeouts, debugging and the layout").add_argument
     a("--dist-timeout", type=positive(float), default=300, metavar="S",
       help="seconds a collective waits for the other ranks before the job fails (default: 300)")
     a("--check-sync", action="store_true",

@@ -33,22 +33,35 @@ whole model, one unit at a time, on windows of its own. A window is block_size +
 tokens, the inputs and targets of one sequence. A micro-batch is --batch-size windows through one
 forward and backward; an optimizer step runs --grad-accum of them on every rank.
 
+One optimizer step, as each rank runs it (default flags):
+  forward   the root's hook all-gathers the embeddings, final norm and head; each block then
+            all-gathers its weights (each shard cast to bf16 first with --amp bf16, so the gather
+            sends bf16), runs, and frees them. The last block and the root keep theirs, since
+            the backward starts with them.
+  backward  the head first, then the blocks in reverse. Each block but the last all-gathers its
+            weights again; right after its backward its gradients are reduce-scattered in fp32,
+            and each rank keeps the mean for its shard. With --grad-sync last, whole gradients
+            add up on every rank instead, and only the last micro-batch reduce-scatters them.
+  step      clip_grad_norm_ combines every rank's shard norms (a collective); the loss is
+            all-reduced for the log; AdamW updates each rank's shards and sends nothing.
+On GPUs FSDP runs its collectives on separate CUDA streams, so a gather can overlap compute.
+
 Read it top-down: main(), then its core steps in the order it calls them, the model, and the steps
 beyond the core (debugging, the benchmark, the report). Every call that communicates with other
 ranks sits above the line that ends `the plumbing`. Below it, no line communicates with another
 rank: guards, flags, data, files, logging, sampling, errors.
 
 Tags. `# FSDP k` marks each line FSDP changes in a DDP trainer, numbered in reading order:
-  FSDP 1  a MixedPrecisionPolicy casts the gathered weights, instead of autocast and a GradScaler
-  FSDP 2  the model is built on the meta device, sharded, and each rank fills its own shards
+  FSDP 1  a MixedPrecisionPolicy: bf16 weights for compute, fp32 reductions; no autocast, no scaler
+  FSDP 2  the model is built on the meta device, sharded, each rank fills its shards; what it holds
   FSDP 3  torch.distributed.checkpoint: every rank saves its shards; any world size resumes them
   FSDP 4  no wrapper: fully_shard hooks the model's own forward and backward
-  FSDP 5  every rank runs as many forwards, since each forward all-gathers the weights
+  FSDP 5  every rank runs the same number of forwards, since each forward all-gathers the weights
   FSDP 6  the gradient norm is a DTensor over all shards; full_tensor() makes it one number
   FSDP 7  --grad-sync: reduce-scatter after every micro-batch, or once after the last
   FSDP 8  --export gathers the whole model into one plain file
 Lines tagged DDP k mark what chapter 3 changes for DDP; its docstring keys them (DDP 8, 10 and
-15, DDP's wrapper, no_sync and replica check, have no place here).
+15, DDP's wrapper, no_sync and replica check, are not used: FSDP 7 does no_sync's job).
 Lines tagged `# guard:` each avoid one known failure, all before the process group is joined.
 See also docs/fsdp.md (what FSDP holds and sends, measured) and docs/conventions.md.
 """
@@ -99,7 +112,7 @@ def main(argv=None):
     run = make_run(args, device, rank, world_size)
     # Data: each replica reads its own windows of the training tokens.
     data = build_data(run)  # a collective with --debug: rank 0 prints every rank's windows
-    # Model: each rank fills its shards with one process's initial weights, then resumes them.
+    # Model: each rank's shards of the weights one process starts with; a resume overwrites them.
     raw_model, optimizer = build_model(run, data.vocab_size)  # every rank shards alike
     start = resumed_step(run, raw_model, optimizer, data)  # a collective: one agreed start step
     model = wrap_model(run, raw_model)  # the same shards: raw_model, or its compiled form
@@ -154,7 +167,7 @@ class Run:
     world_size: int
     is_main: bool  # True on rank 0 alone, the one process that logs and writes files
     amp: str  # FSDP 1: the compute dtype's name ("bfloat16"), or "off"
-    policy: MixedPrecisionPolicy  # FSDP 1: casts the gathered weights; no autocast, no scaler
+    policy: MixedPrecisionPolicy  # FSDP 1: bf16 compute, fp32 reductions; no autocast, no scaler
 
 
 def make_run(args, device, rank, world_size):
@@ -251,15 +264,16 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
 def shard(run, model):  # FSDP 2: every block a unit of its own, then the root
     """fully_shard turns each block's parameters into DTensors split across the ranks (dim 0). A
     block's weights are all-gathered just before its forward and again before its backward, and
-    its gradients are reduce-scattered after it. The root and the last block stay whole from their
-    forward to their backward; with --reshard-after-forward no, every block does."""
+    its gradients are reduce-scattered after it. The root (torch does this for a root) and the last
+    block stay whole from their forward to their backward; with --reshard-after-forward no, every
+    block does."""
     mesh = init_device_mesh(run.device.type, (run.world_size,))  # on the group's device type
     reshard = run.args.reshard_after_forward == "yes"
-    for i, block in enumerate(model.blocks):  # no sends yet: hooks gather later
-        last = i == len(model.blocks) - 1  # the first backward: kept whole
+    for i, block in enumerate(model.blocks):  # sharding sends nothing; hooks gather later
+        last = i == len(model.blocks) - 1  # the backward starts with it: kept whole
         fully_shard(block, mesh=mesh, mp_policy=run.policy,
-                    reshard_after_forward=reshard and not last)  # only sets hooks
-    fully_shard(model, mesh=mesh, mp_policy=run.policy)  # the root: whole from forward to backward
+                    reshard_after_forward=reshard and not last)  # its parameters become shards
+    fully_shard(model, mesh=mesh, mp_policy=run.policy)  # the root: whole until its backward
 
 
 @torch.no_grad()
@@ -328,8 +342,9 @@ def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
                    optim_state_dict=optim_state)
     if not shards_finite(raw_model):  # a collective: every rank gets the same answer
         raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
+    # Restored only at the world size that saved them, without tp (whose groups draw alike).
     saved = state["args"].get("tp", 1), len(state["rng"])  # FSDP 3: the saving run's layout
-    if saved == (1, run.world_size):  # the layout that saved them: else the seeds by rank stay
+    if saved == (1, run.world_size):
         restore_rng(state["rng"][run.rank], run.device)  # FSDP 3: this rank's streams
 
 
@@ -382,7 +397,7 @@ def mean_loss_over_ranks(model, batches):  # FSDP 1: no autocast; DDP 9: sum, di
         totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
         totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # DDP 9: all ranks' sums, divided below
-    free_gathered_weights(model)  # FSDP 5: forwards without a backward leave them
+    free_gathered_weights(model)  # FSDP 5: forwards without a backward leave weights gathered
     model.train()
     return (totals[0] / totals[1]).item()
 
@@ -406,7 +421,7 @@ def train_step(run, model, optimizer, windows, step):
 
 
 def accumulate_gradients(model, batches, every=True):  # FSDP 7: stay sharded, or not
-    """Forward and backward over each micro-batch (inputs, targets); the loss to average. every:
+    """Forward and backward over each micro-batch (inputs, targets); returns their mean loss. every:
     each backward reduce-scatters a unit's gradients into the shards, which add up there, so no
     rank holds a whole gradient past its unit's backward; else (--grad-sync last)
     whole gradients add up on every rank and the last backward reduce-scatters them once."""
@@ -415,7 +430,7 @@ def accumulate_gradients(model, batches, every=True):  # FSDP 7: stay sharded, o
         model.set_requires_gradient_sync(every or i == len(batches) - 1)  # FSDP 7: when to reduce
         _, loss = model(x, y)
         loss = loss / len(batches)  # micro-batches of equal size: the mean of their means
-        loss.backward()  # reduce-scatters (last: only the last one): each rank its shard's mean
+        loss.backward()  # each unit reduce-scatters here (with last, in the last one only)
         total += loss.detach()
     return total
 
@@ -478,7 +493,7 @@ def causal_attention(q, k, v):
     in fp32 even in a bf16 run, since the bf16 CPU backward measured 3x slower than fp32."""
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    with torch.autocast("cpu", enabled=False):
+    with torch.autocast("cpu", enabled=False):  # fp32 even under a caller's autocast
         y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
     return y.to(q.dtype)
 
@@ -761,7 +776,7 @@ def parse_args(argv=None):
     a("--seed", type=int, default=0, help="seeds the weights, data order, dropout (default: 0)")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto",
       help="auto = cuda if there is one, else cpu (default: auto)")
-    a = p.add_argument_group("distributed: timeouts and debugging (chapters 5 and 6)").add_argument
+    a = p.add_argument_group("distributed: timeouts, debugging and the layout").add_argument
     a("--dist-timeout", type=positive(float), default=300, metavar="S",
       help="seconds a collective waits for a peer before the job fails (default: 300)")
     a("--grad-sync", choices=["every", "last"], default="every",  # FSDP 7
@@ -933,13 +948,13 @@ def amp_dtype(choice, device):
         raise InputError("--amp fp16 needs a CUDA device; on a CPU use --amp bf16 or --amp off")
     if choice == "bf16" and device.type == "cuda" and not native_bf16:
         raise InputError("--amp bf16: this GPU has no native bf16 (only slow emulation); "
-                         "use --amp off")  # FSDP 1: fp16 is refused
+                         "use --amp off")  # FSDP 1: not fp16, which this trainer refuses
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[choice]
 
 
 def mixed_precision(choice, device):  # FSDP 1: FSDP's policy casts the weights, not autocast
-    """(the dtype's name, FSDP's policy): compute in bf16 on the gathered weights, gradients
-    reduced in fp32, shards kept in fp32; no GradScaler."""
+    """(the dtype's name, FSDP's policy). Each shard is cast to bf16 before its all-gather, so
+    gathers and compute run in bf16; gradients are reduced in fp32; shards stay fp32. No scaler."""
     dtype = amp_dtype(choice, device)
     if dtype == torch.float16 and choice == "auto":  # FSDP 1: no native bf16: fp32 here
         dtype = None
@@ -1048,7 +1063,7 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
             os.remove(tmp)
 
 
-def free_gathered_weights(model):  # FSDP 5: a forward alone leaves the root's weights whole
+def free_gathered_weights(model):  # FSDP 5: a forward alone leaves the root and last block whole
     """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
     sampling) gathered are freed, and the parameters are this rank's shards again."""
     for module in model.modules():
@@ -1163,7 +1178,7 @@ def accumulation_line(model, args):  # FSDP 2: the gradients held, and reduce-sc
     whole = 4 * sum(p.numel() for p in model.parameters()) / 2**20  # fp32 gradients, all of them
     if args.grad_sync == "every":
         return (f"--grad-sync every: gradients stay sharded between micro-batches; the {whole:.2f} "
-                f"MiB of them reduce-scattered {args.grad_accum} times per step, group by group")
+                f"MiB of them reduce-scattered {args.grad_accum} times per step, unit by unit")
     return (f"--grad-sync last: every rank holds the whole gradients, {whole:.2f} MiB, from the "
             f"first micro-batch to the last; reduce-scattered once per step")
 

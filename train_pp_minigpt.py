@@ -51,9 +51,17 @@ Tags: each `# PP k` comment marks a line that PP adds or changes, numbered in re
   PP 5   Stage: a run of the GPT's blocks under their own names, FSDP over the stage's dp group
   PP 6   checkpoints under the whole model's names, so that any layout resumes any other
   PP 7   evaluation and sampling: a forward-only pipeline of send and recv; the last stage scores
-  PP 8   the gradient norm summed over every stage and shard, so clipping matches one process's
+  PP 8   the squared gradient norms summed over every stage and shard: clipping as one process
 Lines tagged DDP k or FSDP k mark what chapters 3 and 7 changed; the key of each is in its
 chapter, and most say on the line what it does.
+
+One step of 1F1B at 2 stages and --grad-accum 4 (F2 is micro-batch 2's forward, B2 its backward):
+  stage 0   F0 F1 B0 F2 B1 F3 B2 B3   sends each F's activations to stage 1, gets each B's gradient
+  stage 1   F0 B0 F1 B1 F2 B2 F3 B3   computes each loss at once and sends its gradient back
+Each send is (B, T, C) in the compute dtype, over the pp group; stage 1 waits for stage 0's F0,
+stage 0 for stage 1's B0: those waits are the bubble. GPipe runs all four F, then all four B, and
+holds four micro-batches' activations where 1F1B holds at most two. After B3: FSDP's one
+reduce-scatter over each stage's dp group, the tied gradient's sum, the norm, the optimizer step.
 
 See also: docs/pp.md (the schedules, the bubble and FSDP's gathers, measured) and docs/mistakes.md.
 """
@@ -106,7 +114,7 @@ def main(argv=None):
     run = make_run(args, device, rank, world_size)  # a collective: the mesh
     # Data: each replica reads its own windows of the training tokens.
     data = build_data(run)  # a collective with --debug: rank 0 prints every rank's windows
-    # Model: each rank fills its shards with one process's initial weights, then resumes them.
+    # Model: each rank's shards of the weights one process starts with; a resume overwrites them.
     raw_model, optimizer = build_model(run, data.vocab_size)  # every rank shards alike
     start = resumed_step(run, raw_model, optimizer, data)  # a collective: one agreed start step
     model = wrap_model(run, raw_model)  # the same shards: raw_model, its blocks compiled in place
@@ -162,7 +170,7 @@ class Run:
     world_size: int
     is_main: bool  # True on rank 0 alone, the one process that logs and writes files
     amp: str  # FSDP 1: the compute dtype's name ("bfloat16"), or "off"
-    policy: MixedPrecisionPolicy  # FSDP 1: casts the gathered weights; no autocast, no scaler
+    policy: MixedPrecisionPolicy  # FSDP 1: bf16 compute, fp32 reductions; no autocast, no scaler
     mesh: object  # PP 2: the (pp, dp) grid of ranks, a DeviceMesh
     stage: int  # PP 2: this rank's stage, 0 to pp - 1: the blocks it holds
     dp_rank: int  # PP 3: this rank's replica, which sets the data it reads
@@ -292,10 +300,10 @@ def shard(run, model):  # FSDP 2: every block a unit of its own, then the root
     mesh = run.mesh["dp"]  # PP 5: FSDP over the ranks of this stage, not over all
     reshard = run.args.reshard_after_forward == "yes"
     for i, block in enumerate(model.blocks.values()):  # PP 5: the stage's blocks
-        last = i == len(model.blocks) - 1  # the first backward: kept whole
+        last = i == len(model.blocks) - 1  # the backward starts with it: kept whole
         fully_shard(block, mesh=mesh, mp_policy=run.policy,
-                    reshard_after_forward=reshard and not last)  # only sets hooks
-    fully_shard(model, mesh=mesh, mp_policy=run.policy)  # the root: whole from forward to backward
+                    reshard_after_forward=reshard and not last)  # its parameters become shards
+    fully_shard(model, mesh=mesh, mp_policy=run.policy)  # the root: whole until its backward
 
 
 @torch.no_grad()
@@ -382,8 +390,9 @@ def shards_finite(model):  # FSDP 3: checked before every save
 def wrap_model(run, raw_model):  # FSDP 4: no wrapper: the sharded model trains itself
     """The model that trains: the sharded raw_model, compiled with --compile. Two handles to one
     set of shards: `raw_model` (saved, exported) and `model`, the very same module object."""
-    for block in raw_model.blocks.values() if run.args.compile else []:  # PP 1: in place, so
-        block.compile(backend=run.args.compile_backend)  # the schedule gets an FSDP module
+    # PP 1: in place, so that the schedule gets the FSDP module (it switches its gradient sync).
+    for block in raw_model.blocks.values() if run.args.compile else []:
+        block.compile(backend=run.args.compile_backend)
     return raw_model
 
 
@@ -420,7 +429,7 @@ def validation_batches(run, val):
 
 
 @torch.no_grad()
-def mean_loss_over_ranks(run, model, batches):  # PP 7: run; FSDP 1: no autocast; DDP 9: SUM
+def mean_loss_over_ranks(run, model, batches):  # PP 7: through every stage, summed over ranks
     """A collective: the mean cross-entropy per target over all ranks' batches (inputs, targets).
     Each rank sums its own losses and counts them; one all-reduce adds those up over the ranks."""
     model.eval()
@@ -432,7 +441,7 @@ def mean_loss_over_ranks(run, model, batches):  # PP 7: run; FSDP 1: no autocast
         totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
         totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # DDP 9: all ranks' sums, divided below
-    free_gathered_weights(model)  # FSDP 5: forwards without a backward leave them
+    free_gathered_weights(model)  # FSDP 5: forwards without a backward leave weights gathered
     model.train()
     return (totals[0] / totals[1]).item()
 
@@ -461,7 +470,7 @@ def train_step(run, schedule, model, optimizer, windows, step):
     first, last, losses = run.stage == 0, run.stage == args.pp - 1, []
     inputs, target = ((x,) if first else ()), (y if last else None)
     schedule.step(*inputs, target=target, losses=losses if last else None,
-                  return_outputs=False)  # PP 1: a collective; it keeps no logits
+                  return_outputs=False)  # PP 1: sends and receives; keeps no logits
     loss = torch.stack(losses).mean() if last else torch.zeros((), device=run.device)
     sum_tied_gradients(run, model)  # PP 4: a collective of the two ends
     for group in optimizer.param_groups:
@@ -553,7 +562,7 @@ def causal_attention(q, k, v):
     in fp32 even in a bf16 run, since the bf16 CPU backward measured 3x slower than fp32."""
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    with torch.autocast("cpu", enabled=False):
+    with torch.autocast("cpu", enabled=False):  # fp32 even under a caller's autocast
         y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
     return y.to(q.dtype)
 
@@ -905,7 +914,7 @@ def parse_args(argv=None):
     a("--seed", type=int, default=0, help="seeds the weights, data order, dropout (default: 0)")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto",
       help="auto = cuda if there is one, else cpu (default: auto)")
-    a = p.add_argument_group("distributed: timeouts and debugging (chapters 5 and 6)").add_argument
+    a = p.add_argument_group("distributed: timeouts, debugging and the layout").add_argument
     a("--dist-timeout", type=positive(float), default=300, metavar="S",
       help="seconds a collective waits for a peer before the job fails (default: 300)")
     a("--pp", type=positive(int), default=2, metavar="N",  # PP 2
@@ -1088,13 +1097,13 @@ def amp_dtype(choice, device):
         raise InputError("--amp fp16 needs a CUDA device; on a CPU use --amp bf16 or --amp off")
     if choice == "bf16" and device.type == "cuda" and not native_bf16:
         raise InputError("--amp bf16: this GPU has no native bf16 (only slow emulation); "
-                         "use --amp off")  # FSDP 1: fp16 is refused
+                         "use --amp off")  # FSDP 1: not fp16, which this trainer refuses
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[choice]
 
 
 def mixed_precision(choice, device):  # FSDP 1: FSDP's policy casts the weights, not autocast
-    """(the dtype's name, FSDP's policy): compute in bf16 on the gathered weights, gradients
-    reduced in fp32, shards kept in fp32; no GradScaler."""
+    """(the dtype's name, FSDP's policy). Each shard is cast to bf16 before its all-gather, so
+    gathers and compute run in bf16; gradients are reduced in fp32; shards stay fp32. No scaler."""
     dtype = amp_dtype(choice, device)
     if dtype == torch.float16 and choice == "auto":  # FSDP 1: no native bf16: fp32 here
         dtype = None
@@ -1203,7 +1212,7 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
             os.remove(tmp)
 
 
-def free_gathered_weights(model):  # FSDP 5: a forward alone leaves the root's weights whole
+def free_gathered_weights(model):  # FSDP 5: a forward alone leaves the root and last block whole
     """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
     sampling) gathered are freed, and the parameters are this rank's shards again."""
     for module in model.modules():

@@ -42,19 +42,24 @@ group, so that the norms and dropout each work on one part. Loss parallel comput
 cross-entropy from logits split by vocabulary across the tp group, without gathering them. A
 DTensor is a tensor spread over a mesh, with one placement per mesh dim: Shard(d), split along its
 dim d; Replicate(), a whole copy on every rank; Partial, one part of a sum. A micro-batch is the
-batch of one forward and backward; --grad-accum of them make one optimizer step. In a plan,
-input_layouts and desired_input_layouts say how a module's input arrives and how it must be laid
-out, and the style runs the collective between them; output_layouts says how its output leaves, and
-use_local_output=False keeps it a DTensor. The ends are the tied embedding and head, which split
-the vocabulary.
+batch of one forward and backward; --grad-accum of them make one optimizer step. A plan maps
+a module's name to a style (ColwiseParallel, RowwiseParallel, SequenceParallel...), which splits the
+module's weights and runs the collectives around it. In a plan, input_layouts and
+desired_input_layouts say how a module's input arrives and how it must be laid out, and the style
+runs the collective between them; output_layouts says how its output leaves, and
+use_local_output=False keeps it a DTensor. The ends: the tied embedding and head.
 
-What the block's code sees. Without sequence parallelism every tensor between the layers is a
-plain local tensor: the residual stream whole, (B, T, C); qkv's output this rank's heads, (B, T,
-3C / tp); proj's output summed back to (B, T, C). With it, the residual stream is a plain (B, T /
-tp, C) tensor. SequenceParallel and PrepareModuleInput return DTensors (their use_local_output is
-False by default), so attn and mlp receive a Replicate DTensor, whole and (B, T, C) in shape; the
-column-wise layer's output is again a plain local tensor, and so is the row-wise layer's, (B, T /
-tp, C). The head's logits stay a DTensor split by vocabulary, for loss parallel.
+One block in one micro-batch, on a tp group's ranks, with sequence parallelism (the default):
+  ln1, ln2     on this rank's T / tp positions of the residual stream; no collective
+  attn, mlp    an all-gather over tp rebuilds the whole (B, T, C), as a Replicate DTensor; qkv and
+               mlp.0 compute this rank's heads or hidden units, as plain tensors
+  proj, mlp.2  partial sums, reduce-scattered over tp back to a plain (B, T / tp, C)
+  backward     each all-gather's backward is a reduce-scatter, and the reverse; the copies'
+               gradients (norms, biases) are partial sums, which FSDP all-reduces over tp
+Without it, each pair is one all-reduce, after proj and after mlp.2, and every tensor between the
+layers is a plain whole (B, T, C). FSDP all-gathers the block's weights over dp before it runs and
+reduce-scatters their gradients over dp after its backward. The head's logits stay a DTensor split
+by vocabulary, for loss parallel.
 
 Tags: each `# TP k` comment marks a line that TP adds or changes, numbered in reading order:
   TP 1   --tp N: the (world size / N, N) mesh; a tp group is N consecutive ranks, on one node
@@ -124,7 +129,7 @@ def main(argv=None):
     run = make_run(args, device, rank, world_size)  # TP 1: builds the mesh, a collective
     # Data: each replica reads its own windows of the training tokens.
     data = build_data(run)  # a collective with --debug: rank 0 prints every rank's windows
-    # Model: each rank fills its shards with one process's initial weights, then resumes them.
+    # Model: each rank's shards of the weights one process starts with; a resume overwrites them.
     raw_model, optimizer = build_model(run, data.vocab_size)  # every rank shards alike
     start = resumed_step(run, raw_model, optimizer, data)  # a collective: one agreed start step
     model = wrap_model(run, raw_model)  # the same shards: raw_model, its blocks compiled in place
@@ -179,7 +184,7 @@ class Run:
     world_size: int
     is_main: bool  # True on rank 0 alone, the one process that logs and writes files
     amp: str  # FSDP 1: the compute dtype's name ("bfloat16"), or "off"
-    policy: MixedPrecisionPolicy  # FSDP 1: casts the gathered weights; no autocast, no scaler
+    policy: MixedPrecisionPolicy  # FSDP 1: bf16 compute, fp32 reductions; no autocast, no scaler
     mesh: object  # TP 1: the (dp, tp) grid of ranks, a DeviceMesh
     dp_rank: int  # TP 2: the replica this rank's tp group computes, so the data it reads
     dp_size: int  # TP 2: how many replicas (tp groups) there are: world size / tp
@@ -208,8 +213,8 @@ def grid(tp, device, world_size):
                          f"multiple of {tp} processes, or give --tp 1")
     shape, names = (world_size // tp, tp), ("dp", "tp")
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)  # TP 1: creates the groups
-    # Both dims as one mesh too: DTensor's redistribute finds it by its ranks, and then reduces a
-    # norm over both dims in one collective, not one per dim
+    # Both dims as one mesh too. clip_gradients reduces a norm over both dims; DTensor finds this
+    # flattened mesh by its ranks and makes that one collective instead of one per dim.
     mesh["dp", "tp"]._flatten("dp_tp")  # TP 1: private in torch 2.14; torchtitan uses it too
     return mesh
 
@@ -301,22 +306,23 @@ def shard(run, model):
     the rest (the position embedding; the norms without sequence parallelism) on "dp" alone."""
     mesh, sp = run.mesh["dp"], run.args.sequence_parallel == "on"  # TP 4: FSDP in the dp group
     reshard = run.args.reshard_after_forward == "yes"
-    for i, block in enumerate(model.blocks):  # no sends yet: hooks gather later
+    for i, block in enumerate(model.blocks):  # sharding sends nothing; hooks gather later
         if run.args.tp > 1:  # TP 4: --tp 1 is FSDP alone
             parallelize_module(block, run.mesh["tp"], block_plan(sp))  # TP 4: split across tp
-        last = i == len(model.blocks) - 1  # the first backward: kept whole
+        last = i == len(model.blocks) - 1  # the backward starts with it: kept whole
         fully_shard(block, mesh=mesh, mp_policy=run.policy,
-                    reshard_after_forward=reshard and not last)  # only sets hooks
+                    reshard_after_forward=reshard and not last)  # its parameters become shards
     if run.args.tp > 1:  # TP 4: the ends of the model, split by vocabulary
         parallelize_module(model, run.mesh["tp"], ends_plan(sp))  # the embedding and head
-        model.head.weight = model.tok_emb.weight  # one matrix again: each split it by rows alike
-    fully_shard(model, mesh=mesh, mp_policy=run.policy)  # the root: whole from forward to backward
+        # The plans made two parameters; both split the vocabulary (dim 0).
+        model.head.weight = model.tok_emb.weight  # TP 4: one matrix again
+    fully_shard(model, mesh=mesh, mp_policy=run.policy)  # the root: whole until its backward
 
 
 def block_plan(sp):
-    """Megatron-LM's split of a block. qkv (by whole heads) and the MLP's first layer are split
-    column-wise; attn.qkv orders its outputs head by head, since nanoGPT's q|k|v order would hand
-    every q to rank 0 and train wrong, silently. attn.proj and the MLP's second layer are split
+    """Megatron-LM's split of a block. qkv (by whole heads) and mlp.0 are split column-wise;
+    attn.qkv orders its outputs head by head, since nanoGPT's q|k|v order would hand rank 0 the
+    queries and the others the keys and values: silently wrong. attn.proj and mlp.2 are split
     row-wise; an all-reduce adds up their partial sums. With sp it is a reduce-scatter by sequence,
     for the norms and dropout; an all-gather rebuilds the sequence for each column-wise layer."""
     if not sp:
@@ -324,7 +330,7 @@ def block_plan(sp):
                 "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
     whole = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return {"ln1": SequenceParallel(), "attn": whole, "attn.qkv": ColwiseParallel(),  # TP 4
-            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),  # the sums of its positions
+            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),  # summed; its own positions
             "ln2": SequenceParallel(), "mlp": whole, "mlp.0": ColwiseParallel(),
             "mlp.2": RowwiseParallel(output_layouts=Shard(1))}
 
@@ -358,7 +364,8 @@ def init_shards(model, seed):  # FSDP 2: one whole parameter at a time, each ran
 def dropout_stream(run):
     """This rank's offset to the dropout seed. Without sequence parallelism a tp group's ranks hold
     the same activations and must draw the same masks, or their copies drift apart. With it, each
-    rank holds its own part of the sequence and seeds by rank, or every part would get one mask."""
+    rank holds its own part of the sequence and seeds by rank, or every part would get the same
+    mask."""
     return run.rank if run.args.sequence_parallel == "on" else run.dp_rank  # TP 2: which seed
 
 
@@ -477,8 +484,8 @@ def mean_loss_over_ranks(model, batches):  # FSDP 1: no autocast; DDP 9: sum, di
             loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
         totals[0] += local(loss)  # TP 6: the whole sum, on every rank of the tp group
         totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token
-    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # TP 2: both totals count each tp group tp times
-    free_gathered_weights(model)  # FSDP 5: forwards without a backward leave them
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # TP 2: tp copies of each total; the ratio holds
+    free_gathered_weights(model)  # FSDP 5: forwards without a backward leave weights gathered
     model.train()
     return (totals[0] / totals[1]).item()
 
@@ -503,7 +510,7 @@ def train_step(run, model, optimizer, windows, step):
 
 
 def accumulate_gradients(model, batches, every=True):  # FSDP 7: stay sharded, or not
-    """Forward and backward over each micro-batch (inputs, targets); the loss to average. every:
+    """Forward and backward over each micro-batch (inputs, targets); returns their mean loss. every:
     each backward reduce-scatters a unit's gradients into the shards, which add up there, so no
     rank holds a whole gradient past its unit's backward; else (--grad-sync last)
     whole gradients add up on every rank and the last backward reduce-scatters them once."""
@@ -548,7 +555,7 @@ def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every ran
     """A collective: rank 0 writes DIR/step-N/run.json (step, flags, vocabulary, every rank's RNG),
     every rank its shards of weights and AdamW state (DCP: no gather; .metadata last marks it
     complete). Failed: SaveFailed on every rank, the folder removed, the previous step intact."""
-    rng_states = [None] * run.world_size  # DDP 11: each rank's RNG draws its own dropout masks
+    rng_states = [None] * run.world_size  # DDP 11: every rank's RNG, for an exact resume
     dist.all_gather_object(rng_states, rng_state(run.device))  # so rank 0 can save them all
     folder = os.path.join(run.args.save, f"step-{step:06d}")  # FSDP 3: a folder per step
     if not shards_finite(raw_model):  # a collective: every rank gets the same answer
@@ -595,7 +602,7 @@ def causal_attention(q, k, v):
     in fp32 even in a bf16 run, since the bf16 CPU backward measured 3x slower than fp32."""
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    with torch.autocast("cpu", enabled=False):
+    with torch.autocast("cpu", enabled=False):  # fp32 even under a caller's autocast
         y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
     return y.to(q.dtype)
 
@@ -935,7 +942,7 @@ def parse_args(argv=None):
     a("--seed", type=int, default=0, help="seeds the weights, data order, dropout (default: 0)")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto",
       help="auto = cuda if there is one, else cpu (default: auto)")
-    a = p.add_argument_group("distributed: timeouts and debugging (chapters 5 and 6)").add_argument
+    a = p.add_argument_group("distributed: timeouts, debugging and the layout").add_argument
     a("--dist-timeout", type=positive(float), default=300, metavar="S",
       help="seconds a collective waits for a peer before the job fails (default: 300)")
     a("--tp", type=positive(int), default=2, metavar="N",  # TP 1
@@ -1121,13 +1128,13 @@ def amp_dtype(choice, device):
         raise InputError("--amp fp16 needs a CUDA device; on a CPU use --amp bf16 or --amp off")
     if choice == "bf16" and device.type == "cuda" and not native_bf16:
         raise InputError("--amp bf16: this GPU has no native bf16 (only slow emulation); "
-                         "use --amp off")  # FSDP 1: fp16 is refused
+                         "use --amp off")  # FSDP 1: not fp16, which this trainer refuses
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[choice]
 
 
 def mixed_precision(choice, device):  # FSDP 1: FSDP's policy casts the weights, not autocast
-    """(the dtype's name, FSDP's policy): compute in bf16 on the gathered weights, gradients
-    reduced in fp32, shards kept in fp32; no GradScaler."""
+    """(the dtype's name, FSDP's policy). Each shard is cast to bf16 before its all-gather, so
+    gathers and compute run in bf16; gradients are reduced in fp32; shards stay fp32. No scaler."""
     dtype = amp_dtype(choice, device)
     if dtype == torch.float16 and choice == "auto":  # FSDP 1: no native bf16: fp32 here
         dtype = None
@@ -1236,7 +1243,7 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
             os.remove(tmp)
 
 
-def free_gathered_weights(model):  # FSDP 5: a forward alone leaves the root's weights whole
+def free_gathered_weights(model):  # FSDP 5: a forward alone leaves the root and last block whole
     """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
     sampling) gathered are freed, and the parameters are this rank's shards again."""
     for module in model.modules():
@@ -1378,7 +1385,7 @@ def accumulation_line(model, args):  # FSDP 2: the gradients held, and reduce-sc
     whole = 4 * sum(p.numel() for p in model.parameters()) / 2**20  # fp32 gradients, all of them
     if args.grad_sync == "every":
         return (f"--grad-sync every: gradients stay sharded between micro-batches; the {whole:.2f} "
-                f"MiB of them reduce-scattered {args.grad_accum} times per step, group by group")
+                f"MiB of them reduce-scattered {args.grad_accum} times per step, unit by unit")
     return (f"--grad-sync last: every rank holds the whole gradients, {whole:.2f} MiB, from the "
             f"first micro-batch to the last; reduce-scattered once per step")
 

@@ -321,8 +321,8 @@ CATALOGUE = [
             "totals[1] += (y != -100).sum()  # FSDP 5",
             [T_FSDP + "test_a_padded_evaluation_counts_each_window_once"]),
     Mistake("fsdp-rng-restored-at-any-layout", 7, C7,
-            [("    if saved == (1, run.world_size):  # the layout that saved them: else the seeds by "
-              "rank stay\n        restore_rng(state[\"rng\"][run.rank], run.device)",
+            [("    if saved == (1, run.world_size):\n"
+              "        restore_rng(state[\"rng\"][run.rank], run.device)",
               "    if True:\n        restore_rng(state[\"rng\"][run.rank % len(state[\"rng\"])], "
               "run.device)")],
             "every rank restores a saved random stream, whatever layout saved it",
@@ -344,8 +344,7 @@ CATALOGUE = [
             "Windows(..., run.dp_rank, run.dp_size, ...)  # TP 2",
             [T_TP + "test_dp2_x_tp2_computes_what_ddp_computes"]),
     Mistake("tp-retie-forgotten", 8, C8,
-            [("        model.head.weight = model.tok_emb.weight  # one matrix again: each split "
-              "it by rows alike\n", "")],
+            [("        model.head.weight = model.tok_emb.weight  # TP 4: one matrix again\n", "")],
             "no re-tie after parallelize_module: the head and embedding train apart",
             "model.head.weight = model.tok_emb.weight  # TP 4",
             [T_TP + "test_dp2_x_tp2_computes_what_ddp_computes"]),

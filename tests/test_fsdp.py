@@ -136,7 +136,7 @@ def test_accumulation_stays_sharded_or_with_grad_sync_last_holds_whole_gradients
     4."""
     groups = 2 + 1  # --n-layer 2 blocks, then the root (embeddings, final norm, head)
     assert "--grad-sync every: gradients stay sharded between micro-batches; the 0.13 MiB of " \
-           "them reduce-scattered 2 times per step, group by group" in runs["fsdp"].stdout
+           "them reduce-scattered 2 times per step, unit by unit" in runs["fsdp"].stdout
     assert "--grad-sync last: every rank holds the whole gradients, 0.13 MiB, from the first " \
            "micro-batch to the last; reduce-scattered once per step" in runs["last"].stdout
     assert sorted(losses(runs["last"].stdout)) == [1, 2, 3, 4]
