@@ -19,7 +19,8 @@ a text file, a .bin of uint16 token ids, or a nanoGPT folder.
 Read it top-down: main(), then its core steps in the order it calls them, the model, and what goes
 beyond the core (debugging, the benchmark, the report). Every call that communicates with other
 ranks sits above the line that ends `the plumbing`. Below it, no line communicates with another
-rank: guards, flags, data, files, logging, sampling, errors.
+rank: guards, flags, data, files, logging, sampling, errors, and small helpers that the core calls
+(dtypes, shapes, freeing gathered weights).
 
 Terms. A rank is one of the processes torchrun starts, one per device, numbered from 0; the world
 size is how many there are. A process group is a set of ranks that communicate with each other. A
@@ -236,8 +237,8 @@ def grid(args, device, world_size):
                          "processes, or give smaller sizes")
     shape, names = (args.pp, world_size // inner, args.cp, args.tp), ("pp", "dp", "cp", "tp")
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)  # 4D 1: groups along each dim
-    # dp x cp x tp as one mesh too. clip_gradients reduces a norm over those dims; DTensor finds
-    # this flattened mesh by its ranks and makes that one collective instead of one per dim.
+    # dp x cp x tp as one mesh too, for speed only: DTensor merges a collective over those dims
+    # (a norm's all-reduce in clip_gradients) into one call on it; without it, one call per dim.
     mesh["dp", "cp", "tp"]._flatten("dp_cp_tp")  # 4D 1: one group of a stage's ranks
     return mesh
 
@@ -301,21 +302,23 @@ def chunk_positions(cp_rank, cp, block_size):
 class GatherContext(torch.autograd.Function):
     """An all-gather over the cp group along the sequence (dim -2), in rank order, that carries
     gradients. Its backward is a reduce-scatter that sums, as every rank's queries read each key.
-    dist.all_gather_single and reduce_scatter_single are all_gather_into_tensor and
-    reduce_scatter_tensor under the names torch 2.13 gave them."""
+    dist.all_gather_single and reduce_scatter_single are torch 2.13's names for
+    all_gather_into_tensor and reduce_scatter_tensor (2.14 deprecates those); on an older torch,
+    call those."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group, n = group, dist.get_world_size(group)
-        parts = x.new_empty((n * x.shape[0], *x.shape[1:]))  # rank r's x at rows r * len(x) on
+        parts = x.new_empty((n * x.shape[0], *x.shape[1:]))  # rank r's x lands at r * len(x)
         dist.all_gather_single(parts, x.contiguous(), group=group)  # 4D 4: a collective of cp ranks
         return torch.cat(parts.chunk(n), dim=-2)
 
     @staticmethod
     def backward(ctx, grad):
         n = dist.get_world_size(ctx.group)
-        parts = torch.cat(grad.chunk(n, dim=-2)).float()  # rank by rank, in fp32, because a sum
-        mine = parts.new_empty((parts.shape[0] // n, *parts.shape[1:]))  # in bf16 would round
+        # Rank by rank along dim 0, in fp32: a sum in bf16 would round.
+        parts = torch.cat(grad.chunk(n, dim=-2)).float()
+        mine = parts.new_empty((parts.shape[0] // n, *parts.shape[1:]))
         dist.reduce_scatter_single(mine, parts, group=ctx.group)  # each rank gets its part, summed
         return mine.to(grad.dtype), None
 
@@ -464,7 +467,7 @@ def init_shards(model, seed, n_layer):  # PP 5: n_layer is the GPT's; a stage ho
     for name, p in model.named_parameters():
         name = "tok_emb.weight" if name == "head.weight" else name  # PP 4: both copies alike
         full = initial_value(name, p.shape, seed, n_layer).to(p.device)
-        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))
+        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))  # no send
 
 
 def dropout_stream(run):
@@ -561,7 +564,8 @@ def pipeline_schedule(run, model):
     stage = PipelineStage(model, run.stage, run.args.pp, run.device, inputs, outputs,
                           group=run.mesh.get_group("pp"))  # PP 1: sends along the pp group
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[run.args.schedule]
-    return kind(stage, run.args.grad_accum, loss_fn=mean_token_loss)  # PP 1: K micro-batches
+    return kind(stage, run.args.grad_accum, loss_fn=mean_token_loss,  # PP 1: K micro-batches
+                scale_grads=True)  # the gradients divided by K: each loss is a micro-batch's mean
 
 
 def evaluate(run, model, val):  # FSDP 5: every rank runs as many forwards
@@ -645,7 +649,8 @@ def train_step(run, schedule, model, optimizer, windows, step):
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, args)
     grad_norm = clip_gradients(run, model, args.clip or float("inf"))  # PP 8: a collective
-    # tp cancels: mean_over_ranks sums tp copies of each loss, and divides by pp x dp x cp x tp
+    # mean_over_ranks sums over all pp x dp x cp x tp ranks and divides by their number. The tp
+    # ranks hold copies of one loss, so tp cancels; the stages but the last add 0, so x pp.
     loss = mean_over_ranks(loss) * args.pp  # PP 1: the other stages add 0: the last stage's mean
     stop_if_diverged(run, step, loss, grad_norm)
     optimizer.step()  # FSDP 1: no scaler; each rank steps its shards
@@ -743,7 +748,7 @@ def causal_attention(q, k, v, causal=None):  # 4D 4: causal, the mask Context pa
     # is_causal=True would align the first query with the first key, and train wrong.
     if causal is None and q.shape[-2] != k.shape[-2]:  # equal lengths use is_causal, no mask
         causal = causal_lower_right(q.shape[-2], k.shape[-2])
-    cpu = q.device.type == "cpu"  # 4D 4: one call, one mask, on every device
+    cpu = q.device.type == "cpu"  # 4D 4: the same call on every device; a CPU runs it in fp32
     with torch.autocast("cpu", enabled=False) if cpu else contextlib.nullcontext():
         y = F.scaled_dot_product_attention(*(t.float() if cpu else t for t in (q, k, v)),
                                            attn_mask=causal, is_causal=causal is None)
@@ -946,8 +951,8 @@ def export(run, raw_model, data):  # FSDP 8: one plain file, as one process save
         raise SaveFailed(f"not exporting {run.args.export}: the weights are not finite")
     options = StateDictOptions(full_state_dict=True)  # PP 6: each rank gathers its stage whole
     redistribute = logging.getLogger("torch.distributed.tensor._redistribute")  # 4D 5: it warns
-    level = redistribute.level  # that gathering a matrix split two ways takes two all-gathers,
-    redistribute.setLevel(logging.ERROR)  # one per dim: true here, so silenced for this call only
+    level = redistribute.level  # that a matrix split two ways is gathered by two all-gathers,
+    redistribute.setLevel(logging.ERROR)  # one per dim; true, and silenced for this call only
     try:
         stage = get_model_state_dict(raw_model, options=options)  # all-gathers within the stage
     finally:
@@ -999,7 +1004,8 @@ def avoid_known_failures(args):  # guard: all guards, in one place, before the g
     if not hasattr(dist, "all_gather_single"):  # 4D 4: GatherContext's collectives (torch 2.13)
         sys.stderr.write("error: this chapter needs torch 2.13 or newer (dist.all_gather_single): "
                          f"this is {torch.__version__}\n")
-        sys.exit(2)  # as refuse_a_bad_launch; a nightly 2.13.0a0 has it, so ask for the function
+        sys.exit(2)  # as for any launch that cannot work; asking for the call, not the version,
+        # lets a nightly (2.13.0a0, which compares below 2.13) through
     refuse_a_bad_launch(args.device)  # guard: no torchrun, or more processes than GPUs
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     backend = "nccl" if cuda else "gloo"

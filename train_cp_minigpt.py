@@ -16,7 +16,8 @@ downloaded; `--data` also takes a text file, a .bin of uint16 token ids, or a na
 Read it top-down: main(), then its core steps in the order it calls them, the model, and what goes
 beyond the core (debugging, the benchmark, the report). Every call that communicates with other
 ranks sits above the line that ends `the plumbing`. Below it, no line communicates with another
-rank: guards, flags, data, files, logging, sampling, errors.
+rank: guards, flags, data, files, logging, sampling, errors, and small helpers that the core calls
+(dtypes, shapes, freeing gathered weights).
 
 Terms. A rank is one of the processes torchrun starts, numbered from 0; the world size is how many
 there are. A process group is a set of ranks that communicate with each other. A collective is a
@@ -102,7 +103,8 @@ def main(argv=None):
     run = make_run(args, device, rank, world_size)  # a collective: the mesh
     # Data: each replica reads its own windows of the training tokens.
     data = build_data(run)  # a collective with --debug: rank 0 prints every rank's windows
-    # Model: each rank's shards of the weights one process starts with; a resume overwrites them.
+    # Model: every rank computes the initial weights a single process would, one parameter at a
+    # time, and keeps only its shards of them; a resume then overwrites them.
     raw_model, optimizer = build_model(run, data.vocab_size)  # every rank shards alike
     start = resumed_step(run, raw_model, optimizer, data)  # a collective: one agreed start step
     model = wrap_model(run, raw_model)  # the same shards: raw_model, or its compiled form
@@ -237,8 +239,9 @@ def chunk_positions(cp_rank, cp, block_size):
 class GatherContext(torch.autograd.Function):
     """An all-gather over a row's ranks along the sequence (dim -2), in rank order. Its backward is
     a reduce-scatter: every rank's queries read each rank's keys, so their gradients add up.
-    dist.all_gather_single and reduce_scatter_single are all_gather_into_tensor and
-    reduce_scatter_tensor under the names torch 2.13 gave them."""
+    dist.all_gather_single and reduce_scatter_single are torch 2.13's names for
+    all_gather_into_tensor and reduce_scatter_tensor (2.14 deprecates those); on an older torch,
+    call those."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -317,7 +320,8 @@ class Windows:
 
 
 def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, then filled
-    """The sharded model (1/N of each parameter here; whole only while built or used) and AdamW."""
+    """The sharded model and AdamW: each rank holds 1/N of each parameter, and a whole one only
+    while init_shards computes it or a unit's forward or backward has gathered it."""
     args = run.args
     with torch.device("meta"):  # FSDP 2: shapes and dtypes, no memory
         raw_model = GPT(**model_config(args, vocab_size))
@@ -339,9 +343,10 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
 def shard(run, model):  # FSDP 2: every block a unit of its own, then the root
     """fully_shard turns each block's parameters into DTensors split across the ranks (dim 0). A
     block's weights are all-gathered just before its forward and again before its backward, and
-    its gradients are reduce-scattered after it. The root (torch does this for a root) and the last
-    block stay whole from their forward to their backward; with --reshard-after-forward no, every
-    block does."""
+    its gradients are reduce-scattered after it. The root and the last block keep their gathered
+    weights from forward to backward (torch does so for a root by itself); with
+    --reshard-after-forward no, every block keeps them. The tied embedding and head are both in
+    the root, one unit, so their one matrix is gathered once."""
     mesh = run.mesh["dp", "cp"]._flatten("dp_cp")  # CP 1: FSDP over every rank of the mesh
     reshard = run.args.reshard_after_forward == "yes"
     for i, block in enumerate(model.blocks):  # sharding sends nothing; hooks gather later
@@ -357,7 +362,7 @@ def init_shards(model, seed):  # FSDP 2: one whole parameter at a time, each ran
     seed, one at a time; each rank keeps its slice, sending nothing (src_data_rank=None)."""
     for name, p in model.named_parameters():
         full = initial_value(name, p.shape, seed, len(model.blocks)).to(p.device)
-        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))
+        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))  # no send
 
 
 def resumed_step(run, raw_model, optimizer, data):
@@ -876,7 +881,8 @@ def avoid_known_failures(args):  # guard: all guards, in one place, before the g
     if not hasattr(dist, "all_gather_single"):  # CP 4: GatherContext's collectives (torch 2.13)
         sys.stderr.write("error: this chapter needs torch 2.13 or newer (dist.all_gather_single): "
                          f"this is {torch.__version__}\n")
-        sys.exit(2)  # as refuse_a_bad_launch; a nightly 2.13.0a0 has it, so ask for the function
+        sys.exit(2)  # as for any launch that cannot work; asking for the call, not the version,
+        # lets a nightly (2.13.0a0, which compares below 2.13) through
     refuse_a_bad_launch(args.device)  # guard: no torchrun, or more processes than GPUs
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     backend = "nccl" if cuda else "gloo"

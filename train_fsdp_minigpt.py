@@ -1,7 +1,7 @@
-"""Chapter 7: a GPT language model trained with FSDP (FSDP2's fully_shard), for models whose
-weights, gradients and optimizer state no longer fit whole on one device. Each rank holds a shard
-of them; without dropout the run computes, up to rounding, what one process computes from the
-same global batch.
+"""Chapter 7: a GPT language model trained with FSDP, Fully Sharded Data Parallel (FSDP2's
+fully_shard), for models whose weights, gradients and optimizer state no longer fit whole on one
+device. Each rank holds a shard of them; without dropout the run computes, up to rounding, what
+one process computes from the same global batch.
 
     torchrun --standalone --nproc_per_node=1 train_fsdp_minigpt.py    # 1 process: CPU or 1 GPU
     torchrun --standalone --nproc_per_node=2 train_fsdp_minigpt.py    # 2 processes: CPU or 2 GPUs
@@ -15,25 +15,26 @@ no download; `--data` also takes a text file, a .bin of uint16 token ids, or a n
 
 Terms. torchrun starts the processes, usually one per device; each runs this whole file. The world
 size is the number of processes; a process's rank is its number, from 0 to world size - 1. The
-process group lets the processes communicate; its backend moves the data (NCCL between GPUs, gloo
-on CPUs). A collective is a call that every rank makes, in the same order, to exchange data; a rank
-that reaches it waits there for the others. An all-reduce adds a tensor up over all ranks and gives
-every rank the sum; a broadcast sends one rank's data to every rank. A shard is this rank's
-1/world-size slice of a parameter along dim 0 (FSDP pads dim 0 where the world size does not divide
-it). An all-gather gives every rank every rank's shard, so the whole parameter; a reduce-scatter
-adds the gradients up over the ranks and leaves each rank the slice of the sum its shard needs
-(FSDP then divides it by the world size, so each shard holds the mean). A DeviceMesh lays the ranks
-out in a grid, here one line of all of them; a DTensor is a tensor spread over a mesh, its
-placements saying how (Shard(0): split along dim 0), and to_local() is this rank's part.
-fully_shard makes each block a unit whose weights are gathered and freed together; the root is the
-unit of the rest (embeddings, final norm, head). It also turns the module into an FSDPModule, which
-adds methods such as reshard() and set_requires_gradient_sync(). DCP, torch.distributed.checkpoint,
-saves and loads every rank's shards at once. Each rank is a data-parallel replica: it computes the
-whole model, one unit at a time, on windows of its own. A window is block_size + 1 consecutive
-tokens, the inputs and targets of one sequence. A micro-batch is --batch-size windows through one
-forward and backward; an optimizer step runs --grad-accum of them on every rank.
+process group lets the processes communicate; its backend moves the data (NCCL between GPUs, gloo on
+CPUs). A collective is a call that every rank makes, in the same order, to exchange data; a rank
+that reaches it waits there for the others. An all-reduce adds a tensor up over all ranks (or takes
+its MIN or MAX, where the call says so) and gives every rank the result; a broadcast sends one
+rank's data to every rank. A shard is this rank's 1/world-size slice of a parameter along dim 0
+(FSDP pads dim 0 where the world size does not divide it). An all-gather gives every rank every
+rank's shard, so the whole parameter; a reduce-scatter adds the gradients up over the ranks and
+leaves each rank the slice of the sum its shard needs (FSDP then divides it by the world size, so
+each shard holds the mean). A DeviceMesh lays the ranks out in a grid, here one line of all of them;
+a DTensor is a tensor spread over a mesh, its placements saying how (Shard(0): split along dim 0),
+and to_local() is this rank's part. fully_shard makes each block a unit whose weights are gathered
+and freed together; the root is the unit of the rest (embeddings, final norm, head). It also turns
+the module into an FSDPModule, which adds methods such as reshard() (free the gathered weights, keep
+the shard) and set_requires_gradient_sync(). DCP, torch.distributed.checkpoint, saves and loads
+every rank's shards at once. Each rank is a data-parallel replica: it computes the whole model, one
+unit at a time, on windows of its own. A window is block_size + 1 consecutive tokens, the inputs and
+targets of one sequence. A micro-batch is --batch-size windows through one forward and backward; an
+optimizer step runs --grad-accum of them on every rank.
 
-One optimizer step, as each rank runs it (default flags):
+One optimizer step, as each rank runs it (default flags on a GPU, where --amp auto is bf16):
   forward   the root's hook all-gathers the embeddings, final norm and head; each block then
             all-gathers its weights (each shard cast to bf16 first with --amp bf16, so the gather
             sends bf16), runs, and frees them. The last block and the root keep theirs, since
@@ -49,7 +50,8 @@ On GPUs FSDP runs its collectives on separate CUDA streams, so a gather can over
 Read it top-down: main(), then its core steps in the order it calls them, the model, and the steps
 beyond the core (debugging, the benchmark, the report). Every call that communicates with other
 ranks sits above the line that ends `the plumbing`. Below it, no line communicates with another
-rank: guards, flags, data, files, logging, sampling, errors.
+rank: guards, flags, data, files, logging, sampling, errors, and small helpers that the core calls
+(dtypes, shapes, freeing gathered weights).
 
 Tags. `# FSDP k` marks each line FSDP changes in a DDP trainer, numbered in reading order:
   FSDP 1  a MixedPrecisionPolicy: bf16 weights for compute, fp32 reductions; no autocast, no scaler
@@ -60,8 +62,9 @@ Tags. `# FSDP k` marks each line FSDP changes in a DDP trainer, numbered in read
   FSDP 6  the gradient norm is a DTensor over all shards; full_tensor() makes it one number
   FSDP 7  --grad-sync: reduce-scatter after every micro-batch, or once after the last
   FSDP 8  --export gathers the whole model into one plain file
-Lines tagged DDP k mark what chapter 3 changes for DDP; its docstring keys them (DDP 8, 10 and
-15, DDP's wrapper, no_sync and replica check, are not used: FSDP 7 does no_sync's job).
+Lines tagged DDP k mark what chapter 3 changes for DDP; its docstring keys them. DDP 8 (the
+wrapper), DDP 10 (no_sync) and DDP 15 (the replica check) are not used here; FSDP 7 does no_sync's
+job.
 Lines tagged `# guard:` each avoid one known failure, all before the process group is joined.
 See also docs/fsdp.md (what FSDP holds and sends, measured) and docs/conventions.md.
 """
@@ -112,7 +115,8 @@ def main(argv=None):
     run = make_run(args, device, rank, world_size)
     # Data: each replica reads its own windows of the training tokens.
     data = build_data(run)  # a collective with --debug: rank 0 prints every rank's windows
-    # Model: each rank's shards of the weights one process starts with; a resume overwrites them.
+    # Model: every rank computes the initial weights a single process would, one parameter at a
+    # time, and keeps only its shards of them; a resume then overwrites them.
     raw_model, optimizer = build_model(run, data.vocab_size)  # every rank shards alike
     start = resumed_step(run, raw_model, optimizer, data)  # a collective: one agreed start step
     model = wrap_model(run, raw_model)  # the same shards: raw_model, or its compiled form
@@ -242,7 +246,8 @@ class Windows:
 
 
 def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, then filled
-    """The sharded model (1/N of each parameter here; whole only while built or used) and AdamW."""
+    """The sharded model and AdamW: each rank holds 1/N of each parameter, and a whole one only
+    while init_shards computes it or a unit's forward or backward has gathered it."""
     args = run.args
     with torch.device("meta"):  # FSDP 2: shapes and dtypes, no memory
         raw_model = GPT(**model_config(args, vocab_size))
@@ -264,9 +269,10 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
 def shard(run, model):  # FSDP 2: every block a unit of its own, then the root
     """fully_shard turns each block's parameters into DTensors split across the ranks (dim 0). A
     block's weights are all-gathered just before its forward and again before its backward, and
-    its gradients are reduce-scattered after it. The root (torch does this for a root) and the last
-    block stay whole from their forward to their backward; with --reshard-after-forward no, every
-    block does."""
+    its gradients are reduce-scattered after it. The root and the last block keep their gathered
+    weights from forward to backward (torch does so for a root by itself); with
+    --reshard-after-forward no, every block keeps them. The tied embedding and head are both in
+    the root, one unit, so their one matrix is gathered once."""
     mesh = init_device_mesh(run.device.type, (run.world_size,))  # on the group's device type
     reshard = run.args.reshard_after_forward == "yes"
     for i, block in enumerate(model.blocks):  # sharding sends nothing; hooks gather later
@@ -282,7 +288,7 @@ def init_shards(model, seed):  # FSDP 2: one whole parameter at a time, each ran
     seed, one at a time; each rank keeps its slice, sending nothing (src_data_rank=None)."""
     for name, p in model.named_parameters():
         full = initial_value(name, p.shape, seed, len(model.blocks)).to(p.device)
-        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))
+        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))  # no send
 
 
 def resumed_step(run, raw_model, optimizer, data):
@@ -342,7 +348,7 @@ def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
                    optim_state_dict=optim_state)
     if not shards_finite(raw_model):  # a collective: every rank gets the same answer
         raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
-    # Restored only at the world size that saved them, without tp (whose groups draw alike).
+    # The streams come back only where they were saved: this world size, and no --tp in its args.
     saved = state["args"].get("tp", 1), len(state["rng"])  # FSDP 3: the saving run's layout
     if saved == (1, run.world_size):
         restore_rng(state["rng"][run.rank], run.device)  # FSDP 3: this rank's streams
@@ -430,7 +436,7 @@ def accumulate_gradients(model, batches, every=True):  # FSDP 7: stay sharded, o
         model.set_requires_gradient_sync(every or i == len(batches) - 1)  # FSDP 7: when to reduce
         _, loss = model(x, y)
         loss = loss / len(batches)  # micro-batches of equal size: the mean of their means
-        loss.backward()  # each unit reduce-scatters here (with last, in the last one only)
+        loss.backward()  # each unit reduce-scatters now; with --grad-sync last, the final one only
         total += loss.detach()
     return total
 

@@ -18,7 +18,8 @@ nanoGPT folder.
 Read it top-down: main(), then its core steps in the order it calls them, the model, and what goes
 beyond the core (debugging, the benchmark, the report). Every call that communicates with other
 ranks sits above the line that ends `the plumbing`. Below it, no line communicates with another
-rank: guards, flags, data, files, logging, sampling, errors.
+rank: guards, flags, data, files, logging, sampling, errors, and small helpers that the core calls
+(dtypes, shapes, freeing gathered weights).
 
 Terms. A rank is one of the processes torchrun starts, one per device, numbered from 0; the world
 size is how many there are. A process group is a set of ranks that communicate with each other. A
@@ -27,7 +28,8 @@ until all have made it. An all-reduce sums a tensor over a group and gives every
 all-gather gives every rank all the ranks' parts; a reduce-scatter sums and gives each rank one
 part of the sum. A send on one rank and a recv on another move a tensor between the two. A stage is
 a run of consecutive blocks (the first stage also holds the embeddings, the last the final norm and
-the head). A replica is one whole copy of the model, its --pp stages on pp ranks; there are dp of
+the head). A replica is one pipeline: pp ranks, one per stage, that together compute the whole
+model, each holding its stage's shards (1/dp of it); there are dp of
 them (world size / pp), each training on batches of its own. The mesh (a DeviceMesh) lays the ranks
 out as a grid, pp by dp: rank r runs stage r // dp in replica r % dp, its dp rank. The ranks of one
 stage form its dp group: FSDP keeps on each of them a shard (a 1/dp slice) of every parameter of
@@ -50,7 +52,8 @@ Tags: each `# PP k` comment marks a line that PP adds or changes, numbered in re
   PP 4   the tied matrix: its two copies each take the sum of both gradients, every step
   PP 5   Stage: a run of the GPT's blocks under their own names, FSDP over the stage's dp group
   PP 6   checkpoints under the whole model's names, so that any layout resumes any other
-  PP 7   evaluation and sampling: a forward-only pipeline of send and recv; the last stage scores
+  PP 7   evaluation and sampling: a forward-only pipeline of send and recv (the schedule needs a
+         backward and fixed shapes, and a padded batch has its own); the last stage scores
   PP 8   the squared gradient norms summed over every stage and shard: clipping as one process
 Lines tagged DDP k or FSDP k mark what chapters 3 and 7 changed; the key of each is in its
 chapter, and most say on the line what it does.
@@ -114,7 +117,8 @@ def main(argv=None):
     run = make_run(args, device, rank, world_size)  # a collective: the mesh
     # Data: each replica reads its own windows of the training tokens.
     data = build_data(run)  # a collective with --debug: rank 0 prints every rank's windows
-    # Model: each rank's shards of the weights one process starts with; a resume overwrites them.
+    # Model: every rank computes the initial weights a single process would, one parameter at a
+    # time, and keeps only its shards of them; a resume then overwrites them.
     raw_model, optimizer = build_model(run, data.vocab_size)  # every rank shards alike
     start = resumed_step(run, raw_model, optimizer, data)  # a collective: one agreed start step
     model = wrap_model(run, raw_model)  # the same shards: raw_model, its blocks compiled in place
@@ -313,7 +317,7 @@ def init_shards(model, seed, n_layer):  # PP 5: n_layer is the GPT's; a stage ho
     for name, p in model.named_parameters():
         name = "tok_emb.weight" if name == "head.weight" else name  # PP 4: both copies alike
         full = initial_value(name, p.shape, seed, n_layer).to(p.device)
-        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))
+        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))  # no send
 
 
 def resumed_step(run, raw_model, optimizer, data):
@@ -403,7 +407,8 @@ def pipeline_schedule(run, model):
     stage = PipelineStage(model, run.stage, run.args.pp, run.device, inputs, outputs,
                           group=run.mesh.get_group("pp"))  # PP 1: sends along the pp group
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[run.args.schedule]
-    return kind(stage, run.args.grad_accum, loss_fn=mean_token_loss)  # PP 1: K micro-batches
+    return kind(stage, run.args.grad_accum, loss_fn=mean_token_loss,  # PP 1: K micro-batches
+                scale_grads=True)  # the gradients divided by K: each loss is a micro-batch's mean
 
 
 def evaluate(run, model, val):  # FSDP 5: every rank runs as many forwards
@@ -796,7 +801,8 @@ def avoid_known_failures(args):  # guard: all guards, in one place, before the g
     if "return_outputs" not in inspect.signature(ScheduleGPipe.step).parameters:  # PP 1: 2.10
         sys.stderr.write("error: this chapter needs torch 2.10 or newer (its schedules' "
                          f"return_outputs): this is {torch.__version__}\n")
-        sys.exit(2)  # as refuse_a_bad_launch; a nightly 2.10.0a0 has it, so ask for the argument
+        sys.exit(2)  # as for any launch that cannot work; asking for the argument, not the
+        # version, lets a nightly (2.10.0a0, which compares below 2.10) through
     refuse_a_bad_launch(args.device)  # guard: no torchrun, or more processes than GPUs
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     backend = "nccl" if cuda else "gloo"
@@ -919,7 +925,7 @@ def parse_args(argv=None):
       help="seconds a collective waits for a peer before the job fails (default: 300)")
     a("--pp", type=positive(int), default=2, metavar="N",  # PP 2
       help="pipeline stages: runs of consecutive blocks, each on world size / N consecutive "
-           "ranks (a node); must divide the world size, at most --n-layer (default: 2)")
+           "ranks; must divide the world size, at most --n-layer (default: 2)")
     a("--schedule", choices=["gpipe", "1f1b"], default="1f1b",  # PP 1
       help="the order of a step's micro-batches: gpipe (all forwards, then all backwards) or "
            "1f1b (after a warm-up, one forward and one backward in turn: fewer activations "

@@ -17,7 +17,8 @@ also takes a text file, a .bin of uint16 token ids, or a nanoGPT folder.
 Read it top-down: main(), then its core steps in the order it calls them, the model, and the steps
 beyond the core (debugging, the benchmark, the report). Every call that communicates with other
 ranks sits above the line that ends `the plumbing`. Below it, no line communicates with another
-rank: guards, flags, data, files, logging, sampling, errors.
+rank: guards, flags, data, files, logging, sampling, errors, and small helpers that the core calls
+(dtypes, shapes, freeing gathered weights).
 
 Terms. A rank is one of the processes torchrun starts, one per device, numbered from 0; the world
 size is how many there are. A process group is a set of ranks that communicate with each other. A
@@ -47,17 +48,19 @@ a module's name to a style (ColwiseParallel, RowwiseParallel, SequenceParallel..
 module's weights and runs the collectives around it. In a plan, input_layouts and
 desired_input_layouts say how a module's input arrives and how it must be laid out, and the style
 runs the collective between them; output_layouts says how its output leaves, and
-use_local_output=False keeps it a DTensor. The ends: the tied embedding and head.
+use_local_output=False keeps it a DTensor. The model's two ends are the tied embedding and head.
 
 One block in one micro-batch, on a tp group's ranks, with sequence parallelism (the default):
   ln1, ln2     on this rank's T / tp positions of the residual stream; no collective
   attn, mlp    an all-gather over tp rebuilds the whole (B, T, C), as a Replicate DTensor; qkv and
                mlp.0 compute this rank's heads or hidden units, as plain tensors
   proj, mlp.2  partial sums, reduce-scattered over tp back to a plain (B, T / tp, C)
-  backward     each all-gather's backward is a reduce-scatter, and the reverse; the copies'
-               gradients (norms, biases) are partial sums, which FSDP all-reduces over tp
-Without it, each pair is one all-reduce, after proj and after mlp.2, and every tensor between the
-layers is a plain whole (B, T, C). FSDP all-gathers the block's weights over dp before it runs and
+  backward     each all-gather's backward is a reduce-scatter, and the reverse. The weights each
+               tp rank holds whole (norms, row-wise biases) get partial gradients, summed over tp
+               by FSDP (an all-reduce) before its reduce-scatter over dp
+Without it, each all-gather and reduce-scatter pair is one all-reduce, after proj and after mlp.2
+(and, in backward, before qkv and mlp.0), and every tensor between the layers is a plain whole (B,
+T, C). FSDP all-gathers the block's weights over dp before it runs and
 reduce-scatters their gradients over dp after its backward. The head's logits stay a DTensor split
 by vocabulary, for loss parallel.
 
@@ -129,7 +132,8 @@ def main(argv=None):
     run = make_run(args, device, rank, world_size)  # TP 1: builds the mesh, a collective
     # Data: each replica reads its own windows of the training tokens.
     data = build_data(run)  # a collective with --debug: rank 0 prints every rank's windows
-    # Model: each rank's shards of the weights one process starts with; a resume overwrites them.
+    # Model: every rank computes the initial weights a single process would, one parameter at a
+    # time, and keeps only its shards of them; a resume then overwrites them.
     raw_model, optimizer = build_model(run, data.vocab_size)  # every rank shards alike
     start = resumed_step(run, raw_model, optimizer, data)  # a collective: one agreed start step
     model = wrap_model(run, raw_model)  # the same shards: raw_model, its blocks compiled in place
@@ -213,8 +217,8 @@ def grid(tp, device, world_size):
                          f"multiple of {tp} processes, or give --tp 1")
     shape, names = (world_size // tp, tp), ("dp", "tp")
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)  # TP 1: creates the groups
-    # Both dims as one mesh too. clip_gradients reduces a norm over both dims; DTensor finds this
-    # flattened mesh by its ranks and makes that one collective instead of one per dim.
+    # Both dims as one mesh too, for speed only: DTensor merges a collective over both dims (the
+    # norm's all-reduce in clip_gradients) into one call on it; without it, one call per dim.
     mesh["dp", "tp"]._flatten("dp_tp")  # TP 1: private in torch 2.14; torchtitan uses it too
     return mesh
 
@@ -321,8 +325,8 @@ def shard(run, model):
 
 def block_plan(sp):
     """Megatron-LM's split of a block. qkv (by whole heads) and mlp.0 are split column-wise;
-    attn.qkv orders its outputs head by head, since nanoGPT's q|k|v order would hand rank 0 the
-    queries and the others the keys and values: silently wrong. attn.proj and mlp.2 are split
+    attn.qkv orders its outputs head by head, since nanoGPT's q|k|v order would hand each rank whole
+    rows of q, k or v, not its own heads' q, k and v: silently wrong. attn.proj and mlp.2 are split
     row-wise; an all-reduce adds up their partial sums. With sp it is a reduce-scatter by sequence,
     for the norms and dropout; an all-gather rebuilds the sequence for each column-wise layer."""
     if not sp:
@@ -330,7 +334,7 @@ def block_plan(sp):
                 "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
     whole = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return {"ln1": SequenceParallel(), "attn": whole, "attn.qkv": ColwiseParallel(),  # TP 4
-            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),  # summed; its own positions
+            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),  # summed, then split by position
             "ln2": SequenceParallel(), "mlp": whole, "mlp.0": ColwiseParallel(),
             "mlp.2": RowwiseParallel(output_layouts=Shard(1))}
 
@@ -358,7 +362,7 @@ def init_shards(model, seed):  # FSDP 2: one whole parameter at a time, each ran
     seed, one at a time; each rank keeps its slice, sending nothing (src_data_rank=None)."""
     for name, p in model.named_parameters():
         full = initial_value(name, p.shape, seed, len(model.blocks)).to(p.device)
-        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))
+        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))  # no send
 
 
 def dropout_stream(run):
@@ -484,7 +488,7 @@ def mean_loss_over_ranks(model, batches):  # FSDP 1: no autocast; DDP 9: sum, di
             loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
         totals[0] += local(loss)  # TP 6: the whole sum, on every rank of the tp group
         totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token
-    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # TP 2: tp copies of each total; the ratio holds
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # TP 2: each total tp times; same ratio
     free_gathered_weights(model)  # FSDP 5: forwards without a backward leave weights gathered
     model.train()
     return (totals[0] / totals[1]).item()
@@ -792,8 +796,8 @@ def export(run, raw_model, data):  # FSDP 8: one plain file, as one process save
         raise SaveFailed(f"not exporting {run.args.export}: the weights are not finite")
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0
     redistribute = logging.getLogger("torch.distributed.tensor._redistribute")  # TP 4: DTensor
-    level = redistribute.level  # warns that gathering a 2-D-mesh matrix takes two all-gathers,
-    redistribute.setLevel(logging.ERROR)  # one per dim. True, and only once: silenced for this call
+    level = redistribute.level  # it warns that a matrix split over both dims is gathered by two
+    redistribute.setLevel(logging.ERROR)  # all-gathers, one per dim; true, and silenced here
     try:
         weights = get_model_state_dict(raw_model, options=options)  # empty on the other ranks
     finally:
@@ -1353,7 +1357,7 @@ def memory_line(model):  # FSDP 2: what each rank holds, against a whole copy
 
 def traffic_line(run):
     """The log line of TP's collectives on the activations (B, T, C), in the compute dtype, per
-    rank and optimizer step, as tests/test_tp.py counts them. Each block runs 2 all-reduces per
+    rank and optimizer step. Each block runs 2 all-reduces per
     micro-batch in forward and 2 in backward. With sequence parallelism each all-reduce is an
     all-gather and a reduce-scatter, its two halves, each sending (tp - 1) / tp of the tensor. The
     embedding and head add 2 per micro-batch. With --grad-checkpointing, backward runs each block's
