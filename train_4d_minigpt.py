@@ -213,7 +213,7 @@ def make_run(args, device, rank, world_size):
     context = Context(mesh["cp"].get_group(), mesh.get_local_rank("cp"),  # 4D 3: the tokens of
                       args.cp, args.block_size, device)  # each sequence this rank holds
     run = Run(args, device, rank, world_size, is_main, amp, policy, mesh, stage, dp_rank,
-              mesh.size(1), ends_group(mesh, stage, rank),  # 4D 1; a collective of every rank
+              mesh.size(1), ends_group(mesh, stage, rank),  # 4D 1: ends_group: a collective
               context)  # 4D 3
     print0(is_main, f"world size {world_size} ({args.pp} pp x {run.dp_size} dp x {args.cp} cp x "
                     f"{args.tp} tp) | device {device} | amp {amp} | {tokens_per_step(run):,} "
@@ -302,9 +302,9 @@ def chunk_positions(cp_rank, cp, block_size):
 class GatherContext(torch.autograd.Function):
     """An all-gather over the cp group along the sequence (dim -2), in rank order, that carries
     gradients. Its backward is a reduce-scatter that sums, as every rank's queries read each key.
-    dist.all_gather_single and reduce_scatter_single are torch 2.13's names for
-    all_gather_into_tensor and reduce_scatter_tensor (2.14 deprecates those); on an older torch,
-    call those."""
+    dist.all_gather_single and reduce_scatter_single are torch 2.13's new names for
+    all_gather_into_tensor and reduce_scatter_tensor, which 2.14 deprecates; on an older torch,
+    call the old names (and drop the version check)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -493,7 +493,7 @@ def resume_path(run):
     """The checkpoint to resume from, or None. `auto` (a collective) takes --save if rank 0 finds
     it, so a restart after a crash reruns the same command; ranks looking alone could disagree."""
     resume, save = run.args.resume, run.args.save
-    if resume != "auto":
+    if resume != "auto":  # a folder every rank sees: each finds its newest complete step alike
         return resume and newest_complete_step(resume, run.is_main) or resume  # FSDP 3: newest
     if not save:
         raise InputError("--resume auto needs a --save path to look for")
@@ -522,7 +522,7 @@ def agree_on_start(start, error, path):
 
 def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
     """A collective: every rank reads the slices its shards hold, whatever world size wrote them
-    (DCP knows which slice each file holds); then its RNG, at the layout that saved."""
+    (DCP knows which slice each file holds); then its RNG state, if this layout saved it."""
     model_state, optim_state = get_state_dict(raw_model, optimizer)  # my shards' state
     own_names = as_whole_model(run, raw_model, optim_state)  # PP 6: the whole model's names
     try:
@@ -1453,7 +1453,7 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
             os.remove(tmp)
 
 
-def free_gathered_weights(model):  # FSDP 5: a forward alone leaves the root and last block whole
+def free_gathered_weights(model):  # FSDP 5: a forward alone leaves weights gathered
     """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
     sampling) gathered are freed, and the parameters are this rank's shards again."""
     for module in model.modules():
@@ -1574,7 +1574,8 @@ def as_stage(optim_state, own_names):
 
 
 def stage_holding(run, model):
-    """(dp rank, stage, the parts of the model it holds, the parameters of its shards)."""
+    """(whether this rank is its stage's first, its stage, the parts of the model it holds, the
+    parameters of its shards)."""
     blocks = list(model.blocks)
     span = f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}"
     parts = ["embeddings"] * (model.tok_emb is not None) + [span] \

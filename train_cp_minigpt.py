@@ -239,9 +239,9 @@ def chunk_positions(cp_rank, cp, block_size):
 class GatherContext(torch.autograd.Function):
     """An all-gather over a row's ranks along the sequence (dim -2), in rank order. Its backward is
     a reduce-scatter: every rank's queries read each rank's keys, so their gradients add up.
-    dist.all_gather_single and reduce_scatter_single are torch 2.13's names for
-    all_gather_into_tensor and reduce_scatter_tensor (2.14 deprecates those); on an older torch,
-    call those."""
+    dist.all_gather_single and reduce_scatter_single are torch 2.13's new names for
+    all_gather_into_tensor and reduce_scatter_tensor, which 2.14 deprecates; on an older torch,
+    call the old names (and drop the version check)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -383,7 +383,7 @@ def resume_path(run):
     """The checkpoint to resume from, or None. `auto` (a collective) takes --save if rank 0 finds
     it, so a restart after a crash reruns the same command; ranks looking alone could disagree."""
     resume, save = run.args.resume, run.args.save
-    if resume != "auto":
+    if resume != "auto":  # a folder every rank sees: each finds its newest complete step alike
         return resume and newest_complete_step(resume, run.is_main) or resume  # FSDP 3: newest
     if not save:
         raise InputError("--resume auto needs a --save path to look for")
@@ -412,7 +412,7 @@ def agree_on_start(start, error, path):
 
 def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
     """A collective: every rank reads the slices its shards hold, whatever world size wrote them
-    (DCP knows which slice each file holds); then its RNG, at the layout that saved."""
+    (DCP knows which slice each file holds); then its RNG state, if this layout saved it."""
     model_state, optim_state = get_state_dict(raw_model, optimizer)  # my shards' state
     try:
         dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)  # every rank
@@ -1308,7 +1308,7 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
             os.remove(tmp)
 
 
-def free_gathered_weights(model):  # FSDP 5: a forward alone leaves the root and last block whole
+def free_gathered_weights(model):  # FSDP 5: a forward alone leaves weights gathered
     """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
     sampling) gathered are freed, and the parameters are this rank's shards again."""
     for module in model.modules():

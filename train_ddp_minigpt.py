@@ -353,7 +353,9 @@ def accumulate_gradients(model, batches, autocast, scaler):
         with contextlib.nullcontext() if last else model.no_sync():
             with autocast:
                 _, loss = model(x, y)
-            loss = loss / len(batches)  # micro-batches of equal size: the mean of their means
+            # Every micro-batch has as many targets, none masked, so the mean of their means is
+            # the mean over all targets. With masked targets, divide the sum by the global count.
+            loss = loss / len(batches)
             # The last backward averages the gradients over the ranks; every rank holds the mean.
             scaler.scale(loss).backward()
         total += loss.detach()

@@ -41,8 +41,9 @@ One optimizer step, as each rank runs it (default flags on a GPU, where --amp au
             the backward starts with them.
   backward  the head first, then the blocks in reverse. Each block but the last all-gathers its
             weights again; right after its backward its gradients are reduce-scattered in fp32,
-            and each rank keeps the mean for its shard. With --grad-sync last, whole gradients
-            add up on every rank instead, and only the last micro-batch reduce-scatters them.
+            and each rank keeps the mean for its shard. The root's go last, after the
+            embeddings' backward. With --grad-sync last, whole gradients add up on every rank
+            instead, and only the last micro-batch reduce-scatters them.
   step      clip_grad_norm_ combines every rank's shard norms (a collective); the loss is
             all-reduced for the log; AdamW updates each rank's shards and sends nothing.
 On GPUs FSDP runs its collectives on separate CUDA streams, so a gather can overlap compute.
@@ -55,7 +56,8 @@ rank: guards, flags, data, files, logging, sampling, errors, and small helpers t
 
 Tags. `# FSDP k` marks each line FSDP changes in a DDP trainer, numbered in reading order:
   FSDP 1  a MixedPrecisionPolicy: bf16 weights for compute, fp32 reductions; no autocast, no scaler
-  FSDP 2  the model is built on the meta device, sharded, each rank fills its shards; what it holds
+  FSDP 2  the model is built on the meta device, sharded, each rank fills its shards; logs what each
+         rank holds
   FSDP 3  torch.distributed.checkpoint: every rank saves its shards; any world size resumes them
   FSDP 4  no wrapper: fully_shard hooks the model's own forward and backward
   FSDP 5  every rank runs the same number of forwards, since each forward all-gathers the weights
@@ -309,7 +311,7 @@ def resume_path(run):
     """The checkpoint to resume from, or None. `auto` (a collective) takes --save if rank 0 finds
     it, so a restart after a crash reruns the same command; ranks looking alone could disagree."""
     resume, save = run.args.resume, run.args.save
-    if resume != "auto":
+    if resume != "auto":  # a folder every rank sees: each finds its newest complete step alike
         return resume and newest_complete_step(resume, run.is_main) or resume  # FSDP 3: newest
     if not save:
         raise InputError("--resume auto needs a --save path to look for")
@@ -338,7 +340,7 @@ def agree_on_start(start, error, path):
 
 def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
     """A collective: every rank reads the slices its shards hold, whatever world size wrote them
-    (DCP knows which slice each file holds); then its RNG, at the layout that saved."""
+    (DCP knows which slice each file holds); then its RNG state, if this layout saved it."""
     model_state, optim_state = get_state_dict(raw_model, optimizer)  # my shards' state
     try:
         dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)  # every rank
@@ -348,7 +350,8 @@ def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
                    optim_state_dict=optim_state)
     if not shards_finite(raw_model):  # a collective: every rank gets the same answer
         raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
-    # The streams come back only where they were saved: this world size, and no --tp in its args.
+    # Each rank's RNG state comes back only at the layout that saved it: the same world size,
+    # and no tp in the checkpoint's args (a tensor-parallel trainer's checkpoint records one).
     saved = state["args"].get("tp", 1), len(state["rng"])  # FSDP 3: the saving run's layout
     if saved == (1, run.world_size):
         restore_rng(state["rng"][run.rank], run.device)  # FSDP 3: this rank's streams
@@ -435,8 +438,10 @@ def accumulate_gradients(model, batches, every=True):  # FSDP 7: stay sharded, o
     for i, (x, y) in enumerate(batches):
         model.set_requires_gradient_sync(every or i == len(batches) - 1)  # FSDP 7: when to reduce
         _, loss = model(x, y)
-        loss = loss / len(batches)  # micro-batches of equal size: the mean of their means
-        loss.backward()  # each unit reduce-scatters now; with --grad-sync last, the final one only
+        # Every micro-batch has as many targets, none masked, so the mean of their means is the
+        # mean over all targets. With masked targets, divide the sum by the global count.
+        loss = loss / len(batches)
+        loss.backward()  # each unit reduce-scatters now (--grad-sync last: the final batch only)
         total += loss.detach()
     return total
 

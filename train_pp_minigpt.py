@@ -52,19 +52,21 @@ Tags: each `# PP k` comment marks a line that PP adds or changes, numbered in re
   PP 4   the tied matrix: its two copies each take the sum of both gradients, every step
   PP 5   Stage: a run of the GPT's blocks under their own names, FSDP over the stage's dp group
   PP 6   checkpoints under the whole model's names, so that any layout resumes any other
-  PP 7   evaluation and sampling: a forward-only pipeline of send and recv (the schedule needs a
-         backward and fixed shapes, and a padded batch has its own); the last stage scores
+  PP 7   evaluation and sampling: a forward-only pipeline of send and recv (the schedule is built
+         for one fixed shape, and a padded batch has its own); the last stage scores
   PP 8   the squared gradient norms summed over every stage and shard: clipping as one process
 Lines tagged DDP k or FSDP k mark what chapters 3 and 7 changed; the key of each is in its
 chapter, and most say on the line what it does.
 
-One step of 1F1B at 2 stages and --grad-accum 4 (F2 is micro-batch 2's forward, B2 its backward):
-  stage 0   F0 F1 B0 F2 B1 F3 B2 B3   sends each F's activations to stage 1, gets each B's gradient
-  stage 1   F0 B0 F1 B1 F2 B2 F3 B3   computes each loss at once and sends its gradient back
-Each send is (B, T, C) in the compute dtype, over the pp group; stage 1 waits for stage 0's F0,
-stage 0 for stage 1's B0: those waits are the bubble. GPipe runs all four F, then all four B, and
-holds four micro-batches' activations where 1F1B holds at most two. After B3: FSDP's one
-reduce-scatter over each stage's dp group, the tied gradient's sum, the norm, the optimizer step.
+One step of 1F1B at 2 stages and --grad-accum 4, in ticks of one forward (F2: micro-batch 2's
+forward, B2 its backward; drawn as long as a forward; -- is a stage waiting):
+  tick      1  2  3  4  5  6  7  8  9  10
+  stage 0   F0 F1 -- B0 F2 B1 F3 B2 -- B3   sends each F's output to stage 1, gets each B's gradient
+  stage 1   -- F0 B0 F1 B1 F2 B2 F3 B3 --   computes a micro-batch's loss right after its forward
+Each send is (B, T, C) in the compute dtype, over the pp group. The waits are the bubble: 2 of each
+stage's 10 ticks. GPipe runs all four F, then all four B: the same bubble, but it holds four
+micro-batches' activations where 1F1B holds at most two. FSDP reduce-scatters each unit's gradients
+once, during the last backward (B3); then come the tied gradient's sum, the norm and the step.
 
 See also: docs/pp.md (the schedules, the bubble and FSDP's gathers, measured) and docs/mistakes.md.
 """
@@ -338,7 +340,7 @@ def resume_path(run):
     """The checkpoint to resume from, or None. `auto` (a collective) takes --save if rank 0 finds
     it, so a restart after a crash reruns the same command; ranks looking alone could disagree."""
     resume, save = run.args.resume, run.args.save
-    if resume != "auto":
+    if resume != "auto":  # a folder every rank sees: each finds its newest complete step alike
         return resume and newest_complete_step(resume, run.is_main) or resume  # FSDP 3: newest
     if not save:
         raise InputError("--resume auto needs a --save path to look for")
@@ -367,7 +369,7 @@ def agree_on_start(start, error, path):
 
 def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
     """A collective: every rank reads the slices its shards hold, whatever world size wrote them
-    (DCP knows which slice each file holds); then its RNG, at the layout that saved."""
+    (DCP knows which slice each file holds); then its RNG state, if this layout saved it."""
     model_state, optim_state = get_state_dict(raw_model, optimizer)  # my shards' state
     own_names = as_whole_model(run, raw_model, optim_state)  # PP 6: the whole model's names
     try:

@@ -26,29 +26,39 @@ collective is a call that every rank of a group makes, in the same order; each r
 until all have made it. An all-reduce sums a tensor over a group and gives every rank the sum; a
 reduce-scatter sums it and gives each rank one part of the sum; an all-gather gives every rank all
 the ranks' parts. A shard is the part of a tensor that one rank holds. The mesh (a DeviceMesh) lays
-the ranks out as a grid of world size / tp by tp, its dims named "dp" and "tp": rank r has dp rank
-r // tp and tp rank r % tp. A tp group is the tp consecutive ranks of one dp rank: they split every
+the ranks out as a grid of world size / tp by tp, its dims named "dp" and "tp": rank r has dp rank r
+// tp and tp rank r % tp. A tp group is the tp consecutive ranks of one dp rank: they split every
 layer among them and together compute one replica, the model's forward and backward on that dp
-rank's own batches. A dp group is the ranks of one tp rank, one in each replica: FSDP shards their
-part of every parameter across them and averages their gradients. fully_shard makes each block a
-unit whose weights are gathered and freed together; the root is the unit of the rest (embeddings,
+rank's own batches. A dp group is the ranks that share a tp rank, one in each replica: FSDP shards
+their part of every parameter across them and averages their gradients. fully_shard makes each block
+a unit whose weights are gathered and freed together; the root is the unit of the rest (embeddings,
 final norm, head). DCP, torch.distributed.checkpoint, saves and loads every rank's shards, at any
 layout.
 
-TP's own terms. A column-wise split of a linear layer gives each rank of a tp group some of the
-layer's outputs, computed from the whole input. A row-wise split gives each rank some of the
-inputs, so that it computes a partial sum of every output; a collective adds the partial sums up.
-Sequence parallelism splits the activations between those layers by sequence position across the tp
-group, so that the norms and dropout each work on one part. Loss parallel computes the
-cross-entropy from logits split by vocabulary across the tp group, without gathering them. A
-DTensor is a tensor spread over a mesh, with one placement per mesh dim: Shard(d), split along its
-dim d; Replicate(), a whole copy on every rank; Partial, one part of a sum. A micro-batch is the
-batch of one forward and backward; --grad-accum of them make one optimizer step. A plan maps
-a module's name to a style (ColwiseParallel, RowwiseParallel, SequenceParallel...), which splits the
-module's weights and runs the collectives around it. In a plan, input_layouts and
-desired_input_layouts say how a module's input arrives and how it must be laid out, and the style
-runs the collective between them; output_layouts says how its output leaves, and
-use_local_output=False keeps it a DTensor. The model's two ends are the tied embedding and head.
+TP's own terms. A column-wise split of a linear layer gives each rank of a tp group some of its
+outputs, from the whole input; a row-wise split gives each some of its inputs, so that each
+computes a partial sum of every output, which a collective adds up. Sequence parallelism splits the
+activations between those layers by position across the tp group, for the norms and dropout. Loss
+parallel computes the cross-entropy from logits split by vocabulary, without gathering them. A
+DTensor is a tensor spread over a mesh, one placement per mesh dim: Shard(d), split along dim d;
+Replicate(), a whole copy on every rank; Partial, one part of a sum. A micro-batch is the batch of
+one forward and backward; --grad-accum of them make one optimizer step. A plan maps a module's name
+to a style, which splits the module's weights and runs the collectives around it. By default
+ColwiseParallel takes a whole input and returns this rank's outputs, RowwiseParallel takes the input
+split by its last dim and returns the whole sum, both as plain tensors; SequenceParallel and
+PrepareModuleInput return DTensors. input_layouts says how an input arrives, desired_input_layouts
+how the module needs it, output_layouts how its output leaves. The model's two ends are the tied
+embedding and head.
+
+Where each weight lives (TP's placement on the tp dim; FSDP then shards dim 0 over dp):
+  attn.qkv (3C, C), mlp.0 (4C, C)  Shard(0): whole heads, or hidden units; biases alike
+  attn.proj (C, C), mlp.2 (C, 4C)  Shard(1): the matching inputs; biases Replicate
+  tok_emb = head (V, C)            Shard(0): rows of the vocabulary, for both (nn.Linear's
+                                   weight is (out, in), so column-wise splits its dim 0)
+  norms                            Replicate with sequence parallelism; else not TP's
+  pos_emb (T, C)                   not TP's: FSDP alone
+At dp 2 x tp 2 a rank holds (3C / 4, C) of qkv's weight, (C / 2, C / 2) of proj's, (V / 4, C) of
+the vocabulary matrix and (C / 2,) of a norm's weight.
 
 One block in one micro-batch, on a tp group's ranks, with sequence parallelism (the default):
   ln1, ln2     on this rank's T / tp positions of the residual stream; no collective
@@ -59,8 +69,8 @@ One block in one micro-batch, on a tp group's ranks, with sequence parallelism (
                tp rank holds whole (norms, row-wise biases) get partial gradients, summed over tp
                by FSDP (an all-reduce) before its reduce-scatter over dp
 Without it, each all-gather and reduce-scatter pair is one all-reduce, after proj and after mlp.2
-(and, in backward, before qkv and mlp.0), and every tensor between the layers is a plain whole (B,
-T, C). FSDP all-gathers the block's weights over dp before it runs and
+(and, in backward, one for the input gradients of qkv and of mlp.0), and every tensor between the
+layers is a plain whole (B, T, C). FSDP all-gathers the block's weights over dp before it runs and
 reduce-scatters their gradients over dp after its backward. The head's logits stay a DTensor split
 by vocabulary, for loss parallel.
 
@@ -218,7 +228,7 @@ def grid(tp, device, world_size):
     shape, names = (world_size // tp, tp), ("dp", "tp")
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)  # TP 1: creates the groups
     # Both dims as one mesh too, for speed only: DTensor merges a collective over both dims (the
-    # norm's all-reduce in clip_gradients) into one call on it; without it, one call per dim.
+    # gradient norm's all-reduce in clip_gradients) into one call on it, not one call per dim.
     mesh["dp", "tp"]._flatten("dp_tp")  # TP 1: private in torch 2.14; torchtitan uses it too
     return mesh
 
@@ -306,8 +316,8 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
 
 def shard(run, model):
     """TP splits each block, and the tied embedding and head, across the tp group; then FSDP
-    shards every parameter across the dp group. What TP split or copied ends up on the 2-D mesh,
-    the rest (the position embedding; the norms without sequence parallelism) on "dp" alone."""
+    shards every parameter across the dp group. A parameter a plan made a DTensor ends up on the
+    2-D mesh; the rest (pos_emb; the norms without sequence parallelism) on "dp" alone."""
     mesh, sp = run.mesh["dp"], run.args.sequence_parallel == "on"  # TP 4: FSDP in the dp group
     reshard = run.args.reshard_after_forward == "yes"
     for i, block in enumerate(model.blocks):  # sharding sends nothing; hooks gather later
@@ -324,11 +334,10 @@ def shard(run, model):
 
 
 def block_plan(sp):
-    """Megatron-LM's split of a block. qkv (by whole heads) and mlp.0 are split column-wise;
-    attn.qkv orders its outputs head by head, since nanoGPT's q|k|v order would hand each rank whole
-    rows of q, k or v, not its own heads' q, k and v: silently wrong. attn.proj and mlp.2 are split
-    row-wise; an all-reduce adds up their partial sums. With sp it is a reduce-scatter by sequence,
-    for the norms and dropout; an all-gather rebuilds the sequence for each column-wise layer."""
+    """Megatron-LM's split of a block, as the tables at the top show. attn.qkv orders its outputs
+    head by head: nanoGPT's q|k|v order would give a rank rows of q, k or v instead of whole heads,
+    and train silently wrong. With sp, attn and mlp take their input whole (PrepareModuleInput),
+    since attention reads every position."""
     if not sp:
         return {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),  # TP 4
                 "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
@@ -340,11 +349,10 @@ def block_plan(sp):
 
 
 def ends_plan(sp):
-    """The tied embedding and head split by vocabulary: each rank holds the vectors of some tokens.
-    A rank's embedding looks up only those (zeros for the rest); an all-reduce adds the lookups up.
-    The head gives each rank the logits of its part of the vocabulary, kept split (a DTensor) for
-    loss parallel. With sp the all-reduce is a reduce-scatter by sequence, and the position
-    embedding's output is sliced alike, with no collective in forward (backward all-gathers it)."""
+    """The tied embedding and head split by vocabulary. A rank's embedding looks up only its tokens
+    (zeros for the rest), and a reduction adds the lookups up: an all-reduce, or with sp a
+    reduce-scatter by position. The head's logits stay split, a DTensor, for loss parallel. With
+    sp, pos_emb's output is sliced alike: no collective in forward, an all-gather in backward."""
     stream = Shard(1) if sp else Replicate()  # activations (B, T, C): by sequence, or whole
     plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),  # TP 4
             "head": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1),
@@ -391,7 +399,7 @@ def resume_path(run):
     """The checkpoint to resume from, or None. `auto` (a collective) takes --save if rank 0 finds
     it, so a restart after a crash reruns the same command; ranks looking alone could disagree."""
     resume, save = run.args.resume, run.args.save
-    if resume != "auto":
+    if resume != "auto":  # a folder every rank sees: each finds its newest complete step alike
         return resume and newest_complete_step(resume, run.is_main) or resume  # FSDP 3: newest
     if not save:
         raise InputError("--resume auto needs a --save path to look for")
@@ -420,7 +428,7 @@ def agree_on_start(start, error, path):
 
 def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
     """A collective: every rank reads the slices its shards hold, whatever world size wrote them
-    (DCP knows which slice each file holds); then its RNG, at the layout that saved."""
+    (DCP knows which slice each file holds); then its RNG state, if this layout saved it."""
     model_state, optim_state = get_state_dict(raw_model, optimizer)  # my shards' state
     try:
         dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)  # every rank
@@ -523,7 +531,9 @@ def accumulate_gradients(model, batches, every=True):  # FSDP 7: stay sharded, o
         model.set_requires_gradient_sync(every or i == len(batches) - 1)  # FSDP 7: when to reduce
         with loss_parallel():  # TP 6: the loss and its backward from logits split by vocabulary
             _, loss = model(x, y)
-            loss = loss / len(batches)  # micro-batches of equal size: the mean of their means
+            # Every micro-batch has as many targets, none masked, so the mean of their means is
+            # the mean over all targets. With masked targets, divide the sum by the global count.
+            loss = loss / len(batches)
             loss.backward()  # TP's collectives, and FSDP's reduce-scatter when sync is on
         total += local(loss.detach())  # TP 6: a plain tensor, the same across the tp group
     return total
@@ -767,7 +777,7 @@ def report(run, raw_model, data, val_loss, meter):
         start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
         first, args = torch.tensor([[start]], device=run.device), run.args
         torch.manual_seed(args.seed + run.dp_rank)  # TP 2: a tp group's ranks draw alike
-        out = generate_in_row(raw_model, first, args)  # TP 6: a collective in each tp group
+        out = generate_in_row(raw_model, first, args)  # TP 6: every rank: tp's and dp's collectives
         print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 5: rank 0's
 
 

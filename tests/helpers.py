@@ -469,6 +469,20 @@ def ddp_reference():
     return ok(finish(proc, cmd)), folder / "ddp.pt", folder
 
 
+# Dropout on, a clip of 2.0 that binds in steps 1 and 2 (norms 2.47, 2.13) and not in 3 and 4
+# (1.57, 1.93), and 13 validation windows (7 and 6 on 2 replicas: one padded batch).
+NOISY = SHARDED + ["--dropout", "0.1", "--clip", "2.0", "--eval-windows", "13", "--max-steps", "4",
+                   "--eval-every", "4", "--save", ""]
+
+
+@functools.cache
+def ddp_dropout_reference():
+    """Chapter 3 at 2 processes with NOISY, run once: the losses, gradient norms and validation
+    losses (padded) that chapters 7 and 8 must log with dropout, a binding clip and padding."""
+    cmd = command(GPT, NOISY, nproc=2)
+    return ok(finish(start(cmd, REPO), cmd))
+
+
 @functools.cache
 def one_process_reference():
     """Chapter 3 in one process (in this one) for 18 steps of SHARDED with --batch-size 12,

@@ -132,8 +132,7 @@ CATALOGUE = [
             "forward and backward inside no_sync()  # DDP 10",
             [T_GPT + "test_no_sync_holds_the_forward_too_or_every_micro_batch_all_reduces"]),
     Mistake("gpt-loss-not-divided", 3, C3,
-            [("            loss = loss / len(batches)  # micro-batches of equal size: the mean "
-              "of their means\n", "")],
+            [("            loss = loss / len(batches)\n", "")],
             "each micro-batch's loss not divided by --grad-accum: K times the gradient",
             "loss = loss / len(batches)",
             [T_GPT + "test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact"]),
@@ -328,6 +327,27 @@ CATALOGUE = [
             "every rank restores a saved random stream, whatever layout saved it",
             "restore only at the layout that saved them  # FSDP 3",
             [T_FSDP + "test_random_streams_come_back_only_at_the_layout_that_saved_them"]),
+    Mistake("fsdp-dropout-one-seed", 7, C7,
+            [("    torch.manual_seed(args.seed + run.rank)  # DDP 6: each rank draws its own "
+              "dropout masks\n", "    torch.manual_seed(args.seed)\n")],
+            "one dropout seed on every rank: the replicas drop the same units of different data",
+            "torch.manual_seed(args.seed + run.rank)  # DDP 6",
+            [T_FSDP + "test_with_dropout_a_binding_clip_and_padding_fsdp_logs_ddps_numbers"],
+            ["--dropout", "0.1"]),
+    Mistake("fsdp-loss-divided-in-the-log-only", 7, C7,
+            [("        loss = loss / len(batches)\n", ""),
+             ("        total += loss.detach()\n", "        total += loss.detach() / len(batches)\n")],
+            "the backward on each micro-batch's undivided loss, the division only in the log: "
+            "gradients --grad-accum times too large",
+            "loss = loss / len(batches) before loss.backward()",
+            [T_FSDP + "test_with_dropout_a_binding_clip_and_padding_fsdp_logs_ddps_numbers"]),
+    Mistake("fsdp-gradients-reduced-in-bf16", 7, C7,
+            [("MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)",
+              "MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)")],
+            "the policy's reductions in the compute dtype: bf16 sums that round, more with more "
+            "ranks", "reduce_dtype=torch.float32  # FSDP 1",
+            [T_FSDP + "test_the_policy_computes_in_bf16_and_reduces_gradients_in_fp32"],
+            ["--amp", "bf16"]),
     Mistake("fsdp-root-resharded", 7, C7,
             [("    fully_shard(model, mesh=mesh, mp_policy=run.policy)  # the root",
               "    fully_shard(model, mesh=mesh, mp_policy=run.policy,\n"

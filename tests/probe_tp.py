@@ -7,7 +7,8 @@ Launched under torchrun in place of the script; the course never imports it:
         "collectives": [name, elements of its input] of each functional collective (DTensor's)
         in that step, "peak_saved_bytes": the most bytes of activations it held for backward at
         once in that step (tensors saved by autograd, each storage counted once, the weights left
-        out), "dropout_mask": a hash of its first dropout mask (the embeddings')}; after the
+        out), "dropout_mask": a hash of its first dropout mask (the embeddings'), "fsdp": FSDP's
+        {"reduce_scatters", "all_gathers"} in that step (c10d's calls)}; after the
         closing sample OUT_DIR/sample{RANK}.json: the token ids it drew (every rank samples: each
         forward is a collective of its tp row)
     torchrun ... tests/probe_tp.py drift STEP:RANK OUT_DIR [trainer flags]
@@ -22,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_tp_minigpt as trainer  # noqa: E402
-from helpers import Saved, run_as_script, unpack  # noqa: E402
+from helpers import Saved, count_calls, run_as_script, unpack  # noqa: E402
 
 
 def record(out_dir, drift_at=None):
@@ -32,6 +33,11 @@ def record(out_dir, drift_at=None):
     from torch.utils._python_dispatch import TorchDispatchMode
     saved, seen, train_step = Saved(), {}, trainer.train_step
     drift_step, drift_rank = drift_at or (None, None)
+    fsdp = {"reduce_scatters": 0, "all_gathers": 0, "on": False}  # FSDP's c10d calls, not DTensor's
+    count_calls(trainer.dist, {"reduce_scatter_tensor": "reduce_scatters",  # the name varies
+                               "reduce_scatter_single": "reduce_scatters",  # by release
+                               "all_gather_into_tensor": "all_gathers",
+                               "all_gather_single": "all_gathers"}, fsdp, lambda: fsdp["on"])
 
     class Collectives(TorchDispatchMode):  # what DTensor sends: its functional collectives
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -55,11 +61,14 @@ def record(out_dir, drift_at=None):
         seen.update({f"{dim}_group": sorted(trainer.dist.get_process_group_ranks(
             run.mesh[dim].get_group())) for dim in ("tp", "dp")}, collectives=[])
         saved.model, hook = model, model.drop.register_forward_hook(mask_hash)
+        fsdp["on"] = True
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, unpack), Collectives():
             out = train_step(run, model, optimizer, windows, step)
+        fsdp["on"] = False
         hook.remove()
+        counts = {key: fsdp[key] for key in ("reduce_scatters", "all_gathers")}
         with open(path, "w") as f:
-            json.dump({**seen, "peak_saved_bytes": saved.peak}, f)
+            json.dump({**seen, "peak_saved_bytes": saved.peak, "fsdp": counts}, f)
         return out
 
     generate = trainer.generate_in_row

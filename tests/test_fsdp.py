@@ -41,11 +41,11 @@ import types
 
 import pytest
 import torch
-from helpers import logged_val_losses as val_losses
+from helpers import logged_grad_norms as norms, logged_val_losses as val_losses
 from helpers import streams_restored
-from helpers import (CONSTANT_LR, EVAL_6, GPT, REPO, SHARDED, TINY_GPT, command, ddp_reference,
-                     finish, hostile_shell, in_process, ok, start, start_two_nodes, summary,
-                     trainer)
+from helpers import (CONSTANT_LR, EVAL_6, GPT, NOISY, REPO, SHARDED, TINY_GPT, command,
+                     ddp_dropout_reference, ddp_reference, finish, hostile_shell, in_process, ok,
+                     start, start_two_nodes, summary, trainer)
 
 import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
 
@@ -82,7 +82,8 @@ def runs(tmp_path_factory):
                                                     "last", "--reshard-after-forward", "no",
                                                     "--max-steps", 4, "--save", "",
                                                     "--eval-windows", 13,  # a padded batch
-                                                    "--export", ""], nproc=2)}
+                                                    "--export", ""], nproc=2),
+            "dropout": command(FSDP, [*NOISY, "--export", ""], nproc=2)}
     restart_fix = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch/pytorch#135712
     started = {name: start(cmd, REPO, restart_fix if name == "restarted" else None)
                for name, cmd in cmds.items()}
@@ -94,6 +95,7 @@ def runs(tmp_path_factory):
     r = {name: finish(proc, cmds[name]) for name, proc in started.items()}
     ok(r["restarted"])
     ok(r["last"])
+    ok(r["dropout"])
     outs = nodes()
     logged = [out for out in outs if "world size 2 |" in out]  # rank 0's node logs
     assert len(logged) == 1, outs
@@ -117,6 +119,34 @@ def test_fsdp_computes_what_ddp_computes(runs):
     sampled = in_process(GPT, ["--sample", "--ckpt", runs["dir"] / "f18.pt", "--prompt", "def ",
                                "--max-new-tokens", 20, "--device", "cpu"])
     assert sampled.startswith("def ")
+
+
+def test_with_dropout_a_binding_clip_and_padding_fsdp_logs_ddps_numbers(runs):
+    """--dropout 0.1 (each rank its own masks, seeded by rank as DDP's are), --clip 2.0 and 13
+    validation windows (one padded batch): 2 FSDP processes log 2 DDP processes' losses, gradient
+    norms before clipping, and validation losses. The controls: the clip binds in steps 1 and 2
+    and not in 3 and 4, and without dropout the first loss differs."""
+    out, ddp = runs["dropout"].stdout, ddp_dropout_reference()
+    assert sorted(losses(out)) == sorted(norms(out)) == [1, 2, 3, 4]
+    for step in range(1, 5):
+        assert losses(out)[step] == pytest.approx(losses(ddp)[step], rel=1e-5), step
+        assert norms(out)[step] == pytest.approx(norms(ddp)[step], abs=2e-3), step
+    assert [norms(ddp)[step] > 2.0 for step in range(1, 5)] == [True, True, False, False]
+    assert val_losses(out) == pytest.approx(val_losses(ddp), abs=1e-4)
+    assert sorted(val_losses(ddp)) == [0, 4] and val_losses(ddp)[4] < val_losses(ddp)[0] - 0.1
+    assert abs(losses(ddp)[1] - losses(runs["ddp"])[1]) > 1e-3  # dropout was on
+
+
+def test_the_policy_computes_in_bf16_and_reduces_gradients_in_fp32():
+    """FSDP's MixedPrecisionPolicy with --amp bf16: weights gathered and used in bf16, gradients
+    reduce-scattered in fp32 (in bf16 the sums would round, more with more ranks). The control:
+    with --amp off the weights stay fp32."""
+    cpu = torch.device("cpu")
+    name, policy = fsdp.mixed_precision("bf16", cpu)
+    assert (name, policy.param_dtype, policy.reduce_dtype) == ("bfloat16", torch.bfloat16,
+                                                                torch.float32)
+    name, policy = fsdp.mixed_precision("off", cpu)
+    assert (name, policy.param_dtype, policy.reduce_dtype) == ("off", None, torch.float32)
 
 
 def test_a_padded_evaluation_counts_each_window_once(runs):

@@ -9,8 +9,8 @@ launches on CPU/gloo. These tests prove:
    not by rank: read by rank, the 4 ranks would read 4 different shares of the windows);
 2. checkpoints reshard across grids: the (dp 2, tp 2) checkpoint resumes at (dp 1, tp 2) without
    sequence parallelism, compiled block by block, two processes that two nodes' agents start
-   through chapter 4's launcher (with --grad-sync last: one reduce-scatter per step, whole
-   gradients in between), and at tp 1
+   through chapter 4's launcher (with --grad-sync last, which at dp 1 defers nothing: FSDP's dp
+   group is one rank, so there is no reduce-scatter to make), and at tp 1
    (in process), each with the same global batch, and both log the next 8 losses of the
    uninterrupted DDP run; the (dp 1, tp 2) run's 8 losses are also chapter 3's in one process with
    that global batch; its export holds DDP's final weights (1e-4) and samples through
@@ -41,9 +41,9 @@ import pytest
 import torch
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
-from helpers import (EVAL_6, GPT, REPO, SHARDED, TINY_GPT, command, ddp_reference, finish,
-                     in_process, ok, one_process_reference, run, start, start_two_nodes, summary,
-                     trainer)
+from helpers import (EVAL_6, GPT, NOISY, REPO, SHARDED, TINY_GPT, command, ddp_dropout_reference,
+                     ddp_reference, finish, in_process, ok, one_process_reference, run, start,
+                     start_two_nodes, summary, trainer)
 
 import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
 
@@ -61,22 +61,22 @@ def runs(tmp_path_factory):
     (one_process_reference, shared with chapter 9's), for 18 steps; beside them the drift probe
     and the dropout runs."""
     d = tmp_path_factory.mktemp("tp")
-    for sub in ("drift", "dropout"):
+    for sub in ("drift", "dropout", "sp dropout"):
         (d / sub).mkdir()
     drift = command("tests/probe_tp.py", ["drift", "2:1", d / "drift", *TINY_GPT, "--tp", 2,
                                           "--check-sync", "--dropout", 0.1, "--grad-checkpointing",
                                           "--max-steps", 4, "--save", d / "sp", "--save-every", 1,
                                           "--export", ""], nproc=2)  # saves step 1, then drifts
     drifting = start(drift, REPO)
-    noisy = SHARDED + ["--dropout", 0.1, "--eval-windows", 13, "--max-steps", 4, "--eval-every", 4,
-                       "--save", ""]  # 13 windows: rows of 7 and 6, one padded
     beside = {"tp dropout": command("tests/probe_tp.py", [
-                  "record", d / "dropout", *noisy, "--tp", 2, "--sequence-parallel", "off",
-                  "--export", ""], nproc=4),
-              "ddp dropout": command(GPT, noisy, nproc=2)}
+                  "record", d / "dropout", *NOISY, "--tp", 2, "--sequence-parallel", "off",
+                  "--export", ""], nproc=4),  # 13 windows: rows of 7 and 6, one padded
+              "sp dropout": command("tests/probe_tp.py", [
+                  "record", d / "sp dropout", *SHARDED, "--tp", 2, "--max-steps", 1, "--dropout",
+                  0.1, "--grad-sync", "last", "--save", "", "--export", ""], nproc=4)}
     started = {name: start(cmd, REPO) for name, cmd in beside.items()}
     ddp, ddp_ckpt, _ = ddp_reference()
-    r = {"drift": finish(drifting, drift)}
+    r = {"drift": finish(drifting, drift), "ddp dropout": ddp_dropout_reference()}
     switch = command(TP, [*TINY_GPT, "--tp", 2, "--check-sync", "--dropout", 0.1,
                           "--sequence-parallel", "off", "--resume", d / "sp", "--max-steps", 3,
                           "--save", "", "--export", ""], nproc=2)
@@ -117,13 +117,16 @@ def test_with_dropout_and_a_padded_evaluation_dp2_x_tp2_logs_ddps_numbers(runs):
     activations): a row's ranks draw DDP's rank's masks (seeded by row: the first masks of a row
     hash alike, of two rows not), so dp 2 x tp 2 logs 2 DDP processes' losses; 13 validation
     windows on 2 rows (7 and 6: one padded, counted as 0) give DDP's validation losses. The
-    control: they change."""
+    control: they change. With --clip 2.0 the gradient norms before clipping are DDP's too, in
+    the steps where the clip binds (1 and 2) and where it does not (3 and 4)."""
     masks = [rank_record(runs["dir"] / "dropout", rank)["dropout_mask"] for rank in range(4)]
     assert masks[0] == masks[1] and masks[2] == masks[3] and masks[0] != masks[2]
     tp_out, ddp = runs["tp dropout"], runs["ddp dropout"]
-    assert sorted(losses(tp_out)) == [1, 2, 3, 4]
+    assert sorted(losses(tp_out)) == sorted(grad_norms(tp_out)) == [1, 2, 3, 4]
     for step, loss in losses(tp_out).items():
         assert loss == pytest.approx(losses(ddp)[step], rel=1e-5), step
+        assert grad_norms(tp_out)[step] == pytest.approx(grad_norms(ddp)[step], abs=2e-3), step
+    assert [grad_norms(ddp)[step] > 2.0 for step in range(1, 5)] == [True, True, False, False]
     assert sorted(val_losses(tp_out)) == sorted(val_losses(ddp)) == [0, 4]
     for step in (0, 4):
         assert val_losses(tp_out)[step] == pytest.approx(val_losses(ddp)[step], abs=1e-4), step
@@ -138,6 +141,24 @@ def test_sequence_parallel_drops_out_each_ranks_tokens_with_its_own_masks(runs):
     masks = [rank_record(runs["dir"] / "drift", rank)["dropout_mask"] for rank in (0, 1)]
     assert masks[0] != masks[1]
     assert "sequence parallel on)" in runs["drift"].stdout
+
+
+def test_sequence_parallel_masks_differ_across_rows_too(runs):
+    """At dp 2 x tp 2 with sequence parallelism and dropout, all four ranks draw their own masks:
+    seeded by tp rank instead of rank, the two rows would repeat each other's masks."""
+    masks = [rank_record(runs["dir"] / "sp dropout", rank)["dropout_mask"] for rank in range(4)]
+    assert len(set(masks)) == 4, masks
+
+
+def test_fsdp_under_tp_reduce_scatters_as_grad_sync_says_and_keeps_the_last_block(runs):
+    """FSDP's own collectives in the first step at dp 2 x tp 2 (2 micro-batches of 2 blocks and
+    the root: 3 units): --grad-sync every reduce-scatters each unit per micro-batch (6), last once
+    per step (3); each micro-batch gathers the root once, both blocks before their forward and
+    block 0 again before its backward (4; the last block stays whole): 8 either way."""
+    for run_dir, scatters in (("", 6), ("sp dropout", 3)):
+        for rank in range(4):
+            seen = rank_record(runs["dir"] / run_dir, rank)["fsdp"]
+            assert seen == {"reduce_scatters": scatters, "all_gathers": 8}, (run_dir, rank, seen)
 
 
 def rank_record(out_dir, rank):
