@@ -41,8 +41,8 @@ One optimizer step, as each rank runs it (default flags on a GPU, where --amp au
             the backward starts with them.
   backward  the head first, then the blocks in reverse. Each block but the last all-gathers its
             weights again; right after its backward its gradients are reduce-scattered in fp32,
-            and each rank keeps the mean for its shard. The root's go last, after the
-            embeddings' backward. With --grad-sync last, whole gradients add up on every rank
+            and each rank keeps the mean for its shard. The root's gradients go last, after
+            the embeddings' backward. With --grad-sync last, whole gradients add up on every rank
             instead, and only the last micro-batch reduce-scatters them.
   step      clip_grad_norm_ combines every rank's shard norms (a collective); the loss is
             all-reduced for the log; AdamW updates each rank's shards and sends nothing.

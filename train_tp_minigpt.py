@@ -36,8 +36,8 @@ final norm, head). DCP, torch.distributed.checkpoint, saves and loads every rank
 layout.
 
 TP's own terms. A column-wise split of a linear layer gives each rank of a tp group some of its
-outputs, from the whole input; a row-wise split gives each some of its inputs, so that each
-computes a partial sum of every output, which a collective adds up. Sequence parallelism splits the
+outputs, from the whole input; a row-wise split gives each some of its inputs, so that each computes
+a partial sum of every output, which a collective adds up. Sequence parallelism splits the
 activations between those layers by position across the tp group, for the norms and dropout. Loss
 parallel computes the cross-entropy from logits split by vocabulary, without gathering them. A
 DTensor is a tensor spread over a mesh, one placement per mesh dim: Shard(d), split along dim d;
@@ -47,8 +47,8 @@ to a style, which splits the module's weights and runs the collectives around it
 ColwiseParallel takes a whole input and returns this rank's outputs, RowwiseParallel takes the input
 split by its last dim and returns the whole sum, both as plain tensors; SequenceParallel and
 PrepareModuleInput return DTensors. input_layouts says how an input arrives, desired_input_layouts
-how the module needs it, output_layouts how its output leaves. The model's two ends are the tied
-embedding and head.
+how the module needs it, output_layouts how its output leaves; use_local_output=False keeps the
+output a DTensor. The model's two ends are the tied embedding and head.
 
 Where each weight lives (TP's placement on the tp dim; FSDP then shards dim 0 over dp):
   attn.qkv (3C, C), mlp.0 (4C, C)  Shard(0): whole heads, or hidden units; biases alike
@@ -336,8 +336,8 @@ def shard(run, model):
 def block_plan(sp):
     """Megatron-LM's split of a block, as the tables at the top show. attn.qkv orders its outputs
     head by head: nanoGPT's q|k|v order would give a rank rows of q, k or v instead of whole heads,
-    and train silently wrong. With sp, attn and mlp take their input whole (PrepareModuleInput),
-    since attention reads every position."""
+    and train, with no error, a model unlike one process's. With sp, attn and mlp take their input
+    whole (PrepareModuleInput): attention needs every position, column-wise layers a whole input."""
     if not sp:
         return {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),  # TP 4
                 "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
@@ -1396,7 +1396,10 @@ def traffic_line(run):
 def accumulation_line(model, args):  # FSDP 2: the gradients held, and reduce-scattered
     """What a rank holds of the gradients between micro-batches, and the reduce-scatters a step
     makes (each takes a unit's whole fp32 gradient in and gives back its shard)."""
-    whole = 4 * sum(p.numel() for p in model.parameters()) / 2**20  # fp32 gradients, all of them
+    # FSDP gathers over dp alone, so a rank's whole gradient is its tp part: 1/tp of a split one.
+    split = [p.device_mesh.ndim == 2 and p.placements[1].is_shard() for p in model.parameters()]
+    whole = 4 * sum(p.numel() // (args.tp if s else 1)  # TP 3: fp32, TP's part
+                    for p, s in zip(model.parameters(), split)) / 2**20
     if args.grad_sync == "every":
         return (f"--grad-sync every: gradients stay sharded between micro-batches; the {whole:.2f} "
                 f"MiB of them reduce-scattered {args.grad_accum} times per step, unit by unit")

@@ -412,6 +412,34 @@ CATALOGUE = [
             "padded on the right, read at the last real token  # TP 6",
             [T_TP + "test_sampling_pads_on_the_right_and_draws_what_one_process_draws"]),
 
+    Mistake("tp-grad-sync-ignored", 8, C8,
+            [("model.set_requires_gradient_sync(every or i == len(batches) - 1)",
+              "model.set_requires_gradient_sync(True)")],
+            "--grad-sync ignored: every micro-batch reduce-scatters, while the log says the whole "
+            "gradients are held", "set_requires_gradient_sync(every or last)  # FSDP 7",
+            [T_TP + "test_fsdp_under_tp_reduce_scatters_as_grad_sync_says_and_keeps_the_last_"
+             "block"]),
+    Mistake("tp-last-block-resharded", 8, C8,
+            [("reshard_after_forward=reshard and not last)", "reshard_after_forward=reshard)")],
+            "the last block freed after its forward, though its backward comes next: gathered "
+            "again at once", "reshard_after_forward=reshard and not last",
+            [T_TP + "test_fsdp_under_tp_reduce_scatters_as_grad_sync_says_and_keeps_the_last_"
+             "block"]),
+    Mistake("tp-sp-dropout-by-tp-rank", 8, C8,
+            [("    return run.rank if run.args.sequence_parallel == \"on\" else run.dp_rank",
+              "    return run.rank % run.args.tp if run.args.sequence_parallel == \"on\" "
+              "else run.dp_rank")],
+            "sequence parallelism's dropout seeded by tp rank: the rows repeat each other's masks",
+            "dropout_stream: by rank (global) under sequence parallelism  # TP 2",
+            [T_TP + "test_sequence_parallel_masks_differ_across_rows_too"], ["--dropout", "0.1"]),
+    Mistake("tp-whole-gradients-counted-whole", 8, C8,
+            [("    whole = 4 * sum(p.numel() // (args.tp if s else 1)  # TP 3: fp32, TP's part\n"
+              "                    for p, s in zip(model.parameters(), split)) / 2**20",
+              "    whole = 4 * sum(p.numel() for p in model.parameters()) / 2**20")],
+            "the gradients held under --grad-sync last counted at the model's size: a DTensor's "
+            "numel() is the whole parameter's, not the rank's", "p.numel() // tp where TP splits it",
+            [T_TP + "test_the_whole_gradients_a_rank_holds_are_its_tp_part"]),
+
     # chapter 9: PP
     Mistake("pp-every-stage-scores-validation", 9, C9,
             [("        if logits is None:  # PP 7: only the last stage scores; the others add 0\n"
@@ -450,6 +478,30 @@ CATALOGUE = [
             [T_PP + "test_the_stages_cut_the_blocks_once_in_order"]),
 
     # chapter 10: CP
+    Mistake("cp-padding-counted", 10, C10,
+            [("        totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token\n",
+              "        totals[1] += y.numel()\n")],
+            "the validation padding's targets counted as tokens", "(y != -100).sum()  # FSDP 5",
+            [T_CP + "test_a_padded_evaluation_at_dp2_x_cp2_counts_each_target_once"]),
+    Mistake("cp-dropout-by-row", 10, C10,
+            [("    torch.manual_seed(args.seed + run.rank)  # DDP 6: each rank draws its own dropout "
+              "masks\n", "    torch.manual_seed(args.seed + run.dp_rank)\n")],
+            "dropout seeded by row: a row's cp ranks drop the same units of different tokens",
+            "torch.manual_seed(args.seed + run.rank)  # DDP 6",
+            [T_CP + "test_dropout_draws_its_own_masks_on_every_rank_of_a_row"], ["--dropout", "0.1"]),
+    Mistake("cp-grad-sync-ignored", 10, C10,
+            [("model.set_requires_gradient_sync(every or i == len(batches) - 1)",
+              "model.set_requires_gradient_sync(True)")],
+            "--grad-sync ignored: every micro-batch reduce-scatters, while the log says the whole "
+            "gradients are held", "set_requires_gradient_sync(every or last)  # FSDP 7",
+            [T_CP + "test_fsdp_under_cp_reduce_scatters_as_grad_sync_says_and_keeps_the_last_"
+             "block"]),
+    Mistake("cp-last-block-resharded", 10, C10,
+            [("reshard_after_forward=reshard and not last)", "reshard_after_forward=reshard)")],
+            "the last block freed after its forward, though its backward comes next: gathered "
+            "again at once", "reshard_after_forward=reshard and not last",
+            [T_CP + "test_fsdp_under_cp_reduce_scatters_as_grad_sync_says_and_keeps_the_last_"
+             "block"]),
     Mistake("cp-positions-local", 10, C10,
             [("        if context is not None:  # CP 6: the tokens' places in the whole sequence\n"
               "            positions = context.positions\n", "")],

@@ -9,7 +9,9 @@ of docs/cp.md. Launched under torchrun in place of the script; the course never 
         autograd, each storage counted once, the weights left out), "gathered_bytes": the bytes
         of keys and values its all-gathers returned in the first step, "all_gathers": how many,
         "passed_bytes" and "passes": the same for --cp-rotate ring's sends to the next rank,
-        "max_rss_bytes": the process's peak resident memory, read when it ends};
+        "max_rss_bytes": the process's peak resident memory, read when it ends, "dropout_mask": a
+        hash of its first dropout mask (the embeddings'), "fsdp": FSDP's {"reduce_scatters",
+        "all_gathers"} in the first step (c10d's calls over FSDP's group, not the cp group's)};
         PROBE_RING_WAITS=1 makes each ring pass complete before the step's attention runs
     torchrun ... tests/probe_cp.py crash STEP:RANK OUT_DIR [trainer flags]
         as record, and that rank SIGKILLs itself when step STEP begins, on the first attempt only
@@ -28,16 +30,46 @@ from helpers import Saved, run_as_script, unpack  # noqa: E402
 
 
 def record(out_dir, crash_at=None):
+    import hashlib
     import torch
     import resource
     saved, seen = Saved(), {"steps": 0, "gathered_bytes": 0, "all_gathers": 0,
-                            "passed_bytes": 0, "passes": 0}
+                            "passed_bytes": 0, "passes": 0,
+                            "fsdp": {"reduce_scatters": 0, "all_gathers": 0}}
     kill_step, kill_rank = crash_at or (None, None)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     kill = first_attempt and int(os.environ["RANK"]) == kill_rank
     at_once = os.environ.get("PROBE_RING_WAITS") == "1"
     train_step, gather, pass_on = (trainer.train_step, trainer.GatherContext.forward,
                                    trainer.pass_on)
+
+    cp_group, inside = [None], [False]
+
+    def count_fsdp(name, key):  # a call on any group but the cp group's (GatherContext's) is FSDP's
+        original = getattr(trainer.dist, name)
+
+        def counted(*args, **kwargs):
+            group = kwargs.get("group", args[2] if len(args) > 2 else None)
+            outermost = not inside[0]  # a call made of another one counts once
+            if outermost and seen["steps"] == 1 and group != cp_group[0]:
+                seen["fsdp"][key] += 1
+            inside[0] = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                inside[0] = not outermost
+        setattr(trainer.dist, name, counted)
+    for name, key in (("reduce_scatter_tensor", "reduce_scatters"),  # the names vary by release
+                      ("reduce_scatter_single", "reduce_scatters"),
+                      ("all_gather_into_tensor", "all_gathers"),
+                      ("all_gather_single", "all_gathers")):
+        if hasattr(trainer.dist, name):
+            count_fsdp(name, key)
+
+    def mask_hash(module, inputs, output):
+        if module.training and "dropout_mask" not in seen:
+            mask = (output == 0).cpu().numpy().tobytes()
+            seen["dropout_mask"] = hashlib.sha256(mask).hexdigest()[:12]
 
     def watched_step(run, model, optimizer, windows, step):
         if kill and step + 1 == kill_step:
@@ -47,8 +79,13 @@ def record(out_dir, crash_at=None):
                     positions=run.context.positions.tolist(),
                     fsdp_dims=list(fsdp.mesh_dim_names), fsdp_ranks=fsdp.mesh.flatten().tolist())
         saved.model, seen["steps"] = model, seen["steps"] + 1
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, unpack):
-            return train_step(run, model, optimizer, windows, step)
+        cp_group[0] = run.context.group
+        hook = model.drop.register_forward_hook(mask_hash)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, unpack):
+                return train_step(run, model, optimizer, windows, step)
+        finally:
+            hook.remove()
 
     def counted_gather(ctx, x, group):
         out = gather(ctx, x, group)

@@ -59,9 +59,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
 from helpers import streams_restored
-from helpers import (EVAL_6, GPT, NEEDS_CP, REPO, SHARDED, as_script, command, ddp_reference,
-                     finish, in_process, needs_torch, ok, one_process_reference, start,
-                     start_two_nodes, summary, trainer)
+from helpers import (EVAL_6, GPT, NEEDS_CP, NOISY, REPO, SHARDED, as_script, command,
+                     ddp_dropout_reference, ddp_reference, finish, in_process, needs_torch, ok,
+                     one_process_reference, start, start_two_nodes, summary, trainer)
 
 import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
 
@@ -92,7 +92,8 @@ def runs(tmp_path_factory):
                                         "--resume", "auto", "--export", d / "cp.pt"],
                   nproc=2, torchrun_args=["--max-restarts=1"])
     proc = start(cmd, REPO, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # pytorch#135712
-    r = {"one": one_process_reference(), "ddp": ddp_reference()[0]}  # meanwhile
+    r = {"one": one_process_reference(), "ddp": ddp_reference()[0],  # meanwhile
+         "ddp noisy": ddp_dropout_reference()}
     r["restarted"] = ok(finish(proc, cmd))
     (d / "ring").mkdir()
     ring = command("tests/probe_cp.py", ["record", d / "ring", *ONE, "--cp", 4, "--cp-rotate",
@@ -104,12 +105,51 @@ def runs(tmp_path_factory):
                                            "ring", "--amp", "bf16", "--max-steps", 2, "--save", "",
                                            "--export", ""], nproc=2)
     proc16 = start(ring16, REPO)
+    (d / "noisy").mkdir()  # dropout and a padded evaluation at dp 2 x cp 2, --grad-sync every
+    noisy = command("tests/probe_cp.py", ["record", d / "noisy", *NOISY, "--cp", 2, "--export", ""],
+                    nproc=4)
+    procn = start(noisy, REPO)
     r["fsdp"] = in_process(FSDP, ONE + ["--max-steps", 18, "--resume", d / "ck", "--save", "",
                                         "--export", d / "f18.pt"])
     r["grid"] = next(out for out in grid() if "world size 4 " in out)  # rank 0's node logs
     r["ring"] = ok(finish(proc, ring))
     r["ring16"] = ok(finish(proc16, ring16))
+    r["noisy"] = ok(finish(procn, noisy))
     return {**r, "dir": d}
+
+
+def test_a_padded_evaluation_at_dp2_x_cp2_counts_each_target_once(runs):
+    """13 validation windows on 2 rows (7 and 6: one padded batch, whose targets count no token):
+    dp 2 x cp 2's step-0 validation loss is DDP's over the same 13 windows. The control: over 32
+    windows (chapter 3's run without padding) it differs."""
+    noisy, ddp = val_losses(runs["noisy"]), val_losses(runs["ddp noisy"])
+    assert noisy[0] == pytest.approx(ddp[0], abs=1e-4)
+    assert abs(ddp[0] - val_losses(runs["ddp"])[0]) > 1e-3
+
+
+def test_dropout_draws_its_own_masks_on_every_rank_of_a_row(runs):
+    """At dp 2 x cp 2 with --dropout 0.1 each rank holds its own tokens and seeds by rank: four
+    different first masks, where seeded by row a row's two ranks would drop the same units of
+    different tokens. The losses still fall."""
+    masks = [record(runs["dir"] / "noisy", rank)["dropout_mask"] for rank in range(4)]
+    assert len(set(masks)) == 4, masks
+    assert losses(runs["noisy"])[4] < losses(runs["noisy"])[1]
+
+
+def test_fsdp_under_cp_reduce_scatters_as_grad_sync_says_and_keeps_the_last_block(runs):
+    """FSDP's own collectives (over dp x cp; not the cp group's gathers of keys and values) in the
+    first step of 2 micro-batches, 2 blocks and the root: --grad-sync every reduce-scatters each
+    unit per micro-batch (6), last once per step (3, the two-node run); each micro-batch gathers
+    the root, both blocks and block 0 again for its backward (4; the last block stays whole)."""
+    for run_dir, scatters in (("noisy", 6), ("grid", 3)):
+        for rank in range(4):
+            seen = record(runs["dir"] / run_dir, rank)["fsdp"]
+            assert seen == {"reduce_scatters": scatters, "all_gathers": 8}, (run_dir, rank, seen)
+
+
+def record(out_dir, rank):
+    """What tests/probe_cp.py recorded of a rank."""
+    return json.loads((out_dir / f"rank{rank}.json").read_text())
 
 
 def test_cp2_logs_one_processs_losses_gradient_norms_and_validation_losses(runs):

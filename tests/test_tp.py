@@ -211,6 +211,16 @@ def test_the_grid_checkpoint_resumes_at_dp1_x_tp2_and_at_tp1(runs):
             assert loss == pytest.approx(one[step], rel=1e-4), (step, out)
 
 
+def test_the_whole_gradients_a_rank_holds_are_its_tp_part(runs):
+    """--grad-sync last holds each gradient whole over dp but still split by TP: at tp 2 (the
+    resumed two-node run) a rank holds half of every matrix TP splits (25,024 values in the blocks,
+    8,192 in the vocabulary matrix) and all the rest (1,472): 18,080 fp32 values, not the model's
+    34,688 (the control)."""
+    said = "--grad-sync last: every rank holds the whole gradients, {:.2f} MiB, from the first"
+    assert said.format(4 * ((25_024 + 8_192) // 2 + 1_472) / 2**20) in runs["row"]
+    assert said.format(4 * 34_688 / 2**20) not in runs["row"]
+
+
 def test_the_export_holds_ddps_weights_and_samples_in_chapter_3(runs):
     exported = torch.load(runs["dir"] / "tp.pt", map_location="cpu", weights_only=True)
     ddp = torch.load(runs["ddp.pt"], map_location="cpu", weights_only=True)
