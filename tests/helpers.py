@@ -475,6 +475,18 @@ NOISY = SHARDED + ["--dropout", "0.1", "--clip", "2.0", "--eval-windows", "13", 
                    "--eval-every", "4", "--save", ""]
 
 
+def assert_bf16_policy_reduces_in_fp32(module):
+    """A chapter's FSDP MixedPrecisionPolicy: with --amp bf16 the weights are gathered and used in
+    bf16 and the gradients reduced in fp32 (a bf16 sum over many ranks rounds at each addition);
+    the control, --amp off: nothing cast."""
+    import torch
+    name, policy = module.mixed_precision("bf16", torch.device("cpu"))
+    assert (name, policy.param_dtype, policy.reduce_dtype) == ("bfloat16", torch.bfloat16,
+                                                                torch.float32)
+    name, policy = module.mixed_precision("off", torch.device("cpu"))
+    assert (name, policy.param_dtype, policy.reduce_dtype) == ("off", None, torch.float32)
+
+
 @functools.cache
 def ddp_dropout_reference():
     """Chapter 3 at 2 processes with NOISY, run once: the losses, gradient norms and validation

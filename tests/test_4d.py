@@ -31,6 +31,7 @@ import shutil
 import pytest
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
+from helpers import assert_bf16_policy_reduces_in_fp32
 from helpers import (EVAL_6, GPT, NEEDS_CP, REPO, SHARDED, as_script, command, ddp_reference,
                      finish, in_process, needs_torch, ok, one_process_reference, start,
                      start_two_nodes, summary, trainer)
@@ -40,6 +41,19 @@ import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path:
 pytestmark = needs_torch(*NEEDS_CP)
 FOURD = "train_4d_minigpt.py"
 ONE = SHARDED + ["--batch-size", 12]  # one replica: the global batch of one_process_reference
+
+
+CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not held yet
+    "reference": ["test_pp2_cp2_tp2_at_8_processes_computes_what_one_process_computes",
+                  "test_dp2_pp2_tp2_at_8_processes_computes_what_ddp_computes"],
+    "norms": None,  # the clip binds in every compared step
+    "padded": None,
+    "dropout": None,
+    "collectives": None,  # one layout's bytes, not each flag's collectives
+    "policy": ["test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32"],
+    "resume": ["test_pp2_cp2_goes_on_from_the_8_process_checkpoint",
+               "test_the_4d_checkpoint_resumes_in_chapters_7_to_10"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -273,3 +287,8 @@ def test_benchmark_scaling_reads_the_4d_trainers_summary(runs):
     row = bench.pace_row(summary(runs["grid"]), 8, 0.0)
     assert row["per_step"] == 6 * 32 * 2 * 2 and row["unit"] == "tokens/s"  # batch x T x K x dp
     assert row["throughput"] == pytest.approx(768 / (row["step_ms"] / 1000), rel=0.01)
+
+
+def test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32():
+    """FSDP's policy in this chapter: bf16 weights for compute, fp32 gradient reductions."""
+    assert_bf16_policy_reduces_in_fp32(trainer(FOURD))

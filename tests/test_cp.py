@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
 from helpers import streams_restored
+from helpers import assert_bf16_policy_reduces_in_fp32
 from helpers import (EVAL_6, GPT, NEEDS_CP, NOISY, REPO, SHARDED, as_script, command,
                      ddp_dropout_reference, ddp_reference, finish, in_process, needs_torch, ok,
                      one_process_reference, start, start_two_nodes, summary, trainer)
@@ -69,6 +70,22 @@ pytestmark = needs_torch(*NEEDS_CP)
 CP, FSDP = "train_cp_minigpt.py", "train_fsdp_minigpt.py"
 cp = trainer(CP)
 ONE = SHARDED + ["--batch-size", 12]  # chapter 3's one-process global batch: 12 sequences
+
+
+CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not held yet
+    "reference": ["test_cp2_logs_one_processs_losses_gradient_norms_and_validation_losses",
+                  "test_a_ring_of_4_logs_one_processs_losses_and_passes_one_ranks_keys_at_a_time",
+                  "test_dp2_x_cp2_on_two_nodes_logs_ddps_losses_and_gradient_norms"],
+    "norms": None,  # the clip binds in every compared step
+    "padded": ["test_a_padded_evaluation_at_dp2_x_cp2_counts_each_target_once"],
+    "dropout": ["test_dropout_draws_its_own_masks_on_every_rank_of_a_row"],
+    "collectives": ["test_fsdp_under_cp_reduce_scatters_as_grad_sync_says_and_keeps_the_last_block",
+                    "test_a_ring_of_4_logs_one_processs_losses_and_passes_one_ranks_keys_at_a_time",
+                    "test_checkpoints_move_between_chapter_7_and_cp_and_a_killed_rank_resumes"],
+    "policy": ["test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32",
+               "test_key_and_value_gradients_are_summed_in_fp32"],
+    "resume": ["test_checkpoints_move_between_chapter_7_and_cp_and_a_killed_rank_resumes"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -448,7 +465,8 @@ def test_a_torch_older_than_the_chapters_calls_is_one_line(script, needs, monkey
         with pytest.raises(SystemExit) as stop:
             module.avoid_known_failures(args)
         assert stop.value.code == 2
-        assert capsys.readouterr().err.startswith(f"error: this chapter needs torch {needs} or newer")
+        said = f"error: this chapter needs torch {needs} or newer"
+        assert capsys.readouterr().err.startswith(said)
     with pytest.raises(SystemExit) as stop:
         module.avoid_known_failures(args)
     said = "error: not launched by torchrun: see the commands at the top"
@@ -469,3 +487,8 @@ def test_benchmark_scaling_reads_the_cp_trainers_summary(runs):
     row = bench.pace_row(summary(runs["grid"]), 4, 0.0)
     assert row["per_step"] == 6 * 32 * 2 * 2 and row["unit"] == "tokens/s"  # batch x T x K x dp
     assert row["throughput"] == pytest.approx(768 / (row["step_ms"] / 1000), rel=0.01)
+
+
+def test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32():
+    """FSDP's policy in this chapter: bf16 weights for compute, fp32 gradient reductions."""
+    assert_bf16_policy_reduces_in_fp32(cp)

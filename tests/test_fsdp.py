@@ -56,6 +56,19 @@ RESUMED = TINY_GPT + ["--grad-accum", 2, *CONSTANT_LR, "--max-steps", 18, "--exp
                       "--max-new-tokens", 1]  # resumed runs: 12 sequences per micro-step
 
 
+CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not held yet
+    "reference": ["test_fsdp_computes_what_ddp_computes",
+                  "test_checkpoints_of_two_and_three_processes_resume_at_one"],
+    "norms": ["test_with_dropout_a_binding_clip_and_padding_fsdp_logs_ddps_numbers"],
+    "padded": ["test_with_dropout_a_binding_clip_and_padding_fsdp_logs_ddps_numbers",
+               "test_a_padded_evaluation_counts_each_window_once"],
+    "dropout": ["test_with_dropout_a_binding_clip_and_padding_fsdp_logs_ddps_numbers"],
+    "collectives": ["test_accumulation_stays_sharded_or_with_grad_sync_last_holds_whole_gradients"],
+    "policy": ["test_the_policy_computes_in_bf16_and_reduces_gradients_in_fp32"],
+    "resume": ["test_checkpoints_of_two_and_three_processes_resume_at_one"],
+}
+
+
 def losses(out):
     return {int(m.group(1)): float(m.group(2))
             for m in re.finditer(r"^step (\d+)/\d+ \| loss (\d+\.\d+)", out, re.M)}

@@ -39,6 +39,7 @@ import pytest
 import torch
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
+from helpers import assert_bf16_policy_reduces_in_fp32
 from helpers import (GPT, NEEDS_PP, REPO, SHARDED, TINY_GPT, as_script, command, ddp_reference,
                      finish, in_process, needs_torch, ok, one_process_reference, start,
                      start_two_nodes, summary, trainer)
@@ -57,6 +58,22 @@ COLUMN = SHARDED + ["--grad-accum", 4, "--pp", 2]
 # it, clipped at 0.5 so that clipping binds at every step
 THREE = SHARDED + ["--n-layer", 3, "--batch-size", 3, "--grad-accum", 4, "--clip", 0.5]
 
+
+
+CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not held yet
+    "reference": ["test_pp2_at_2_processes_computes_what_one_process_computes",
+                  "test_dp2_x_pp2_at_4_processes_computes_what_ddp_computes",
+                  "test_gpipe_at_three_stages_computes_what_one_process_computes_and_resumes_"
+                  "anywhere"],
+    "norms": None,  # the clip binds in every compared step
+    "padded": None,
+    "dropout": None,  # at --pp 1 in one process only
+    "collectives": ["test_compiled_or_not_fsdp_gathers_and_reduces_once_per_group_and_step"],
+    "policy": ["test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32"],
+    "resume": ["test_the_grid_checkpoint_resumes_at_one_process_here_and_in_chapter_7",
+               "test_gpipe_at_three_stages_computes_what_one_process_computes_and_resumes_"
+               "anywhere"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -293,3 +310,8 @@ def test_benchmark_scaling_reads_the_pp_trainers_summary(runs):
     row = bench.pace_row(summary(runs["grid"]), 4, 0.0)
     assert row["per_step"] == 6 * 32 * 2 * 2 and row["unit"] == "tokens/s"  # batch x T x K x dp
     assert row["throughput"] == pytest.approx(768 / (row["step_ms"] / 1000), rel=0.01)
+
+
+def test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32():
+    """FSDP's policy in this chapter: bf16 weights for compute, fp32 gradient reductions."""
+    assert_bf16_policy_reduces_in_fp32(pp)

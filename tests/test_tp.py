@@ -53,6 +53,21 @@ FLAGS = SHARDED + ["--max-steps", 18]  # batch 6, 2 accumulation steps, --clip 1
 
 
 
+CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not held yet
+    "reference": ["test_dp2_x_tp2_computes_what_ddp_computes",
+                  "test_the_grid_checkpoint_resumes_at_dp1_x_tp2_and_at_tp1"],
+    "norms": ["test_with_dropout_and_a_padded_evaluation_dp2_x_tp2_logs_ddps_numbers"],
+    "padded": ["test_with_dropout_and_a_padded_evaluation_dp2_x_tp2_logs_ddps_numbers"],
+    "dropout": ["test_with_dropout_and_a_padded_evaluation_dp2_x_tp2_logs_ddps_numbers",
+                "test_sequence_parallel_drops_out_each_ranks_tokens_with_its_own_masks",
+                "test_sequence_parallel_masks_differ_across_rows_too"],
+    "collectives": ["test_fsdp_under_tp_reduce_scatters_as_grad_sync_says_and_keeps_the_last_block",
+                    "test_the_traffic_line_counts_the_collectives_a_step_makes"],
+    "policy": ["test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32"],
+    "resume": ["test_the_grid_checkpoint_resumes_at_dp1_x_tp2_and_at_tp1"],
+}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """TP at dp 2 x tp 2 for 10 steps (its checkpoint: step 10); from that checkpoint to step 18
