@@ -1396,7 +1396,7 @@ def traffic_line(run):
 def accumulation_line(model, args):  # FSDP 2: the gradients held, and reduce-scattered
     """What a rank holds of the gradients between micro-batches, and the reduce-scatters a step
     makes (each takes a unit's whole fp32 gradient in and gives back its shard)."""
-    # FSDP gathers over dp alone, so a rank's whole gradient is its tp part: 1/tp of a split one.
+    # A rank's whole gradient is its tp part (FSDP gathers over dp alone): 1/tp of a split one.
     split = [p.device_mesh.ndim == 2 and p.placements[1].is_shard() for p in model.parameters()]
     whole = 4 * sum(p.numel() // (args.tp if s else 1)  # TP 3: fp32, TP's part
                     for p, s in zip(model.parameters(), split)) / 2**20
