@@ -6,7 +6,12 @@ never imports it:
         each rank writes OUT_DIR/rank{RANK}.json: {"reduce_scatters": how many times FSDP
         reduce-scattered gradients, "all_gathers": how many times it gathered weights (both inside
         training steps), "steps": optimizer steps taken, "whole_grad_bytes": the most bytes of
-        whole (unsharded) gradients FSDP held between two micro-batches}
+        whole (unsharded) gradients FSDP held between two micro-batches, "outside": the
+        collectives that send tensors (c10d's scatters, broadcasts and all-gathers, DTensor's
+        functional all-gathers) made while building the model, in the first save and in the
+        export, "exported": how many tensors the export's state dict holds on this rank,
+        "eval_with_grad": whether an evaluation forward ran with autograd on, "grads_kept":
+        how many parameters still held a .grad after a step}
     torchrun ... tests/probe_fsdp.py crash STEP:RANK [trainer flags]
         that rank dies as if killed (os._exit, no cleanup) when step STEP begins, on the first
         attempt only (TORCHELASTIC_RESTART_COUNT 0), so a restarted job gets past it
@@ -26,7 +31,9 @@ from helpers import count_calls, run_as_script  # noqa: E402
 
 def count(out_dir):
     seen = {"reduce_scatters": 0, "all_gathers": 0, "steps": 0, "in_step": False,
-            "whole_grad_bytes": 0}
+            "whole_grad_bytes": 0, "eval_with_grad": False, "grads_kept": 0,
+            "outside": {"build": 0, "save": 0, "export": 0}}
+    watch_outside(seen)
     count_calls(trainer.dist, {"reduce_scatter_tensor": "reduce_scatters",  # the name varies
                                "reduce_scatter_single": "reduce_scatters",  # by release
                                "all_gather_into_tensor": "all_gathers",
@@ -47,6 +54,7 @@ def count(out_dir):
             return train_step(*args)
         finally:
             seen["in_step"] = False
+            seen["grads_kept"] = sum(p.grad is not None for p in model.parameters())
 
     trainer.train_step = counted_step
     try:
@@ -55,6 +63,64 @@ def count(out_dir):
         with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
             seen.pop("in_step")
             json.dump(seen, f)
+
+
+def watch_outside(seen):
+    """Count in seen["outside"][phase] the collectives that send tensors while building the
+    model, in the first save and in the export; record the export's size on this rank and any
+    evaluation forward run with autograd on."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    phase = [None]
+
+    class Gathers(TorchDispatchMode):  # DTensor's full_tensor() and redistribute: functional
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "_c10d_functional" and "all_gather" in func.__name__:
+                seen["outside"][phase[0]] += 1
+            return func(*args, **(kwargs or {}))
+
+    def counted(name):
+        original = getattr(trainer.dist, name)
+
+        def call(*args, **kwargs):
+            if phase[0]:
+                seen["outside"][phase[0]] += 1
+            return original(*args, **kwargs)
+        setattr(trainer.dist, name, call)
+    for name in ("scatter", "broadcast", "all_gather_into_tensor", "all_gather_single"):
+        if hasattr(trainer.dist, name):
+            counted(name)
+
+    def in_phase(name, function, once=False):
+        def watched(*args, **kwargs):
+            if once and getattr(watched, "done", False):  # the first call only
+                return function(*args, **kwargs)
+            watched.done, phase[0] = True, name
+            try:
+                with Gathers():
+                    return function(*args, **kwargs)
+            finally:
+                phase[0] = None
+        return watched
+    build = in_phase("build", trainer.build_model)
+
+    def built(*args):  # and a hook that sees every evaluation forward
+        raw_model, optimizer = build(*args)
+
+        def check(module, inputs):
+            if not module.training and torch.is_grad_enabled():
+                seen["eval_with_grad"] = True
+        raw_model.register_forward_pre_hook(check)
+        return raw_model, optimizer
+    state_dict = trainer.get_model_state_dict
+
+    def exported(*args, **kwargs):
+        weights = state_dict(*args, **kwargs)
+        seen["exported"] = len(weights)
+        return weights
+    trainer.build_model, trainer.get_model_state_dict = built, exported
+    trainer.save_checkpoint = in_phase("save", trainer.save_checkpoint, once=True)
+    trainer.export = in_phase("export", trainer.export)
 
 
 def whole_grad_bytes(model):

@@ -201,6 +201,29 @@ def test_accumulation_stays_sharded_or_with_grad_sync_last_holds_whole_gradients
         # last block after their forward, as torch does when told to, would make it 6, not 4
 
 
+def test_building_saving_and_exporting_send_only_what_they_must(runs):
+    """Outside the training steps (the counted two-node run): building the model sends nothing
+    (each rank computes its own slices, src_data_rank=None); a sharded save gathers nothing (DCP:
+    each rank writes its shards); the export gathers each of its 29 tensors once, to rank 0's CPU
+    alone (the other ranks' state dicts are empty). Evaluation keeps no autograd graph, and a
+    step leaves no .grad behind (set_to_none). The controls: the export's gathers are counted
+    (29), and rank 0 holds the whole export."""
+    for rank in (0, 1):
+        seen = json.loads((runs["dir"] / "count" / f"rank{rank}.json").read_text())
+        assert seen["outside"] == {"build": 0, "save": 0, "export": 29}, seen
+        assert seen["exported"] == (29 if rank == 0 else 0), seen
+        assert not seen["eval_with_grad"] and seen["grads_kept"] == 0, seen
+
+
+def test_bf16_trains_under_the_policy_on_a_cpu():
+    """--amp bf16 on a CPU, in one process: the policy casts every unit's weights (the blocks and
+    the root alike) and the run trains; a unit left without the policy would meet bf16 inputs
+    with fp32 weights and stop at its first matmul."""
+    out = in_process(FSDP, FLAGS + ["--amp", "bf16", "--max-steps", 2, "--save", "",
+                                    "--export", ""])
+    assert "| amp bfloat16 |" in out and sorted(losses(out)) == [1, 2]
+
+
 def test_random_streams_come_back_only_at_the_layout_that_saved_them(monkeypatch):
     """A checkpoint's RNG states are restored rank by rank only if it was saved at this world size
     without tensor parallelism: a tp row's ranks draw the same dropout masks (chapter 8), so
