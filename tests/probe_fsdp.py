@@ -79,17 +79,21 @@ def watch_outside(seen):
                 seen["outside"][phase[0]] += 1
             return func(*args, **(kwargs or {}))
 
-    def counted(name):
-        original = getattr(trainer.dist, name)
+    def counted(module, name):
+        original = getattr(module, name)
 
         def call(*args, **kwargs):
             if phase[0]:
                 seen["outside"][phase[0]] += 1
             return original(*args, **kwargs)
-        setattr(trainer.dist, name, call)
+        setattr(module, name, call)
     for name in ("scatter", "broadcast", "all_gather_into_tensor", "all_gather_single"):
         if hasattr(trainer.dist, name):
-            counted(name)
+            counted(trainer.dist, name)
+    import torch.distributed.tensor._collective_utils as dtensor  # private: DTensor's own names
+    for name in ("scatter", "broadcast"):  # distribute_tensor sends from a rank through these
+        if hasattr(dtensor, name):
+            counted(dtensor, name)
 
     def in_phase(name, function, once=False):
         def watched(*args, **kwargs):
