@@ -520,6 +520,14 @@ CATALOGUE = [
             [T_PP + "test_the_stages_cut_the_blocks_once_in_order"]),
 
     # chapter 10: CP
+    Mistake("cp-ring-peers-by-global-rank", 10, C10,
+            [("        dist.P2POp(dist.isend, send, group=group, group_peer=(r + 1) % n),",
+              "        dist.P2POp(dist.isend, send, (r + 1) % n, group=group),"),
+             ("        dist.P2POp(dist.irecv, receive, group=group, group_peer=(r - 1) % n)])",
+              "        dist.P2POp(dist.irecv, receive, (r - 1) % n, group=group)])")],
+            "the ring's peers named by global rank: right at dp 1, another row's ranks at dp 2",
+            "group_peer=: the rank within the row's group  # CP 5",
+            [T_CP + "test_two_rings_at_dp2_x_cp2_log_ddps_losses"], ["--cp-rotate", "ring"]),
     Mistake("cp-padding-counted", 10, C10,
             [("        totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token\n",
               "        totals[1] += y.numel()\n")],

@@ -74,6 +74,7 @@ ONE = SHARDED + ["--batch-size", 12]  # chapter 3's one-process global batch: 12
 
 CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not held yet
     "reference": ["test_cp2_logs_one_processs_losses_gradient_norms_and_validation_losses",
+                  "test_two_rings_at_dp2_x_cp2_log_ddps_losses",
                   "test_a_ring_of_4_logs_one_processs_losses_and_passes_one_ranks_keys_at_a_time",
                   "test_dp2_x_cp2_on_two_nodes_logs_ddps_losses_and_gradient_norms"],
     "norms": None,  # the clip binds in every compared step
@@ -126,13 +127,26 @@ def runs(tmp_path_factory):
     noisy = command("tests/probe_cp.py", ["record", d / "noisy", *NOISY, "--cp", 2, "--export", ""],
                     nproc=4)
     procn = start(noisy, REPO)
+    ring_rows = command(CP, [*SHARDED, "--cp", 2, "--cp-rotate", "ring", "--max-steps", 4,
+                             "--save", "", "--export", ""], nproc=4)  # dp 2 x cp 2: two rings
     r["fsdp"] = in_process(FSDP, ONE + ["--max-steps", 18, "--resume", d / "ck", "--save", "",
                                         "--export", d / "f18.pt"])
     r["grid"] = next(out for out in grid() if "world size 4 " in out)  # rank 0's node logs
     r["ring"] = ok(finish(proc, ring))
     r["ring16"] = ok(finish(proc16, ring16))
     r["noisy"] = ok(finish(procn, noisy))
+    r["ring rows"] = ok(finish(start(ring_rows, REPO), ring_rows))
     return {**r, "dir": d}
+
+
+def test_two_rings_at_dp2_x_cp2_log_ddps_losses(runs):
+    """--cp-rotate ring at dp 2 x cp 2: each row is a ring of its own, its sends addressed by the
+    rank within the row's group (at dp 1 a global rank would name the same process, so only a
+    second row shows it). The four ranks log 2 DDP processes' first 4 losses."""
+    out, ddp = runs["ring rows"], losses(runs["ddp"])
+    assert "world size 4 (2 dp x 2 cp)" in out and sorted(losses(out)) == [1, 2, 3, 4]
+    for step, loss in losses(out).items():
+        assert loss == pytest.approx(ddp[step], rel=1e-5), step
 
 
 def test_a_padded_evaluation_at_dp2_x_cp2_counts_each_target_once(runs):
