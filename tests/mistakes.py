@@ -483,6 +483,12 @@ CATALOGUE = [
             [T_TP + "test_the_whole_gradients_a_rank_holds_are_its_tp_part"]),
 
     # chapter 9: PP
+    Mistake("pp-padding-counted", 9, C9,
+            [("        totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token\n",
+              "        totals[1] += y.numel()\n")],
+            "the validation padding's targets counted as tokens", "(y != -100).sum()  # FSDP 5",
+            [T_PP + "test_dp2_x_pp2_logs_one_processs_norms_about_a_binding_clip_and_padded_"
+             "validation"]),
     Mistake("pp-every-stage-scores-validation", 9, C9,
             [("        if logits is None:  # PP 7: only the last stage scores; the others add 0\n"
               "            continue\n", "        if logits is None:\n"

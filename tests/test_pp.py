@@ -65,8 +65,8 @@ CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not he
                   "test_dp2_x_pp2_at_4_processes_computes_what_ddp_computes",
                   "test_gpipe_at_three_stages_computes_what_one_process_computes_and_resumes_"
                   "anywhere"],
-    "norms": None,  # the clip binds in every compared step
-    "padded": None,
+    "norms": ["test_dp2_x_pp2_logs_one_processs_norms_about_a_binding_clip_and_padded_validation"],
+    "padded": ["test_dp2_x_pp2_logs_one_processs_norms_about_a_binding_clip_and_padded_validation"],
     "dropout": None,  # at --pp 1 in one process only
     "collectives": ["test_compiled_or_not_fsdp_gathers_and_reduces_once_per_group_and_step"],
     "policy": ["test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32"],
@@ -113,7 +113,28 @@ def runs(tmp_path_factory):
     outs = [out for out in nodes() if "world size 2 " in out]  # rank 0's node logs
     assert len(outs) == 1
     r["nodes"] = outs[0]
+    clipped = [*SHARDED, "--clip", 2.0, "--eval-windows", 13, "--max-steps", 4, "--eval-every", 4,
+               "--save", ""]  # binds in steps 1 and 2, not 3 and 4; 13 windows: 7 and 6
+    cmd = command(PP, clipped + ["--pp", 2, "--export", ""], nproc=4)
+    proc = start(cmd, REPO)
+    r["one clipped"] = in_process(GPT, clipped + ["--batch-size", 12])  # the same global batch
+    r["clipped"] = ok(finish(proc, cmd))
     return r
+
+
+def test_dp2_x_pp2_logs_one_processs_norms_about_a_binding_clip_and_padded_validation(runs):
+    """dp 2 x pp 2 with --clip 2.0 and 13 validation windows (7 and 6 on the two replicas: one
+    padded batch) logs chapter 3's one process at the same global batch: its losses, its gradient
+    norms before clipping in the steps where the clip binds (1 and 2) and where it does not (3 and
+    4, the control), and its validation losses."""
+    out, one = runs["clipped"], runs["one clipped"]
+    assert "(2 pp x 2 dp)" in out and sorted(grad_norms(out)) == [1, 2, 3, 4]
+    for step in range(1, 5):
+        assert losses(out)[step] == pytest.approx(losses(one)[step], rel=1e-5), step
+        assert grad_norms(out)[step] == pytest.approx(grad_norms(one)[step], abs=2e-3), step
+    assert [grad_norms(one)[step] > 2.0 for step in range(1, 5)] == [True, True, False, False]
+    assert sorted(val_losses(out)) == [0, 4]
+    assert val_losses(out) == pytest.approx(val_losses(one), abs=1e-4)
 
 
 def test_pp2_at_2_processes_computes_what_one_process_computes(runs):
