@@ -264,10 +264,17 @@ def weights(path):
 
 # -------------------------------------------------------------------------------------- in process
 
-def count_calls(module, keys, seen, counting=lambda: True):
+# FSDP's gradient reductions and weight gathers, under the names c10d gives them by release
+FSDP_CALLS = {"reduce_scatter_tensor": "reduce_scatters",
+              "reduce_scatter_single": "reduce_scatters",
+              "all_gather_into_tensor": "all_gathers", "all_gather_single": "all_gathers"}
+
+
+def count_calls(module, keys, seen, counting=lambda: True, wanted=lambda args, kwargs: True):
     """Wrap the functions of `module` named in `keys` ({name: key}; a name this release lacks is
-    skipped) so that each call adds 1 to seen[key] while counting() holds; a call made of another
-    one (reduce_scatter_tensor of reduce_scatter_single, say) counts once."""
+    skipped) so that each call adds 1 to seen[key] while counting() holds, if wanted(args,
+    kwargs) says the call is one to count; a call made of another one (reduce_scatter_tensor of
+    reduce_scatter_single, say) counts once."""
     inside = [False]
     for name, key in keys.items():
         if not hasattr(module, name):
@@ -275,13 +282,25 @@ def count_calls(module, keys, seen, counting=lambda: True):
 
         def counted(*args, original=getattr(module, name), key=key, **kwargs):
             outermost = not inside[0]
-            seen[key] += outermost and counting()
+            seen[key] += outermost and counting() and wanted(args, kwargs)
             inside[0] = True
             try:
                 return original(*args, **kwargs)
             finally:
                 inside[0] = not outermost
         setattr(module, name, counted)
+
+
+def dropout_mask_hook(seen):
+    """A forward hook for a Dropout module: the first mask it draws in training, hashed, goes to
+    seen["dropout_mask"] (ranks that draw alike record the same hash)."""
+    import hashlib
+
+    def hook(module, inputs, output):
+        if module.training and "dropout_mask" not in seen:
+            mask = (output == 0).cpu().numpy().tobytes()
+            seen["dropout_mask"] = hashlib.sha256(mask).hexdigest()[:12]
+    return hook
 
 
 class Saved:

@@ -26,11 +26,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_cp_minigpt as trainer  # noqa: E402
-from helpers import Saved, run_as_script, unpack  # noqa: E402
+from helpers import (FSDP_CALLS, Saved, count_calls, dropout_mask_hook,  # noqa: E402
+                     run_as_script, unpack)
 
 
 def record(out_dir, crash_at=None):
-    import hashlib
     import torch
     import resource
     saved, seen = Saved(), {"steps": 0, "gathered_bytes": 0, "all_gathers": 0,
@@ -43,33 +43,13 @@ def record(out_dir, crash_at=None):
     train_step, gather, pass_on = (trainer.train_step, trainer.GatherContext.forward,
                                    trainer.pass_on)
 
-    cp_group, inside = [None], [False]
+    cp_group = [None]
 
-    def count_fsdp(name, key):  # a call on any group but the cp group's (GatherContext's) is FSDP's
-        original = getattr(trainer.dist, name)
-
-        def counted(*args, **kwargs):
-            group = kwargs.get("group", args[2] if len(args) > 2 else None)
-            outermost = not inside[0]  # a call made of another one counts once
-            if outermost and seen["steps"] == 1 and group != cp_group[0]:
-                seen["fsdp"][key] += 1
-            inside[0] = True
-            try:
-                return original(*args, **kwargs)
-            finally:
-                inside[0] = not outermost
-        setattr(trainer.dist, name, counted)
-    for name, key in (("reduce_scatter_tensor", "reduce_scatters"),  # the names vary by release
-                      ("reduce_scatter_single", "reduce_scatters"),
-                      ("all_gather_into_tensor", "all_gathers"),
-                      ("all_gather_single", "all_gathers")):
-        if hasattr(trainer.dist, name):
-            count_fsdp(name, key)
-
-    def mask_hash(module, inputs, output):
-        if module.training and "dropout_mask" not in seen:
-            mask = (output == 0).cpu().numpy().tobytes()
-            seen["dropout_mask"] = hashlib.sha256(mask).hexdigest()[:12]
+    def fsdps(args, kwargs):  # a call on any group but the cp group's (GatherContext's) is FSDP's
+        group = kwargs["group"] if "group" in kwargs else (args[2] if len(args) > 2 else None)
+        return group != cp_group[0]
+    count_calls(trainer.dist, FSDP_CALLS, seen["fsdp"], lambda: seen["steps"] == 1, fsdps)
+    mask_hash = dropout_mask_hook(seen)
 
     def watched_step(run, model, optimizer, windows, step):
         if kill and step + 1 == kill_step:

@@ -27,17 +27,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_fsdp_minigpt as trainer  # noqa: E402
-from helpers import count_calls, run_as_script  # noqa: E402
+from helpers import FSDP_CALLS, count_calls, run_as_script  # noqa: E402
 
 def count(out_dir):
     seen = {"reduce_scatters": 0, "all_gathers": 0, "steps": 0, "in_step": False,
             "whole_grad_bytes": 0, "eval_with_grad": False, "grads_kept": 0,
             "outside": {"build": 0, "save": 0, "export": 0}}
     watch_outside(seen)
-    count_calls(trainer.dist, {"reduce_scatter_tensor": "reduce_scatters",  # the name varies
-                               "reduce_scatter_single": "reduce_scatters",  # by release
-                               "all_gather_into_tensor": "all_gathers",
-                               "all_gather_single": "all_gathers"}, seen, lambda: seen["in_step"])
+    count_calls(trainer.dist, FSDP_CALLS, seen, lambda: seen["in_step"])
     train_step = trainer.train_step
 
     def counted_step(*args):  # FSDP's calls inside training steps, not evaluation's or export's
@@ -96,10 +93,13 @@ def watch_outside(seen):
             counted(dtensor, name)
 
     def in_phase(name, function, once=False):
+        calls = [0]
+
         def watched(*args, **kwargs):
-            if once and getattr(watched, "done", False):  # the first call only
+            calls[0] += 1
+            if once and calls[0] > 1:  # the first call only
                 return function(*args, **kwargs)
-            watched.done, phase[0] = True, name
+            phase[0] = name
             try:
                 with Gathers():
                     return function(*args, **kwargs)

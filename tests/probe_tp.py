@@ -23,21 +23,18 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_tp_minigpt as trainer  # noqa: E402
-from helpers import Saved, count_calls, run_as_script, unpack  # noqa: E402
+from helpers import (FSDP_CALLS, Saved, count_calls, dropout_mask_hook,  # noqa: E402
+                     run_as_script, unpack)
 
 
 def record(out_dir, drift_at=None):
-    import hashlib
     import json
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     saved, seen, train_step = Saved(), {}, trainer.train_step
     drift_step, drift_rank = drift_at or (None, None)
     fsdp = {"reduce_scatters": 0, "all_gathers": 0, "on": False}  # FSDP's c10d calls, not DTensor's
-    count_calls(trainer.dist, {"reduce_scatter_tensor": "reduce_scatters",  # the name varies
-                               "reduce_scatter_single": "reduce_scatters",  # by release
-                               "all_gather_into_tensor": "all_gathers",
-                               "all_gather_single": "all_gathers"}, fsdp, lambda: fsdp["on"])
+    count_calls(trainer.dist, FSDP_CALLS, fsdp, lambda: fsdp["on"])
 
     class Collectives(TorchDispatchMode):  # what DTensor sends: its functional collectives
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -46,10 +43,7 @@ def record(out_dir, drift_at=None):
                 seen["collectives"].append([func.__name__.split(".")[0], args[0].numel()])
             return func(*args, **(kwargs or {}))
 
-    def mask_hash(module, inputs, output):
-        if module.training and "dropout_mask" not in seen:
-            mask = (output == 0).cpu().numpy().tobytes()
-            seen["dropout_mask"] = hashlib.sha256(mask).hexdigest()[:12]
+    mask_hash = dropout_mask_hook(seen)
 
     def recorded_step(run, model, optimizer, windows, step):
         if run.rank == drift_rank and step + 1 == drift_step:

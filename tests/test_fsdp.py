@@ -42,7 +42,7 @@ import types
 import pytest
 import torch
 from helpers import logged_grad_norms as norms, logged_val_losses as val_losses
-from helpers import streams_restored
+from helpers import assert_bf16_policy_reduces_in_fp32, streams_restored
 from helpers import (CONSTANT_LR, EVAL_6, GPT, NOISY, REPO, SHARDED, TINY_GPT, command,
                      ddp_dropout_reference, ddp_reference, finish, hostile_shell, in_process, ok,
                      start, start_two_nodes, summary, trainer)
@@ -154,12 +154,7 @@ def test_the_policy_computes_in_bf16_and_reduces_gradients_in_fp32():
     """FSDP's MixedPrecisionPolicy with --amp bf16: weights gathered and used in bf16, gradients
     reduce-scattered in fp32 (in bf16 the sums would round, more with more ranks). The control:
     with --amp off the weights stay fp32."""
-    cpu = torch.device("cpu")
-    name, policy = fsdp.mixed_precision("bf16", cpu)
-    assert (name, policy.param_dtype, policy.reduce_dtype) == ("bfloat16", torch.bfloat16,
-                                                                torch.float32)
-    name, policy = fsdp.mixed_precision("off", cpu)
-    assert (name, policy.param_dtype, policy.reduce_dtype) == ("off", None, torch.float32)
+    assert_bf16_policy_reduces_in_fp32(fsdp)
 
 
 def test_a_padded_evaluation_counts_each_window_once(runs):
@@ -219,9 +214,10 @@ def test_bf16_trains_under_the_policy_on_a_cpu():
     """--amp bf16 on a CPU, in one process: the policy casts every unit's weights (the blocks and
     the root alike) and the run trains; a unit left without the policy would meet bf16 inputs
     with fp32 weights and stop at its first matmul."""
-    out = in_process(FSDP, FLAGS + ["--amp", "bf16", "--max-steps", 2, "--save", "",
-                                    "--export", ""])
-    assert "| amp bfloat16 |" in out and sorted(losses(out)) == [1, 2]
+    flags = FLAGS + ["--max-steps", 2, "--save", "", "--export", ""]
+    out, plain = (in_process(FSDP, flags + ["--amp", amp]) for amp in ("bf16", "off"))
+    assert "| amp bfloat16 |" in out and sorted(losses(out)) == sorted(losses(plain)) == [1, 2]
+    assert losses(out)[2] != losses(plain)[2]  # the control: with no policy anywhere, both fp32
 
 
 def test_random_streams_come_back_only_at_the_layout_that_saved_them(monkeypatch):

@@ -41,6 +41,7 @@ import pytest
 import torch
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
+from helpers import assert_bf16_policy_reduces_in_fp32
 from helpers import (EVAL_6, GPT, NOISY, REPO, SHARDED, TINY_GPT, command, ddp_dropout_reference,
                      ddp_reference, finish, in_process, ok, one_process_reference, run, start,
                      start_two_nodes, summary, trainer)
@@ -371,8 +372,4 @@ def test_a_tp_row_across_nodes_is_a_warning():
 def test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32():
     """--amp bf16: the gathered weights cast to bf16, the gradients reduced in fp32 (a bf16 sum
     over many ranks would round at every addition); --amp off: no cast at all."""
-    name, policy = tp.mixed_precision("bf16", torch.device("cpu"))
-    assert name == "bfloat16" and policy.param_dtype == torch.bfloat16
-    assert policy.reduce_dtype == torch.float32
-    name, policy = tp.mixed_precision("off", torch.device("cpu"))
-    assert name == "off" and policy.param_dtype is None  # the control: nothing cast
+    assert_bf16_policy_reduces_in_fp32(tp)
