@@ -135,13 +135,15 @@ CATALOGUE = [
             [("            loss = loss / len(batches)\n", "")],
             "each micro-batch's loss not divided by --grad-accum: K times the gradient",
             "loss = loss / len(batches)",
-            [T_GPT + "test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact"]),
+            [T_GPT + "test_three_processes_log_one_processs_norms_and_validation_and_resume_at_one",
+             T_GPT + "test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact"]),
     Mistake("gpt-dropout-same-on-every-rank", 3, C3,
             [("torch.manual_seed(args.seed + run.rank)  # DDP 6",
               "torch.manual_seed(args.seed)  # DDP 6")],
             "one dropout seed for every rank: the replicas drop the same units",
             "torch.manual_seed(args.seed + run.rank)  # DDP 6",
-            [T_TP + "test_with_dropout_and_a_padded_evaluation_dp2_x_tp2_logs_ddps_numbers"]),
+            [T_GPT + "test_each_rank_draws_its_own_dropout_masks",
+             T_TP + "test_with_dropout_and_a_padded_evaluation_dp2_x_tp2_logs_ddps_numbers"]),
     Mistake("gpt-every-rank-same-windows", 3, C3,
             [("return (offset + order * (self.block + 1))[self.rank::self.world].numpy()",
               "return (offset + order * (self.block + 1))[:count // self.world].numpy()")],
@@ -161,6 +163,23 @@ CATALOGUE = [
             "the summed loss divided by the world size again: a mean of means, off by N",
             "sum on every rank, then divide once  # DDP 9",
             [T_GPT + "test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact"]),
+    Mistake("gpt-validation-mean-of-rank-means", 3, C3,
+            [("    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # DDP 9: all ranks' sums",
+              "    totals = torch.stack([totals[0] / totals[1], totals[1] ** 0])  # my mean, 1\n"
+              "    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # DDP 9: all ranks' sums")],
+            "each rank's mean validation loss averaged over the ranks: wrong where their windows "
+            "are unequal",
+            "sum on every rank, then divide once  # DDP 9",
+            [T_GPT + "test_three_processes_log_one_processs_norms_and_validation_and_resume_at_one"]),
+    Mistake("gpt-model-cast-to-bf16", 3, C3,
+            [("    raw_model = GPT(**config).to(run.device)\n",
+              "    raw_model = GPT(**config).to(run.device, torch.bfloat16 if args.amp == 'bf16' "
+              "else None)\n")],
+            "the model cast to bf16 for --amp bf16: weights, gradients and DDP's all-reduce round "
+            "in bf16",
+            "the weights stay fp32; autocast runs the products in bf16",
+            [T_GPT + "test_bf16_computes_in_bf16_while_ddp_all_reduces_fp32_gradients"],
+            flags=["--amp", "bf16"]),
 
     # chapter 4: many nodes, the launcher
     Mistake("launch-standalone-on-each-node", 4, LAUNCHER,

@@ -3,8 +3,9 @@ DDP run or make it fail from outside. Launched under torchrun in place of the sc
 never imports it:
 
     torchrun ... tests/probe_minigpt.py record OUT_DIR [trainer flags]
-        each rank writes OUT_DIR/rank{RANK}.json: the start of every training window it read, and
-        how many times DDP's gradient communication hook ran (once per bucket per all-reduce)
+        each rank writes OUT_DIR/rank{RANK}.json: the start of every training window it read, how
+        many times DDP's gradient communication hook ran (once per bucket per all-reduce), and with
+        --dropout the first mask its embedding dropout drew in training, hashed
     torchrun ... tests/probe_minigpt.py crash STEP:RANK [trainer flags]
         that rank dies as if killed (os._exit, no cleanup) when step STEP begins, on the first
         attempt only (TORCHELASTIC_RESTART_COUNT 0), so a restarted job gets past it
@@ -31,7 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_ddp_minigpt as trainer  # noqa: E402
-from helpers import run_as_script  # noqa: E402
+from helpers import dropout_mask_hook, run_as_script  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
 
 
@@ -45,6 +46,8 @@ def record(out_dir):
     def ddp_with_counting_hook(*args, **kwargs):
         model = trainer.torch.nn.parallel.DistributedDataParallel(*args, **kwargs)
         model.register_comm_hook(None, counted_allreduce)
+        if model.module.drop.p > 0:
+            model.module.drop.register_forward_hook(dropout_mask_hook(seen))
         return model
 
     def rows_and_record(self, k, original=trainer.Windows.rows):

@@ -111,7 +111,7 @@ def runs(tmp_path_factory):
                   nproc=2, torchrun_args=["--max-restarts=1"])
     proc = start(cmd, REPO, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # pytorch#135712
     r = {"one": one_process_reference(), "ddp": ddp_reference()[0],  # meanwhile
-         "ddp noisy": ddp_dropout_reference()}
+         "ddp noisy": ddp_dropout_reference()[0]}
     r["restarted"] = ok(finish(proc, cmd))
     (d / "ring").mkdir()
     ring = command("tests/probe_cp.py", ["record", d / "ring", *ONE, "--cp", 4, "--cp-rotate",

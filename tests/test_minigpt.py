@@ -18,7 +18,12 @@ CPU/gloo), with a small model on the default corpus. These tests prove:
 5. the model returns the mean loss per token, as GPT code people copy from does;
 6. --grad-checkpointing recomputes blocks in backward and yields the plain model's gradients;
 7. the no_sync loop holds the forward too: counted, the script's accumulation all-reduces once per
-   step, while backward() alone inside no_sync() all-reduces every micro-batch (same gradients).
+   step, while backward() alone inside no_sync() all-reduces every micro-batch (same gradients);
+8. a second layout: 3 processes log one process's losses, gradient norms (where a clip binds and
+   where it does not) and validation losses over windows dealt unequally, and their checkpoint
+   goes on in one process with the uninterrupted run's next steps;
+9. with dropout each rank draws its own masks (recorded by the probe, the two ranks' differ);
+10. with --amp bf16 the matrix products run in bf16 while DDP all-reduces fp32 gradients.
 Bad inputs are in test_minigpt_inputs.py; --check-sync and timeouts in test_debugging.py.
 """
 import contextlib
@@ -29,23 +34,30 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
-from helpers import (GPT, REPO, SHARDED, TINY_GPT, command, ddp_reference, in_process, ok, started,
-                     summary, trainer, weights)
+from helpers import (GPT, REPO, SHARDED, TINY_GPT, command, ddp_dropout_reference, ddp_reference,
+                     in_process, ok, started, summary, trainer, weights)
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 gpt = trainer(GPT)
 
 
 CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not held yet
-    "reference": None,  # 2 processes against 1 only
-    "norms": None,
-    "padded": None,
-    "dropout": None,
+    "reference": ["test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact",
+                  "test_three_processes_log_one_processs_norms_and_validation_and_resume_at_one"],
+    "norms": ["test_three_processes_log_one_processs_norms_and_validation_and_resume_at_one"],
+    "padded": ["test_three_processes_log_one_processs_norms_and_validation_and_resume_at_one"],
+    "dropout": ["test_each_rank_draws_its_own_dropout_masks"],
     "collectives": ["test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact",
                     "test_no_sync_holds_the_forward_too_or_every_micro_batch_all_reduces"],
-    "policy": None,  # the logits' bf16 only; autocast has no reduction dtype to check
-    "resume": None,  # resumed at the same 2 processes only
+    "policy": ["test_bf16_computes_in_bf16_while_ddp_all_reduces_fp32_gradients"],
+    "resume": ["test_three_processes_log_one_processs_norms_and_validation_and_resume_at_one",
+               "test_a_crashed_worker_is_restarted_and_resumes_exactly"],
 }
+# Three processes of 6 sequences x 2 micro-batches (36 a step), a clip of 1.9 that binds in steps
+# 1, 3 and 6 and not in 2, 4 and 5, and 13 validation windows dealt 5, 4 and 4 to the replicas.
+THREE = SHARDED + ["--clip", 1.9, "--eval-windows", 13, "--eval-every", 4]
 
 
 def steps_logged(out):
@@ -67,6 +79,79 @@ def crashed(tmp_path_factory):
                               REPO, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})})
     yield lambda: (wait()["crash"], folder)
     wait()  # never leave it running
+
+
+@pytest.fixture(scope="module", autouse=True)
+def three(tmp_path_factory):
+    """The module's second launch, started as the module starts: THREE at 3 processes for 4 steps,
+    saved at step 4. Call it for (what it printed, its checkpoint)."""
+    ckpt = tmp_path_factory.mktemp("three") / "ck.pt"
+    wait = started({"three": (command(GPT, [*THREE, "--max-steps", 4, "--save", ckpt], nproc=3),
+                              REPO, None)})
+    yield lambda: (ok(wait()["three"]), ckpt)
+    wait()  # never leave it running
+
+
+def test_three_processes_log_one_processs_norms_and_validation_and_resume_at_one(three):
+    """3 processes (THREE, 4 steps) log what one process logs at the same global batch (18 x 2,
+    in this process, 6 steps): the losses, the gradient norms before clipping where --clip 1.9
+    binds and where it does not, and the validation losses over 13 windows dealt unequally. Their
+    checkpoint of step 4 goes on in one process with the uninterrupted run's steps 5 and 6."""
+    out, ckpt = three()
+    one = in_process(GPT, [*THREE, "--batch-size", 18, "--max-steps", 6, "--save", ""])
+    assert "world size 3 |" in out and sorted(losses(out)) == [1, 2, 3, 4]
+    for step in range(1, 5):
+        assert losses(out)[step] == pytest.approx(losses(one)[step], rel=1e-5), step
+        assert grad_norms(out)[step] == pytest.approx(grad_norms(one)[step], abs=2e-3), step
+    assert [grad_norms(one)[step] > 1.9 for step in range(1, 7)] == [1, 0, 1, 0, 0, 1]
+    assert sorted(val_losses(out)) == [0, 4]
+    assert all(val_losses(out)[s] == pytest.approx(val_losses(one)[s], abs=1e-4) for s in (0, 4))
+    resumed = in_process(GPT, [*THREE, "--batch-size", 18, "--max-steps", 6, "--resume", ckpt,
+                               "--save", ""])
+    assert f"resumed from {ckpt} at step 4" in resumed and sorted(losses(resumed)) == [5, 6]
+    for step in (5, 6):
+        assert losses(resumed)[step] == pytest.approx(losses(one)[step], rel=1e-5), step
+        assert grad_norms(resumed)[step] == pytest.approx(grad_norms(one)[step], abs=2e-3), step
+    assert val_losses(resumed)[6] == pytest.approx(val_losses(one)[6], abs=1e-4)
+
+
+def test_each_rank_draws_its_own_dropout_masks():
+    """With --dropout 0.1 (helpers.NOISY at 2 processes, the run chapters 7 and 8 compare with),
+    the two ranks' first dropout masks differ: each rank seeds its own. A rank seeded like the
+    others would draw their masks on other data. The control: the run without dropout
+    (ddp_reference, through the same probe) records no mask."""
+    _, folder = ddp_dropout_reference()
+    masks = [json.loads((folder / f"rank{r}.json").read_text()).get("dropout_mask") for r in (0, 1)]
+    assert None not in masks and masks[0] != masks[1], masks
+    plain = json.loads((ddp_reference()[2] / "rank0.json").read_text())
+    assert "dropout_mask" not in plain and plain["allreduce_calls"] == 18
+
+
+def test_bf16_computes_in_bf16_while_ddp_all_reduces_fp32_gradients(monkeypatch):
+    """The mixed-precision policy, in one process of a world of one: with --amp bf16 the head's
+    logits come out in bf16 in training (autocast runs the matrix products in bf16), while the
+    weights and their gradients stay fp32, so DDP all-reduces fp32 buckets (a comm hook records
+    their dtype). A model cast to bf16 would all-reduce, and round, in bf16."""
+    seen = {"logits": set(), "buckets": set()}
+    wrap = gpt.DDP
+
+    def recorded(bucket_state, bucket):
+        seen["buckets"].add(bucket.buffer().dtype)
+        return allreduce_hook(bucket_state, bucket)
+
+    def logits(module, inputs, output):
+        if module.training:  # the evaluation's forward runs in bf16 too; training is what counts
+            seen["logits"].add(output.dtype)
+
+    def ddp_recording(*args, **kwargs):
+        model = wrap(*args, **kwargs)
+        model.register_comm_hook(None, recorded)
+        model.module.head.register_forward_hook(logits)
+        return model
+    monkeypatch.setattr(gpt, "DDP", ddp_recording)
+    in_process(GPT, [*TINY_GPT, "--max-steps", 2, "--amp", "bf16", "--save", "",
+                     "--max-new-tokens", 1])
+    assert seen == {"logits": {torch.bfloat16}, "buckets": {torch.float32}}, seen
 
 
 def test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact(tmp_path):

@@ -92,7 +92,7 @@ def runs(tmp_path_factory):
                   0.1, "--grad-sync", "last", "--save", "", "--export", ""], nproc=4)}
     started = {name: start(cmd, REPO) for name, cmd in beside.items()}
     ddp, ddp_ckpt, _ = ddp_reference()
-    r = {"drift": finish(drifting, drift), "ddp dropout": ddp_dropout_reference()}
+    r = {"drift": finish(drifting, drift), "ddp dropout": ddp_dropout_reference()[0]}
     switch = command(TP, [*TINY_GPT, "--tp", 2, "--check-sync", "--dropout", 0.1,
                           "--sequence-parallel", "off", "--resume", d / "sp", "--max-steps", 3,
                           "--save", "", "--export", ""], nproc=2)
