@@ -8,7 +8,8 @@ course never imports it:
         autograd, each storage counted once, the weights left out), "micro_batch_saved_bytes":
         what one micro-batch alone leaves saved (the first forward of step 1, before any backward),
         "reduce_scatters", "all_gathers": FSDP's calls inside training steps, "kept_outputs": the
-        most outputs the schedule's stage kept after a step (the last stage's logits, if kept)}
+        most outputs the schedule's stage kept after a step (the last stage's logits, if kept),
+        and with --dropout "dropout_mask": the first mask the stage's first dropout drew, hashed}
     torchrun ... tests/probe_pp.py crash STEP:RANK OUT_DIR [trainer flags]
         as record, and that rank SIGKILLs itself when step STEP begins, on the first attempt only
         (TORCHELASTIC_RESTART_COUNT 0), so a restarted job gets past it
@@ -22,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_pp_minigpt as trainer  # noqa: E402
-from helpers import Saved, count_calls, run_as_script, unpack  # noqa: E402
+from helpers import Saved, count_calls, dropout_mask_hook, run_as_script, unpack  # noqa: E402
 
 
 def record(out_dir, crash_at=None):
@@ -35,6 +36,9 @@ def record(out_dir, crash_at=None):
 
     def watched_schedule(run, model):
         saved.model, seen["stage"] = model, run.stage
+        drops = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+        if drops:  # stage 0's embedding dropout, or the first block's on a later stage
+            drops[0].register_forward_hook(dropout_mask_hook(seen))
         schedule = pipeline_schedule(run, model)
         step, forward = schedule.step, schedule._stage.forward_one_chunk
 

@@ -8,7 +8,7 @@ real torchrun launches on CPU/gloo. These tests prove:
    (13 steps through two resumes), and its greedy sample after training is chapter 3's text;
    dp 2 x pp 2 at 4 processes logs the losses and gradient norms of 2 DDP processes; the gradient
    norm is the global one (across the stages and the shards: each stage alone has a smaller one);
-   with dropout, --pp 1 draws one process's masks;
+   with dropout, --pp 1 draws one process's masks, and at dp 2 x pp 2 every rank draws its own;
 2. the stages: the blocks are cut into contiguous runs that cover them once (any --n-layer and
    --pp); a column's stages read the same windows, the columns different ones, and column j reads
    what DDP's rank j reads; each stage holds its part of the model (the parameters add up to the
@@ -67,7 +67,8 @@ CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not he
                   "anywhere"],
     "norms": ["test_dp2_x_pp2_logs_one_processs_norms_about_a_binding_clip_and_padded_validation"],
     "padded": ["test_dp2_x_pp2_logs_one_processs_norms_about_a_binding_clip_and_padded_validation"],
-    "dropout": None,  # at --pp 1 in one process only
+    "dropout": ["test_dropout_in_the_pipeline_draws_what_one_process_draws",
+                "test_dropout_draws_its_own_masks_on_every_rank_of_dp2_x_pp2"],
     "collectives": ["test_compiled_or_not_fsdp_gathers_and_reduces_once_per_group_and_step"],
     "policy": ["test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32"],
     "resume": ["test_the_grid_checkpoint_resumes_at_one_process_here_and_in_chapter_7",
@@ -85,12 +86,17 @@ def runs(tmp_path_factory):
     (`restarted`); chapter 3 at 2 processes (ddp_reference) and at 1 (one_process_reference), for
     18 steps, and at 1 with THREE for 18 steps (`one of three`)."""
     d = tmp_path_factory.mktemp("pp")
-    for name in ("nodes", "restarted", "counted"):
+    for name in ("nodes", "restarted", "counted", "dropout"):
         (d / name).mkdir()
     grid_cmd = command("tests/probe_pp.py", ["record", d / "counted", *SHARDED, "--pp", 2,
                                              "--max-steps", 10, "--debug", "--save", d / "grid",
                                              "--export", ""], nproc=4)
     grid = start(grid_cmd, REPO)
+    dropout_cmd = command("tests/probe_pp.py", ["record", d / "dropout", *SHARDED, "--pp", 2,
+                                                "--dropout", 0.1, "--schedule", "gpipe",
+                                                "--grad-checkpointing", "--max-steps", 2,
+                                                "--save", "", "--export", ""], nproc=4)
+    dropout = start(dropout_cmd, REPO)
     nodes = start_two_nodes("tests/probe_pp.py", ["record", d / "nodes", *COLUMN, "--max-steps",
                                                    18, "--save", "", "--export", d / "pp.pt"])
     # meanwhile, in this process: chapter 7 to step 5, then this trainer at --pp 1 to step 10
@@ -109,7 +115,8 @@ def runs(tmp_path_factory):
     one_of_three = in_process(GPT, THREE + ["--max-steps", 18, "--save", ""])  # chapter 3
     r = {"ddp": ddp, "ddp_records": ddp_records, "one": one, "one.pt": one_ckpt, "dir": d,
          "grid": ok(finish(grid, grid_cmd)), "restarted": finish(restarted, restart_cmd),
-         "one stage": one_stage, "one of three": one_of_three}
+         "one stage": one_stage, "one of three": one_of_three,
+         "dropout": ok(finish(dropout, dropout_cmd))}
     outs = [out for out in nodes() if "world size 2 " in out]  # rank 0's node logs
     assert len(outs) == 1
     r["nodes"] = outs[0]
@@ -273,6 +280,21 @@ def test_compiled_or_not_fsdp_gathers_and_reduces_once_per_group_and_step(runs, 
         reduced.clear()
         in_process(PP, flags + compiled)
         assert reduced == [3, 3], (compiled, reduced)  # 2 blocks and the root, once a step
+
+
+def test_dropout_draws_its_own_masks_on_every_rank_of_dp2_x_pp2(runs):
+    """With --dropout 0.1 at dp 2 x pp 2 (tests/probe_pp.py records each rank's first mask, of one
+    shape on every stage) the four masks all differ: the two replicas of a stage drop other units
+    of other data, and the two stages of a column draw from seeds of their own. That run, under
+    GPipe with its blocks recomputed in backward, makes FSDP's calls of the default run: one
+    reduce-scatter and one all-gather per group and step (recomputing gathers nothing more)."""
+    assert "| schedule gpipe" in runs["dropout"]
+    seen = [json.loads((runs["dir"] / "dropout" / f"rank{r}.json").read_text()) for r in range(4)]
+    masks = [rank.get("dropout_mask") for rank in seen]
+    assert None not in masks and len(set(masks)) == 4, masks
+    assert [(rank["reduce_scatters"], rank["all_gathers"]) for rank in seen] == [(4, 4)] * 4, seen
+    plain = json.loads((runs["dir"] / "counted" / "rank0.json").read_text())
+    assert "dropout_mask" not in plain  # the control: without dropout, no mask is recorded
 
 
 def test_dropout_in_the_pipeline_draws_what_one_process_draws():
