@@ -566,7 +566,15 @@ CATALOGUE = [
               "        dist.P2POp(dist.irecv, receive, (r - 1) % n, group=group)])")],
             "the ring's peers named by global rank: right at dp 1, another row's ranks at dp 2",
             "group_peer=: the rank within the row's group  # CP 5",
-            [T_CP + "test_two_rings_at_dp2_x_cp2_log_ddps_losses"], ["--cp-rotate", "ring"]),
+            [T_CP + "test_two_rings_at_dp2_x_cp2_log_one_processs_norms_and_padding"], ["--cp-rotate", "ring"]),
+    Mistake("cp-backward-divided-by-micro-batches", 10, C10,
+            [("        loss.backward()  # CP 4: each block reduce-scatters its K, V gradients",
+              "        (loss / len(batches)).backward()  # CP 4: each block reduce-scatters its K, V "
+              "gradients")],
+            "each micro-batch's backward divided by --grad-accum again, as in chapter 3: the "
+            "logged loss right, the gradients K times too small",
+            "scale = world size / all ranks' targets, once  # CP 3",
+            [T_CP + "test_two_rings_at_dp2_x_cp2_log_one_processs_norms_and_padding"]),
     Mistake("cp-padding-counted", 10, C10,
             [("        totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token\n",
               "        totals[1] += y.numel()\n")],

@@ -25,6 +25,8 @@ torchrun launches on CPU/gloo. These tests prove:
    log-sum-exps (within 2% of the formula); one ring step's attention and its backward, tile by
    tile, merged by log-sum-exp, equal causal attention and autograd's gradients in one process
    (the controls: outputs merged without their weights, tiles that forget their first row);
+   two rings at dp 2 x cp 2 log one process's losses, gradient norms where --clip 2.0 binds and
+   where it does not, and validation losses over 13 windows (one batch padded);
 4. the split the docs describe: at cp 2 and T 32, context rank 0 holds tokens 0-7 and 24-31 and
    rank 1 tokens 8-23, whatever its row; the split line shows equal attention work (50%, 50%)
    where contiguous halves would give 26% and 74%; at cp 4 the chunks cover each position once
@@ -74,11 +76,12 @@ ONE = SHARDED + ["--batch-size", 12]  # chapter 3's one-process global batch: 12
 
 CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not held yet
     "reference": ["test_cp2_logs_one_processs_losses_gradient_norms_and_validation_losses",
-                  "test_two_rings_at_dp2_x_cp2_log_ddps_losses",
+                  "test_two_rings_at_dp2_x_cp2_log_one_processs_norms_and_padding",
                   "test_a_ring_of_4_logs_one_processs_losses_and_passes_one_ranks_keys_at_a_time",
                   "test_dp2_x_cp2_on_two_nodes_logs_ddps_losses_and_gradient_norms"],
-    "norms": None,  # the clip binds in every compared step
-    "padded": ["test_a_padded_evaluation_at_dp2_x_cp2_counts_each_target_once"],
+    "norms": ["test_two_rings_at_dp2_x_cp2_log_one_processs_norms_and_padding"],
+    "padded": ["test_a_padded_evaluation_at_dp2_x_cp2_counts_each_target_once",
+               "test_two_rings_at_dp2_x_cp2_log_one_processs_norms_and_padding"],
     "dropout": ["test_dropout_draws_its_own_masks_on_every_rank_of_a_row"],
     "collectives": ["test_fsdp_under_cp_reduce_scatters_as_grad_sync_says_and_keeps_the_last_block",
                     "test_a_ring_of_4_logs_one_processs_losses_and_passes_one_ranks_keys_at_a_time",
@@ -127,8 +130,11 @@ def runs(tmp_path_factory):
     noisy = command("tests/probe_cp.py", ["record", d / "noisy", *NOISY, "--cp", 2, "--export", ""],
                     nproc=4)
     procn = start(noisy, REPO)
-    ring_rows = command(CP, [*SHARDED, "--cp", 2, "--cp-rotate", "ring", "--max-steps", 4,
-                             "--save", "", "--export", ""], nproc=4)  # dp 2 x cp 2: two rings
+    clipped = [*SHARDED, "--clip", 2.0, "--eval-windows", 13, "--max-steps", 4, "--eval-every", 4,
+               "--save", ""]  # binds in steps 1 and 2, not 3 and 4; 13 windows: 7 and 6
+    ring_rows = command(CP, [*clipped, "--cp", 2, "--cp-rotate", "ring", "--export", ""],
+                        nproc=4)  # dp 2 x cp 2: two rings
+    r["one clipped"] = in_process(GPT, clipped + ["--batch-size", 12])  # the same global batch
     r["fsdp"] = in_process(FSDP, ONE + ["--max-steps", 18, "--resume", d / "ck", "--save", "",
                                         "--export", d / "f18.pt"])
     r["grid"] = next(out for out in grid() if "world size 4 " in out)  # rank 0's node logs
@@ -139,14 +145,20 @@ def runs(tmp_path_factory):
     return {**r, "dir": d}
 
 
-def test_two_rings_at_dp2_x_cp2_log_ddps_losses(runs):
+def test_two_rings_at_dp2_x_cp2_log_one_processs_norms_and_padding(runs):
     """--cp-rotate ring at dp 2 x cp 2: each row is a ring of its own, its sends addressed by the
     rank within the row's group (at dp 1 a global rank would name the same process, so only a
-    second row shows it). The four ranks log 2 DDP processes' first 4 losses."""
-    out, ddp = runs["ring rows"], losses(runs["ddp"])
+    second row shows it). The four ranks log one process's losses at the same global batch, its
+    gradient norms before clipping where --clip 2.0 binds (steps 1 and 2) and where it does not
+    (3 and 4, the control), and its validation losses over 13 windows (7 and 6: one padded)."""
+    out, one = runs["ring rows"], runs["one clipped"]
     assert "world size 4 (2 dp x 2 cp)" in out and sorted(losses(out)) == [1, 2, 3, 4]
     for step, loss in losses(out).items():
-        assert loss == pytest.approx(ddp[step], rel=1e-5), step
+        assert loss == pytest.approx(losses(one)[step], rel=1e-5), step
+        assert grad_norms(out)[step] == pytest.approx(grad_norms(one)[step], abs=2e-3), step
+    assert [grad_norms(one)[step] > 2.0 for step in range(1, 5)] == [True, True, False, False]
+    assert sorted(val_losses(out)) == [0, 4]
+    assert val_losses(out) == pytest.approx(val_losses(one), abs=1e-4)
 
 
 def test_a_padded_evaluation_at_dp2_x_cp2_counts_each_target_once(runs):
