@@ -700,6 +700,28 @@ CATALOGUE = [
             "the global batch counted over every rank, not the dp replicas",
             "tokens_per_step(): x dp_size  # PP 3",
             [T_4D + "test_benchmark_scaling_reads_the_4d_trainers_summary"]),
+    Mistake("4d-padding-counted", 11, C11,
+            [("        totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token\n",
+              "        totals[1] += y.numel()\n")],
+            "the validation padding's targets counted as tokens", "(y != -100).sum()  # FSDP 5",
+            [T_4D + "test_dp2_pp2_tp2_logs_one_processs_norms_about_a_binding_clip_and_padded_validation"],
+            ["--pp", "1", "--cp", "1", "--tp", "2"]),
+    Mistake("4d-dropout-by-rank-with-sp-off", 11, C11,
+            [("    return run.rank if run.args.sequence_parallel == \"on\" else run.rank // run.args.tp",
+              "    return run.rank")],
+            "dropout seeded by rank with sequence parallelism off: a tp pair drops its copies of "
+            "one stream apart",
+            "dropout_stream(): by tp group where its ranks hold copies  # 4D 5",
+            [T_4D + "test_with_dropout_and_sp_off_dp2_x_tp2_logs_ddps_numbers_and_a_tp_pair_drops_alike"],
+            ["--dropout", "0.1", "--sequence-parallel", "off"]),
+    Mistake("4d-dropout-by-tp-group-under-sp", 11, C11,
+            [("    return run.rank if run.args.sequence_parallel == \"on\" else run.rank // run.args.tp",
+              "    return run.rank // run.args.tp")],
+            "dropout seeded by tp group under sequence parallelism: a pair's ranks drop the same "
+            "units of different tokens",
+            "dropout_stream(): by rank where each rank holds its own tokens  # 4D 5",
+            [T_4D + "test_with_sequence_parallelism_every_rank_drops_its_own_tokens_with_its_own_mask"],
+            ["--dropout", "0.1"]),
 ]
 
 

@@ -10,7 +10,8 @@ course never imports it:
         second training step (none if it runs one), by group ("tp", "cp", "pp", "fsdp": dp x
         cp, "tied": the first and last stage, "world"), each collective counted as a ring sends:
         an all-gather (g - 1) times its input, a reduce-scatter (g - 1) / g of its input, an
-        all-reduce twice that, an isend its tensor}
+        all-reduce twice that, an isend its tensor, and with --dropout "dropout_mask": the first
+        mask the stage's first dropout drew in training, hashed}
     torchrun ... tests/probe_4d.py run [trainer flags]
         the trainer as it is, nothing watched (the test launches that need no records)
     torchrun ... tests/probe_4d.py crash STEP:RANK OUT_DIR [trainer flags]
@@ -28,7 +29,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_4d_minigpt as trainer  # noqa: E402
-from helpers import Saved, run_as_script, unpack  # noqa: E402
+from helpers import Saved, dropout_mask_hook, run_as_script, unpack  # noqa: E402
 
 RING = {"all_gather": lambda g: g - 1, "reduce_scatter": lambda g: (g - 1) / g,
         "all_reduce": lambda g: 2 * (g - 1) / g}  # the share of its input a rank sends
@@ -89,6 +90,9 @@ def record(out_dir, crash_at=None):
         saved.model = model
         seen["coords"] = [run.mesh.get_local_rank(d) for d in ("pp", "dp", "cp", "tp")]
         seen["params"] = sum(p.to_local().numel() for p in model.parameters())
+        drops = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+        if drops:  # stage 0's embedding dropout, or the first block's on a later stage
+            drops[0].register_forward_hook(dropout_mask_hook(seen))
         for dim in ("pp", "cp", "tp"):
             groups[run.mesh.get_group(dim).group_name] = dim
         fsdp = next(model.parameters()).device_mesh.get_group(0)  # dim 0: FSDP's, dp x cp

@@ -1,13 +1,16 @@
 """Chapter 11, train_4d_minigpt.py (pipeline stages, tensor and context parallelism and FSDP on one
 (pp, dp, cp, tp) mesh), under real torchrun launches on CPU/gloo. These tests prove:
 
-1. the same math as one process, each run against the run it must equal for 8 steps (losses of
-   every step to 1e-5 relative, gradient norms to the 3 decimals logged, above --clip 1.0, so
-   clipping binds; validation losses to the 4 decimals logged): pp 2 x cp 2 x tp 2 at 8
-   processes (two nodes of one stage each, through chapter 4's launcher) = chapter 3 in one
-   process with the same global batch; dp 2 x pp 2 x tp 2 at 8 processes = chapter 3's DDP at 2
-   processes, dp index j reading DDP rank j's windows; tp 2 x cp 2 at 4 processes (no sequence
-   parallelism) and pp 2 x cp 2 at 4 processes (GPipe, activation checkpointing) = one process.
+1. the same math as one process, each run against the run it must equal (losses of every step
+   to 1e-5 relative, gradient norms to the 3 decimals logged, validation losses to the 4 decimals
+   logged): for 8 steps with a clip that binds in all, pp 2 x cp 2 x tp 2 at 8 processes (two
+   nodes of one stage each, through chapter 4's launcher) = chapter 3 in one process with the
+   same global batch, and tp 2 x cp 2 at 4 processes (no sequence parallelism) and pp 2 x cp 2 at
+   4 processes (GPipe, activation checkpointing) = one process; for 4 steps with a clip that
+   binds in two and a padded validation, dp 2 x pp 2 x tp 2 at 8 processes = one process, dp
+   index j reading DDP rank j's windows; with dropout and sequence parallelism off, dp 2 x tp 2
+   = chapter 3's DDP with dropout, each tp pair drawing one mask, and with sequence parallelism
+   every rank draws its own (recorded by tests/probe_4d.py).
    A group built wrong (FSDP over dp alone, CP's gather over the tp group...) leaves these
    numbers or stops the run: tests/mistakes.py runs each such mistake against these tests;
 2. the layout: rank 0 prints the mesh and one rank's coordinates and groups, tp innermost;
@@ -32,23 +35,30 @@ import pytest
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
 from helpers import assert_bf16_policy_reduces_in_fp32
-from helpers import (EVAL_6, GPT, NEEDS_CP, REPO, SHARDED, as_script, command, ddp_reference,
-                     finish, in_process, needs_torch, ok, one_process_reference, start,
-                     start_two_nodes, summary, trainer)
+from helpers import (EVAL_6, GPT, NEEDS_CP, NOISY, REPO, SHARDED, as_script, command,
+                     ddp_dropout_reference, ddp_reference, finish, in_process, needs_torch, ok,
+                     one_process_reference, start, start_two_nodes, summary, trainer)
 
 import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
 
 pytestmark = needs_torch(*NEEDS_CP)
 FOURD = "train_4d_minigpt.py"
 ONE = SHARDED + ["--batch-size", 12]  # one replica: the global batch of one_process_reference
+# A clip of 2.0 that binds in steps 1 and 2 and not in 3 and 4; 13 validation windows (7 and 6 on
+# two replicas: one padded batch)
+CLIPPED = SHARDED + ["--clip", 2.0, "--eval-windows", 13, "--max-steps", 4, "--eval-every", 4,
+                     "--save", ""]
 
 
 CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not held yet
     "reference": ["test_pp2_cp2_tp2_at_8_processes_computes_what_one_process_computes",
-                  "test_dp2_pp2_tp2_at_8_processes_computes_what_ddp_computes"],
-    "norms": None,  # the clip binds in every compared step
-    "padded": None,
-    "dropout": None,
+                  "test_dp2_pp2_tp2_logs_one_processs_norms_about_a_binding_clip_and_padded_validation"],
+    "norms": ["test_dp2_pp2_tp2_logs_one_processs_norms_about_a_binding_clip_and_padded_validation",
+              "test_with_dropout_and_sp_off_dp2_x_tp2_logs_ddps_numbers_and_a_tp_pair_drops_alike"],
+    "padded": ["test_dp2_pp2_tp2_logs_one_processs_norms_about_a_binding_clip_and_padded_validation",
+               "test_with_dropout_and_sp_off_dp2_x_tp2_logs_ddps_numbers_and_a_tp_pair_drops_alike"],
+    "dropout": ["test_with_dropout_and_sp_off_dp2_x_tp2_logs_ddps_numbers_and_a_tp_pair_drops_alike",
+                "test_with_sequence_parallelism_every_rank_drops_its_own_tokens_with_its_own_mask"],
     "collectives": None,  # one layout's bytes, not each flag's collectives
     "policy": ["test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32"],
     "resume": ["test_pp2_cp2_goes_on_from_the_8_process_checkpoint",
@@ -62,9 +72,11 @@ def runs(tmp_path_factory):
     saved at 8 (`nodes`); meanwhile chapter 7 in this process to step 8, saved and exported, from
     which tp 2 x cp 2 at 4 processes goes on to step 16 (`square`). Once `nodes` is done (the two
     8-process runs one after the other: 16 processes on 2 cores cost more than twice 8): dp 2 x pp
-    2 x tp 2 at 8 processes for 8 steps with --debug (`grid`), and from `nodes`' step 8 pp 2 x cp 2
-    at 4 processes to step 16 (`pipes`), one process to step 12, killed as step 11 begins and
-    restarted by torchrun (`restarted`), and chapters 7-10 in this process to step 10."""
+    2 x tp 2 at 8 processes for 4 steps of CLIPPED with --debug (`grid`), and from `nodes`' step 8
+    pp 2 x cp 2 at 4 processes to step 16 (`pipes`), one process to step 12, killed as step 11
+    begins and restarted by torchrun (`restarted`), and chapters 7-10 in this process to step 10.
+    Once `grid` is done: dp 2 x tp 2 with NOISY's dropout and sequence parallelism off
+    (`dropout`), and cp 2 x tp 2 with dropout for one step (`sp dropout`), both recorded."""
     d = tmp_path_factory.mktemp("fourd")
     for name in ("nodes", "restarted"):
         (d / name).mkdir()
@@ -73,8 +85,15 @@ def runs(tmp_path_factory):
         "--eval-every", 8, "--save", d / "ck", "--export", d / "4d.pt", "--top-k", 1,
         "--max-new-tokens", 4], nproc=4)
     cmds = {"grid": command("tests/probe_4d.py", [
-        "run", *SHARDED, "--pp", 2, "--cp", 1, "--tp", 2, "--max-steps", 8, *EVAL_6,
-        "--debug", "--save", "", "--export", ""], nproc=8)}
+        "run", *CLIPPED, "--pp", 2, "--cp", 1, "--tp", 2, "--debug", "--export", ""], nproc=8)}
+    for name in ("dropout", "sp dropout"):
+        (d / name).mkdir()
+    cmds["dropout"] = command("tests/probe_4d.py", [
+        "record", d / "dropout", *NOISY, "--pp", 1, "--cp", 1, "--tp", 2, "--sequence-parallel",
+        "off", "--export", ""], nproc=4)
+    cmds["sp dropout"] = command("tests/probe_4d.py", [
+        "record", d / "sp dropout", *SHARDED, "--dropout", 0.1, "--pp", 1, "--cp", 2, "--tp", 2,
+        "--max-steps", 1, "--save", "", "--export", ""], nproc=4)
     launched = {}
     r = {"ch7": in_process("train_fsdp_minigpt.py", ONE + [  # one process's step 8
         "--max-steps", 8, "--eval-every", 8, "--save", d / "ch7", "--export", d / "ch7.pt"])}
@@ -82,7 +101,9 @@ def runs(tmp_path_factory):
         "run", *ONE, "--pp", 1, "--cp", 2, "--tp", 2, "--sequence-parallel", "off",
         "--max-steps", 16, *EVAL_6, "--resume", d / "ch7", "--save", "", "--export", ""], nproc=4)
     launched["square"] = start(cmds["square"], REPO)
-    r.update(one=one_process_reference()[0], ddp=ddp_reference()[0], dir=d)
+    r.update(one=one_process_reference()[0], ddp=ddp_reference()[0], dir=d,
+             ddp_dropout=ddp_dropout_reference()[0],
+             one_clipped=in_process(GPT, CLIPPED + ["--batch-size", 12]))  # the grid's batch
     outs = [out for out in nodes() if "world size 8 " in out]  # rank 0's node logs
     assert len(outs) == 1
     r["nodes"], step_8 = outs[0], d / "ck" / "step-000008"
@@ -105,9 +126,13 @@ def runs(tmp_path_factory):
         export = ["--export", d / "ch9.pt"] if script == "train_pp_minigpt.py" else ["--export", ""]
         r[script] = in_process(script, ONE + flags + ["--max-steps", 10, "--resume", step_8,
                                                       "--save", "", *export])
-    for name, cmd in cmds.items():
-        r[name] = finish(launched[name], cmd)
-    r["grid"], r["square"], r["pipes"] = ok(r["grid"]), ok(r["square"]), ok(r["pipes"])
+    r["grid"] = finish(launched.pop("grid"), cmds["grid"])
+    for name in ("dropout", "sp dropout"):  # 4 processes each, once the grid's 8 are done
+        launched[name] = start(cmds[name], REPO)
+    for name, proc in launched.items():
+        r[name] = finish(proc, cmds[name])
+    for name in ("grid", "square", "pipes", "dropout", "sp dropout"):
+        r[name] = ok(r[name])
     return r
 
 
@@ -134,14 +159,21 @@ def test_pp2_cp2_tp2_at_8_processes_computes_what_one_process_computes(runs):
     assert val_losses(out)[8] < val_losses(out)[0] - 0.1
 
 
-def test_dp2_pp2_tp2_at_8_processes_computes_what_ddp_computes(runs):
-    """Two replicas, each two stages of 2 tp ranks: chapter 3's DDP at 2 processes, and dp index j
-    reads what DDP's rank j reads (every stage and tp rank of a replica the same windows)."""
-    grid, ddp = runs["grid"], runs["ddp"]
+def test_dp2_pp2_tp2_logs_one_processs_norms_about_a_binding_clip_and_padded_validation(runs):
+    """Two replicas, each two stages of 2 tp ranks, with --clip 2.0 and 13 validation windows (7
+    and 6: one replica's last batch padded): chapter 3's one process at the same global batch, its
+    losses, its gradient norms before clipping where the clip binds (steps 1 and 2) and where it
+    does not (3 and 4, the control), and its validation losses; dp index j reads what DDP's rank j
+    reads (every stage and tp rank of a replica the same windows)."""
+    grid, one, ddp = runs["grid"], runs["one_clipped"], runs["ddp"]
     assert "world size 8 (2 pp x 2 dp x 1 cp x 2 tp) |" in grid
-    assert_same_steps(grid, ddp, list(range(1, 9)))
-    for step in (0, 6):
-        assert val_losses(grid)[step] == pytest.approx(val_losses(ddp)[step], abs=2e-4), step
+    assert sorted(losses(grid)) == [1, 2, 3, 4]
+    for step in range(1, 5):
+        assert losses(grid)[step] == pytest.approx(losses(one)[step], rel=1e-5), step
+        assert grad_norms(grid)[step] == pytest.approx(grad_norms(one)[step], abs=2e-3), step
+    assert [grad_norms(one)[step] > 2.0 for step in range(1, 5)] == [True, True, False, False]
+    assert sorted(val_losses(grid)) == [0, 4]
+    assert val_losses(grid) == pytest.approx(val_losses(one), abs=2e-4)
     windows = re.findall(r"^\[rank (\d)\] stage (\d), dp (\d), cp 0, tp (\d): \d+ micro-batches "
                          r"per epoch, first windows at tokens (\[[\d, ]+\])$", grid, re.M)
     ddp_windows = dict(re.findall(r"^\[rank (\d)\] \d+ micro-batches per epoch, first windows at "
@@ -150,6 +182,38 @@ def test_dp2_pp2_tp2_at_8_processes_computes_what_ddp_computes(runs):
     for rank, stage, dp, tp, first in windows:  # tp innermost, then cp (1), dp, pp outermost
         assert int(rank) == int(stage) * 4 + int(dp) * 2 + int(tp)
         assert first == ddp_windows[dp], rank
+
+
+def test_with_dropout_and_sp_off_dp2_x_tp2_logs_ddps_numbers_and_a_tp_pair_drops_alike(runs):
+    """With --dropout 0.1, sequence parallelism off, dp 2 x tp 2 (helpers.NOISY: a clip that binds
+    in steps 1 and 2, 13 validation windows) logs chapter 3's DDP at 2 processes with dropout: the
+    losses, gradient norms and validation losses. The two tp ranks of a replica hold one stream
+    and drop it alike (one recorded mask), the replicas differ; ranks seeded each their own would
+    drop the copies apart, and the losses would leave DDP's."""
+    out, ddp = runs["dropout"], runs["ddp_dropout"]
+    assert "world size 4 (1 pp x 2 dp x 1 cp x 2 tp) |" in out
+    assert sorted(losses(out)) == [1, 2, 3, 4]
+    for step in range(1, 5):
+        assert losses(out)[step] == pytest.approx(losses(ddp)[step], rel=1e-5), step
+        assert grad_norms(out)[step] == pytest.approx(grad_norms(ddp)[step], abs=2e-3), step
+    assert val_losses(out) == pytest.approx(val_losses(ddp), abs=2e-4)
+    masks = [record(runs["dir"] / "dropout", rank).get("dropout_mask") for rank in range(4)]
+    assert None not in masks and masks[0] == masks[1] != masks[2] == masks[3], masks
+
+
+def test_with_sequence_parallelism_every_rank_drops_its_own_tokens_with_its_own_mask(runs):
+    """Under sequence parallelism (the default) at cp 2 x tp 2, each rank holds its own slice of
+    the stream and draws its own mask: four different masks, where seeded by tp group a pair's
+    ranks would drop the same units of different tokens. The control: the tp pair of the run with
+    sequence parallelism off records one mask (the test above)."""
+    masks = [record(runs["dir"] / "sp dropout", rank).get("dropout_mask") for rank in range(4)]
+    assert "world size 4 (1 pp x 1 dp x 2 cp x 2 tp) |" in runs["sp dropout"]
+    assert None not in masks and len(set(masks)) == 4, masks
+
+
+def record(folder, rank):
+    """What tests/probe_4d.py recorded for one rank."""
+    return json.loads((folder / f"rank{rank}.json").read_text())
 
 
 def test_the_layout_line_shows_one_ranks_place_and_groups(runs):
