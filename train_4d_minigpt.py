@@ -230,11 +230,7 @@ def grid(args, device, world_size):
     cp 2, tp 2) are one replica: all read the same sequences. Stage 0 is ranks 0-3, stage 1 4-7.
     cp pairs (0, 2) (1, 3) (4, 6) (5, 7) split each sequence, and FSDP shards over each; tp pairs
     (0, 1) (2, 3) (4, 5) (6, 7) split blocks; pp pairs (0, 4) (1, 5) (2, 6) (3, 7) link stages."""
-    inner = args.pp * args.cp * args.tp
-    if world_size % inner:
-        raise InputError(f"--pp {args.pp} x --cp {args.cp} x --tp {args.tp} = {inner} does not "
-                         f"divide the world size {world_size}: start a multiple of {inner} "
-                         "processes, or give smaller sizes")
+    inner = args.pp * args.cp * args.tp  # it divides the world size: avoid_known_failures
     shape, names = (args.pp, world_size // inner, args.cp, args.tp), ("pp", "dp", "cp", "tp")
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)  # 4D 1: groups along each dim
     # dp x cp x tp as one mesh too, for speed only: DTensor merges a collective over those dims
@@ -1013,19 +1009,37 @@ def avoid_known_failures(args):  # guard: all guards, in one place, before the g
     dist.set_debug_level(level)  # before init_process_group, which reads it
     if not cuda:
         avoid_page_faults_on_cpu()  # guard: page faults every step on Linux CPUs
+    refuse_a_mesh_the_world_cannot_hold(args)  # guard: 4D 1, one line before the group
     node = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))  # 4D 1: per node
     warning = avoid_groups_across_nodes(args.tp, args.cp, node)  # guard: 4D 1
     if warning and os.environ["RANK"] == "0":
         print(warning, flush=True)
 
 
+def refuse_a_mesh_the_world_cannot_hold(args):  # guard: sizes that torchrun's world cannot split
+    """InputError on rank 0, and a quiet exit code 2 elsewhere, where pp x cp x tp does not divide
+    the world size: one line for the whole launch, before any rank joins a group."""
+    world, inner = int(os.environ["WORLD_SIZE"]), args.pp * args.cp * args.tp
+    if world % inner == 0:
+        return
+    if os.environ["RANK"] != "0":
+        sys.exit(2)  # rank 0 says why; torchrun reports every rank's exit code
+    raise InputError(f"--pp {args.pp} x --cp {args.cp} x --tp {args.tp} = {inner} does not divide "
+                     f"the world size {world}: start a multiple of {inner} processes, or give "
+                     "smaller sizes")
+
+
 def avoid_groups_across_nodes(tp, cp, per_node):  # guard: tp or cp traffic over the network
-    """A warning if a tp group (tp consecutive ranks), or a replica's cp x tp block, may span nodes
-    of per_node processes: warned, not refused (a small run may choose it)."""
-    for size, what in ((tp, f"a tp group (--tp {tp})"), (tp * cp, f"--cp {cp} x --tp {tp}")):
-        if per_node % size:
-            return (f"warning: {what} with {per_node} processes per node spans nodes: its "
-                    "collectives of every block and micro-batch cross the network")
+    """A line naming the groups that span nodes of per_node processes, or None. A tp group (tp
+    consecutive ranks) across nodes sends TP's collectives of every block over the network: a
+    warning. A cp group (cp ranks, tp apart) across nodes sends only the key and value gathers
+    there, as large runs plan: a note. Neither is refused (a small run may choose it)."""
+    if per_node % tp:
+        return (f"warning: a tp group (--tp {tp}) spans nodes of {per_node} processes: TP's "
+                "collectives of every block and micro-batch cross the network")
+    if per_node % (tp * cp):
+        return (f"note: cp groups (--cp {cp}, ranks {tp} apart) span nodes of {per_node} "
+                "processes: their key and value gathers cross the network, the tp groups do not")
     return None
 
 

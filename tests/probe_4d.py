@@ -6,7 +6,8 @@ course never imports it:
         each rank writes OUT_DIR/rank{RANK}.json: {"coords": its (pp, dp, cp, tp) coordinates,
         "steps", "peak_saved_bytes": the most bytes of activations it held for backward at once
         during a step (tensors saved by autograd, each storage counted once, the weights left out),
-        "params": the elements of its shards of the parameters, "sent": the bytes it sent in its
+        "params": the elements of its shards of the parameters, "positions": the places in each
+        sequence of the tokens it holds, "sent": the bytes it sent in its
         second training step (none if it runs one), by group ("tp", "cp", "pp", "fsdp": dp x
         cp, "tied": the first and last stage, "world"), each collective counted as a ring sends:
         an all-gather (g - 1) times its input, a reduce-scatter (g - 1) / g of its input, an
@@ -90,6 +91,7 @@ def record(out_dir, crash_at=None):
         saved.model = model
         seen["coords"] = [run.mesh.get_local_rank(d) for d in ("pp", "dp", "cp", "tp")]
         seen["params"] = sum(p.to_local().numel() for p in model.parameters())
+        seen["positions"] = run.context.positions.tolist()  # the tokens of a sequence it holds
         drops = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
         if drops:  # stage 0's embedding dropout, or the first block's on a later stage
             drops[0].register_forward_hook(dropout_mask_hook(seen))

@@ -22,10 +22,13 @@
 4. what a rank holds and sends: the parameters of its shards add up over the mesh to the model
    (the tied matrix twice: its two stages), as the memory line counts them; the bytes rank 0 sends
    in a step, by group, are the traffic line's (tests/probe_4d.py counts them);
-5. bad input is one line and exit code 2: sizes whose product does not divide the world size, tp
-   not dividing the heads, more stages than blocks, a context that 2 x cp does not divide, a cp
-   share that sequence parallelism cannot split by tp; a tp or cp group across nodes is warned of;
-6. benchmark_scaling.py reads its summary: the global batch counts the dp replicas, not the ranks.
+5. bad input is one line and exit code 2: sizes whose product does not divide the world size
+   (one line from rank 0, before any group), tp not dividing the heads, more stages than blocks,
+   a context that 2 x cp does not divide, a cp share that sequence parallelism cannot split by tp;
+   a tp group across nodes is warned of, cp groups across nodes noted;
+6. each cp rank holds an early chunk and a late one (recorded), for equal attention work; pp 3
+   over 4 blocks logs one process's losses, the tied gradient summed by the end stages alone;
+7. benchmark_scaling.py reads its summary: the global batch counts the dp replicas, not the ranks.
 """
 import json
 import re
@@ -46,6 +49,9 @@ FOURD = "train_4d_minigpt.py"
 ONE = SHARDED + ["--batch-size", 12]  # one replica: the global batch of one_process_reference
 # A clip of 2.0 that binds in steps 1 and 2 and not in 3 and 4; 13 validation windows (7 and 6 on
 # two replicas: one padded batch)
+# Four blocks on three stages (uneven), 4 micro-batches of 3 (1F1B needs as many as stages)
+THREE = SHARDED + ["--n-layer", 4, "--batch-size", 3, "--grad-accum", 4, "--max-steps", 3,
+                   "--save", ""]
 CLIPPED = SHARDED + ["--clip", 2.0, "--eval-windows", 13, "--max-steps", 4, "--eval-every", 4,
                      "--save", ""]
 
@@ -91,6 +97,8 @@ def runs(tmp_path_factory):
     cmds["dropout"] = command("tests/probe_4d.py", [
         "record", d / "dropout", *NOISY, "--pp", 1, "--cp", 1, "--tp", 2, "--sequence-parallel",
         "off", "--export", ""], nproc=4)
+    cmds["three"] = command("tests/probe_4d.py", ["run", *THREE, "--pp", 3, "--cp", 1, "--tp", 1,
+                                                  "--export", ""], nproc=3)
     cmds["sp dropout"] = command("tests/probe_4d.py", [
         "record", d / "sp dropout", *SHARDED, "--dropout", 0.1, "--pp", 1, "--cp", 2, "--tp", 2,
         "--max-steps", 1, "--save", "", "--export", ""], nproc=4)
@@ -103,7 +111,8 @@ def runs(tmp_path_factory):
     launched["square"] = start(cmds["square"], REPO)
     r.update(one=one_process_reference()[0], ddp=ddp_reference()[0], dir=d,
              ddp_dropout=ddp_dropout_reference()[0],
-             one_clipped=in_process(GPT, CLIPPED + ["--batch-size", 12]))  # the grid's batch
+             one_clipped=in_process(GPT, CLIPPED + ["--batch-size", 12]),  # the grid's batch
+             one_of_three=in_process(GPT, THREE))
     outs = [out for out in nodes() if "world size 8 " in out]  # rank 0's node logs
     assert len(outs) == 1
     r["nodes"], step_8 = outs[0], d / "ck" / "step-000008"
@@ -127,11 +136,11 @@ def runs(tmp_path_factory):
         r[script] = in_process(script, ONE + flags + ["--max-steps", 10, "--resume", step_8,
                                                       "--save", "", *export])
     r["grid"] = finish(launched.pop("grid"), cmds["grid"])
-    for name in ("dropout", "sp dropout"):  # 4 processes each, once the grid's 8 are done
+    for name in ("dropout", "sp dropout", "three"):  # once the grid's 8 processes are done
         launched[name] = start(cmds[name], REPO)
     for name, proc in launched.items():
         r[name] = finish(proc, cmds[name])
-    for name in ("grid", "square", "pipes", "dropout", "sp dropout"):
+    for name in ("grid", "square", "pipes", "dropout", "sp dropout", "three"):
         r[name] = ok(r[name])
     return r
 
@@ -214,6 +223,16 @@ def test_with_sequence_parallelism_every_rank_drops_its_own_tokens_with_its_own_
 def record(folder, rank):
     """What tests/probe_4d.py recorded for one rank."""
     return json.loads((folder / f"rank{rank}.json").read_text())
+
+
+def test_pp3_over_4_blocks_sums_the_tied_gradient_over_the_end_stages_alone(runs):
+    """Three stages over four blocks (one stage holds two; the middle stage no tied copy): one
+    process's losses and gradient norms, clipped. The tied matrix's gradient is summed in the
+    group of the two end stages; summed over every stage's group, the middle stage never joins
+    the call, and the run stops."""
+    out = runs["three"]
+    assert "world size 3 (3 pp x 1 dp x 1 cp x 1 tp) |" in out
+    assert_same_steps(out, runs["one_of_three"], [1, 2, 3])
 
 
 def test_the_layout_line_shows_one_ranks_place_and_groups(runs):
@@ -306,6 +325,20 @@ def test_each_rank_holds_its_shards_and_the_memory_line_says_so(runs):
                                                       [0] == 0 and s["coords"][2:] == [0, 0])
 
 
+def test_each_cp_rank_holds_an_early_chunk_and_a_late_one(runs):
+    """At cp 2 and 32 tokens, every rank with cp index 0 holds tokens 0-7 and 24-31 and index 1
+    tokens 8-23, whatever its stage or tp index: causal attention costs each the same (keys
+    before a query: 36 + 228 = 264 each). Contiguous halves, the same numbers, would cost 136 and
+    392."""
+    chunks = {0: [*range(0, 8), *range(24, 32)], 1: list(range(8, 24))}
+    for rank in range(8):
+        seen = record(runs["dir"] / "nodes", rank)
+        assert seen["positions"] == chunks[seen["coords"][2]], (rank, seen["coords"])
+    work = [sum(p + 1 for p in chunk) for chunk in chunks.values()]
+    halves = [sum(p + 1 for p in range(16 * i, 16 * i + 16)) for i in (0, 1)]
+    assert work == [264, 264] and halves == [136, 392]
+
+
 def test_the_traffic_line_is_what_rank_0_sends_in_a_step(runs):
     """The bytes rank 0 sent in a training step, by group (tests/probe_4d.py counts each collective
     as a ring sends it), against the traffic line's formula: cp's and pp's (with the tied
@@ -338,13 +371,22 @@ def test_bad_inputs_are_one_line_and_exit_code_2():
         in_process(FOURD, SHARDED + ["--max-steps", 1, "--save", "", "--export", ""])
     assert as_script(FOURD, ["--cp", 2, "--tp", 2]).stderr == (
         "error: not launched by torchrun: see the commands at the top of this script\n")
+    cmd = command(FOURD, [], nproc=2)  # 2 pp x 2 cp x 2 tp at 2 processes: refused before a group
+    result = finish(start(cmd, REPO), cmd)
+    line = "error: --pp 2 x --cp 2 x --tp 2 = 8 does not divide the world size 2: start a multiple"
+    assert result.returncode != 0 and (result.stdout + result.stderr).count(line) == 1, result
 
 
-def test_a_tp_or_cp_group_across_nodes_is_warned_of():
+def test_a_tp_or_cp_group_across_nodes_is_named():
+    """A tp group across nodes is warned of; cp groups across nodes (tp groups within them, as
+    large runs plan) are noted as cp's traffic alone; groups within a node say nothing."""
     warn = trainer(FOURD).avoid_groups_across_nodes
     assert warn(2, 2, 8) is None and warn(8, 1, 8) is None and warn(1, 1, 3) is None
-    assert "a tp group (--tp 4) with 2 processes per node spans nodes" in warn(4, 1, 2)
-    assert "--cp 2 x --tp 2 with 6 processes per node spans nodes" in warn(2, 2, 6)
+    assert warn(4, 1, 2).startswith("warning: a tp group (--tp 4) spans nodes of 2 processes")
+    for tp, cp, node in ((2, 2, 6), (8, 4, 8), (8, 16, 8)):  # cp 4 x tp 8, Llama 3's cp 16 x tp 8
+        assert warn(tp, cp, node).startswith(f"note: cp groups (--cp {cp}, ranks {tp} apart) span "
+                                             f"nodes of {node} processes"), (tp, cp, node)
+        assert "the tp groups do not" in warn(tp, cp, node)
 
 
 def test_benchmark_scaling_reads_the_4d_trainers_summary(runs):
