@@ -700,10 +700,13 @@ class Stage(nn.Module):
 
 def stage_blocks(n_layer, pp, stage):
     """The indices of the blocks that `stage` holds: the stages cut the blocks in order, into runs
-    of equal length, the earlier stages one block more when pp does not divide n_layer."""
+    of equal length, the later stages one block more when pp does not divide n_layer."""
     size, extra = divmod(n_layer, pp)
-    first = stage * size + min(stage, extra)
-    return range(first, first + size + (stage < extra))  # PP 5: consecutive, as even as can be
+    # Stage 0 holds the embeddings too and, under 1F1B, the most micro-batches in flight, so the
+    # first stages take one block fewer.
+    light = pp - extra
+    first = stage * size + max(0, stage - light)
+    return range(first, first + size + (stage >= light))  # PP 5: consecutive, as even as can be
 
 
 def mean_token_loss(logits, targets):

@@ -94,7 +94,8 @@ def runs(tmp_path_factory):
     grid = start(grid_cmd, REPO)
     dropout_cmd = command("tests/probe_pp.py", ["record", d / "dropout", *SHARDED, "--pp", 2,
                                                 "--dropout", 0.1, "--schedule", "gpipe",
-                                                "--grad-checkpointing", "--max-steps", 2,
+                                                "--grad-checkpointing", "--amp", "bf16",
+                                                "--max-steps", 2,
                                                 "--save", "", "--export", ""], nproc=4)
     dropout = start(dropout_cmd, REPO)
     nodes = start_two_nodes("tests/probe_pp.py", ["record", d / "nodes", *COLUMN, "--max-steps",
@@ -212,11 +213,15 @@ def test_a_column_reads_one_batch_and_column_j_reads_what_ddp_rank_j_reads(runs)
 
 
 def test_the_stages_cut_the_blocks_once_in_order():
+    """Every block once, in order, runs at most one block apart; the longer runs on the later
+    stages, away from stage 0 (the embeddings, and 1F1B's most micro-batches in flight)."""
     for n_layer in range(1, 9):
         for stages in range(1, n_layer + 1):
             cut = [list(pp.stage_blocks(n_layer, stages, s)) for s in range(stages)]
             assert sum(cut, []) == list(range(n_layer)), cut  # in order, each block once
             assert all(cut) and max(map(len, cut)) - min(map(len, cut)) <= 1, cut
+            assert [len(run) for run in cut] == sorted(len(run) for run in cut), cut
+    assert [list(pp.stage_blocks(5, 2, s)) for s in (0, 1)] == [[0, 1], [2, 3, 4]]
 
 
 def test_each_stage_holds_its_part_and_the_traffic_line_counts_activations(runs):
@@ -287,8 +292,11 @@ def test_dropout_draws_its_own_masks_on_every_rank_of_dp2_x_pp2(runs):
     shape on every stage) the four masks all differ: the two replicas of a stage drop other units
     of other data, and the two stages of a column draw from seeds of their own. That run, under
     GPipe with its blocks recomputed in backward, makes FSDP's calls of the default run: one
-    reduce-scatter and one all-gather per group and step (recomputing gathers nothing more)."""
-    assert "| schedule gpipe" in runs["dropout"]
+    reduce-scatter and one all-gather per group and step (recomputing gathers nothing more). It
+    runs in bf16, whose activations cross between the stages in bf16: its losses are finite."""
+    out = runs["dropout"]
+    assert "| schedule gpipe" in out and "amp bfloat16" in out
+    assert sorted(losses(out)) == [1, 2] and all(5 < loss < 6 for loss in losses(out).values())
     seen = [json.loads((runs["dir"] / "dropout" / f"rank{r}.json").read_text()) for r in range(4)]
     masks = [rank.get("dropout_mask") for rank in seen]
     assert None not in masks and len(set(masks)) == 4, masks
