@@ -212,6 +212,7 @@ def make_run(args, device, rank, world_size):
     stage, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     context = Context(mesh["cp"].get_group(), mesh.get_local_rank("cp"),  # 4D 3: the tokens of
                       args.cp, args.block_size, device)  # each sequence this rank holds
+    context.gather_again = not args.grad_checkpointing  # 4D 4: recomputed once, not twice
     run = Run(args, device, rank, world_size, is_main, amp, policy, mesh, stage, dp_rank,
               mesh.size(1), ends_group(mesh, stage, rank),  # 4D 1: ends_group: a collective
               context)  # 4D 3
@@ -271,6 +272,7 @@ class Context:
         self.order = torch.cat(every).argsort().to(device)  # gathered -> sequence order
         self.ends = [int(chunk[-1]) + 1 for chunk in self.positions.chunk(2)]
         self.masks = [causal_lower_right(len(self.positions) // 2, end) for end in self.ends]
+        self.gather_again = True  # False where the whole block is recomputed, this gather with it
 
     def share(self, x, y):  # this rank's tokens of each sequence, and their targets
         return x[:, self.positions], y[:, self.positions]
@@ -278,6 +280,8 @@ class Context:
     def attention(self, q, k, v):  # each chunk's queries over every key up to the chunk's end
         if self.cp == 1:  # the whole sequence is here: plain causal attention
             return causal_attention(q, k, v)
+        if not self.gather_again:  # --grad-checkpointing recomputes the block, the gather too
+            return self.gathered_attention(q, k, v)
         return checkpoint(self.gathered_attention, q, k, v, use_reentrant=False)  # 4D 4: recomputed
 
     def gathered_attention(self, q, k, v):  # a collective of the cp group, run again in backward
@@ -555,7 +559,9 @@ def wrap_model(run, raw_model):  # FSDP 4: no wrapper: the sharded model trains 
 
 def pipeline_schedule(run, model):
     """This rank's stage in a schedule of K = --grad-accum micro-batches. After the last backward
-    FSDP reduce-scatters once; the schedule then divides the gradients by K, for the mean loss."""
+    FSDP reduce-scatters once; the schedule then divides the gradients by K, for the mean loss.
+    Until then a rank holds its stage's whole gradients and gathered weights: PipelineStage turns
+    FSDP's gradient sync and its reshard after backward off for every micro-batch."""
     inputs, outputs = stage_shapes(run, model)  # given, so no forward is run to infer them
     stage = PipelineStage(model, run.stage, run.args.pp, run.device, inputs, outputs,
                           group=run.mesh.get_group("pp"))  # PP 1: sends along the pp group

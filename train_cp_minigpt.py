@@ -173,6 +173,7 @@ def make_run(args, device, rank, world_size):
     mesh = grid(args.cp, device, world_size)  # CP 1: world size / cp rows of cp ranks
     context = Context(mesh["cp"].get_group(), mesh.get_local_rank("cp"), args.cp,
                       args.block_size, device, args.cp_rotate)  # CP 3: this rank's chunks
+    context.gather_again = not args.grad_checkpointing  # CP 4: recomputed once, not twice
     run = Run(args, device, rank, world_size, is_main, amp, policy, mesh,
               mesh.get_local_rank("dp"), mesh.size(0), context)
     print0(is_main, f"world size {world_size} ({run.dp_size} dp x {args.cp} cp) | device "
@@ -209,6 +210,7 @@ class Context:
         self.ends = [int(chunk[-1]) + 1 for chunk in self.positions.chunk(2)]  # CP 4
         self.masks = [causal_lower_right(len(self.positions) // 2, end) for end in self.ends]
         self.cp_rank, self.rotate = cp_rank, rotate  # CP 5: its place in the ring, if a ring
+        self.gather_again = True  # False where the whole block is recomputed, this gather with it
 
     def share(self, x, y):
         return x[:, self.positions], y[:, self.positions]  # CP 3: this rank's tokens, targets
@@ -218,6 +220,8 @@ class Context:
             return causal_attention(q, k, v)
         if self.rotate == "ring":  # CP 5: the row's keys come round, one rank's at a time
             return ring_attention(q, k, v, self)
+        if not self.gather_again:  # --grad-checkpointing recomputes the block, the gather too
+            return self.gathered_attention(q, k, v)
         return checkpoint(self.gathered_attention, q, k, v, use_reentrant=False)  # recomputed
 
     def gathered_attention(self, q, k, v):

@@ -404,7 +404,9 @@ def wrap_model(run, raw_model):  # FSDP 4: no wrapper: the sharded model trains 
 
 def pipeline_schedule(run, model):
     """This rank's stage in a schedule of K = --grad-accum micro-batches. After the last backward
-    FSDP reduce-scatters once; the schedule then divides the gradients by K, for the mean loss."""
+    FSDP reduce-scatters once; the schedule then divides the gradients by K, for the mean loss.
+    Until then a rank holds its stage's whole gradients and gathered weights: PipelineStage turns
+    FSDP's gradient sync and its reshard after backward off for every micro-batch."""
     inputs, outputs = stage_shapes(run, model)  # given, so no forward is run to infer them
     stage = PipelineStage(model, run.stage, run.args.pp, run.device, inputs, outputs,
                           group=run.mesh.get_group("pp"))  # PP 1: sends along the pp group

@@ -119,8 +119,9 @@ def runs(tmp_path_factory):
     launched["grid"] = start(cmds["grid"], REPO)
     ck = d / "restarted" / "ck"  # the 8-process step 8, where --resume auto finds it
     shutil.copytree(step_8, ck / "step-000008")
+    (d / "pipes").mkdir()
     cmds["pipes"] = command("tests/probe_4d.py", [
-        "run", *ONE, "--pp", 2, "--cp", 2, "--tp", 1, "--schedule", "gpipe", "--grad-checkpointing",
+        "record", d / "pipes", *ONE, "--pp", 2, "--cp", 2, "--tp", 1, "--schedule", "gpipe", "--grad-checkpointing",
         "--max-steps", 16, "--resume", step_8, "--save", "", "--export", ""], nproc=4)
     cmds["restarted"] = command("tests/probe_4d.py", [
         "crash", "11:0", d / "restarted", *ONE, "--pp", 1, "--cp", 1, "--tp", 1, "--max-steps",
@@ -337,6 +338,18 @@ def test_each_cp_rank_holds_an_early_chunk_and_a_late_one(runs):
     work = [sum(p + 1 for p in chunk) for chunk in chunks.values()]
     halves = [sum(p + 1 for p in range(16 * i, 16 * i + 16)) for i in (0, 1)]
     assert work == [264, 264] and halves == [136, 392]
+
+
+def test_a_recomputed_block_gathers_keys_and_values_as_the_traffic_line_says(runs):
+    """With --grad-checkpointing (pp 2 x cp 2, GPipe) the block's recomputation gathers the keys
+    and values again, so CP's own checkpoint of its attention is left off: rank 0 sends over the
+    cp group in a step what the traffic line says (a gather in forward, one in backward, the
+    gradients' reduce-scatter); under both checkpoints a third gather sent more."""
+    sent = record(runs["dir"] / "pipes", 0)["sent"]
+    line = re.search(r"traffic per step, rank 0 \(stage 0, 1 blocks\): tp [\d.]+ MiB \| cp "
+                     r"([\d.]+) MiB", runs["pipes"])
+    assert sent["cp"] == pytest.approx(float(line.group(1)) * 2**20, abs=0.0006 * 2**20)
+    assert sent["cp"] > 0 and sent.get("tp", 0) == 0  # tp 1: no TP traffic
 
 
 def test_the_traffic_line_is_what_rank_0_sends_in_a_step(runs):
