@@ -30,14 +30,16 @@ import contextlib
 import io
 import json
 import re
+import types
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
 from helpers import (GPT, REPO, SHARDED, TINY_GPT, command, ddp_dropout_reference, ddp_reference,
-                     in_process, ok, started, summary, trainer, weights)
+                     in_process, ok, one_process_group, started, summary, trainer, weights)
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 gpt = trainer(GPT)
@@ -152,6 +154,86 @@ def test_bf16_computes_in_bf16_while_ddp_all_reduces_fp32_gradients(monkeypatch)
     in_process(GPT, [*TINY_GPT, "--max-steps", 2, "--amp", "bf16", "--save", "",
                      "--max-new-tokens", 1])
     assert seen == {"logits": {torch.bfloat16}, "buckets": {torch.float32}}, seen
+
+
+def test_each_step_applies_and_logs_the_schedules_learning_rate(monkeypatch):
+    """The learning rate the optimizer applies at each step, and the one the log shows, are the
+    schedule's, worked out by hand: TINY_GPT's 1e-2 after 2 warmup steps (5e-3, then 1e-2), then
+    the cosine over steps 2 and 3 down towards --min-lr 3e-4 (1e-2, then halfway: 5.15e-3)."""
+    applied, make = [], gpt.make_optimizer
+
+    def recorded(*args):
+        optimizer = make(*args)
+        optimizer.register_step_pre_hook(
+            lambda opt, *_: applied.append(opt.param_groups[0]["lr"]))
+        return optimizer
+    monkeypatch.setattr(gpt, "make_optimizer", recorded)
+    out = in_process(GPT, [*TINY_GPT, "--max-steps", 4, "--save", "", "--max-new-tokens", 1])
+    assert applied == pytest.approx([5e-3, 1e-2, 1e-2, 5.15e-3], rel=1e-9)
+    logged = [float(line.split(" | lr ")[1].split()[0]) for line in steps_logged(out).values()]
+    assert logged == pytest.approx(applied, rel=1e-2)  # printed to 3 digits
+
+
+def test_each_rank_evaluates_its_own_validation_windows_once():
+    """13 validation windows on 3 ranks: 5, 4 and 4 windows, none on two ranks, all 13 scored.
+    A rank that scored every window would give the same mean, three times over the work."""
+    args = gpt.parse_args(["--block-size", "8", "--eval-windows", "13", "--batch-size", "3"])
+    val, seen = np.arange(1000) % 256, []
+    for rank in range(3):
+        run = types.SimpleNamespace(args=args, rank=rank, world_size=3, device=torch.device("cpu"))
+        seen.append([row[0].item() for x, _ in gpt.validation_batches(run, val) for row in x])
+    assert [len(windows) for windows in seen] == [5, 4, 4]
+    assert sorted(sum(seen, [])) == [9 * i % 256 for i in range(13)]  # windows of 9 tokens
+
+
+def test_each_epoch_deals_a_new_order_that_the_ranks_share_out():
+    """Each epoch shuffles the windows again (seeded by seed + epoch), and in every epoch the two
+    ranks read different windows: the set_epoch that DistributedSampler needs, built in."""
+    tokens = np.arange(2000) % 256
+    ranks = [gpt.Windows(tokens, 8, 4, rank, 2, seed=0) for rank in (0, 1)]
+    for epoch in (0, 1):
+        mine = [set(w.starts_of_epoch(epoch).tolist()) for w in ranks]
+        assert mine[0] and not mine[0] & mine[1]
+    assert list(ranks[0].starts_of_epoch(0)) != list(ranks[0].starts_of_epoch(1))
+
+
+def test_the_validation_loss_is_summed_in_fp32_from_bf16_logits():
+    """Under --amp bf16 the logits come out in bf16; the validation loss sums their cross-entropy
+    in fp32 (float64 totals), within 1e-6 of a float64 sum. Summed in bf16 it is off by more than
+    1e-4 (the control)."""
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(4, 32, 256)).to(torch.bfloat16)
+    targets = torch.randint(0, 256, (4, 32))
+    class Fixed(torch.nn.Module):  # a model whose forward returns those logits
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, x):
+            return logits, None
+    exact = F.cross_entropy(logits.double().flatten(0, 1), targets.flatten()).item()
+    with one_process_group():
+        dist.init_process_group("gloo")
+        mean = gpt.mean_loss_over_ranks(Fixed(), [(None, targets)], contextlib.nullcontext())
+    assert mean == pytest.approx(exact, rel=1e-6)
+    rounded = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    assert abs(rounded.item() / targets.numel() - exact) > 1e-4
+
+
+def test_fp16_clips_and_logs_the_unscaled_gradient_norm(monkeypatch):
+    """fp16 needs a GradScaler, whose loss scale (65,536 at first) multiplies every gradient; the
+    step unscales them before clipping, so the clip and the logged norm see the true gradients:
+    within 2% of the fp32 run's (clipped first, the norm would be the scale times larger). The
+    script refuses fp16 on a CPU; the test lets it through to run the path."""
+    monkeypatch.setattr(gpt, "amp_dtype", lambda choice, device: {"fp16": torch.float16,
+                                                                  "off": None}[choice])
+    flags = [*TINY_GPT, "--max-steps", 2, "--save", "", "--max-new-tokens", 1]
+    half = in_process(GPT, flags + ["--amp", "fp16"])
+    full = in_process(GPT, flags + ["--amp", "off"])
+    assert "amp float16" in half and sorted(grad_norms(half)) == [1, 2]
+    for step in (1, 2):
+        assert grad_norms(half)[step] == pytest.approx(grad_norms(full)[step], rel=0.02), step
 
 
 def test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact(tmp_path):
