@@ -938,10 +938,10 @@ def parse_args(argv=None):
            "1f1b (after a warm-up, one forward and one backward in turn: fewer activations "
            "held) (default: 1f1b)")
     a("--reshard-after-forward", choices=["yes", "no"], default="no",  # PP 1: no by default
-      help="yes: free each block's gathered weights (but the last's) after each forward; "
-           "no: keep them "
-           "until the step's backwards end (one all-gather per block and step, not one per "
-           "micro-batch; more memory) (default: no)")
+      help="yes: free each block's gathered weights (but the last's) after each forward, "
+           "from then to its backward only: the schedule keeps them after each backward, so "
+           "the whole stage is gathered again by then (more all-gathers, the same peak); "
+           "no: one all-gather per block and step (default: no)")
     a("--debug", action="store_true", help="TORCH_DISTRIBUTED_DEBUG and each rank's data windows")
     a = p.add_argument_group("evaluation, logging, checkpoints").add_argument
     a("--eval-every", type=positive(int), default=100, metavar="N",

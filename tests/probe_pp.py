@@ -9,6 +9,7 @@ course never imports it:
         what one micro-batch alone leaves saved (the first forward of step 1, before any backward),
         "reduce_scatters", "all_gathers": FSDP's calls inside training steps, "kept_outputs": the
         most outputs the schedule's stage kept after a step (the last stage's logits, if kept),
+        "tied_bytes": the bytes it all-reduced in the end stages' group inside training steps,
         and with --dropout "dropout_mask": the first mask the stage's first dropout drew, hashed}
     torchrun ... tests/probe_pp.py crash STEP:RANK OUT_DIR [trainer flags]
         as record, and that rank SIGKILLs itself when step STEP begins, on the first attempt only
@@ -28,14 +29,16 @@ from helpers import Saved, count_calls, dropout_mask_hook, run_as_script, unpack
 
 def record(out_dir, crash_at=None):
     import torch
-    saved, seen = Saved(), {"steps": 0, "kept_outputs": 0, "reduce_scatters": 0, "all_gathers": 0}
+    saved, seen = Saved(), {"steps": 0, "kept_outputs": 0, "reduce_scatters": 0, "all_gathers": 0,
+                            "tied_bytes": 0}
+    tied, all_reduce = [None], trainer.dist.all_reduce
     kill_step, kill_rank = crash_at or (None, None)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     kill = first_attempt and int(os.environ["RANK"]) == kill_rank
     pipeline_schedule, train_step = trainer.pipeline_schedule, trainer.train_step
 
     def watched_schedule(run, model):
-        saved.model, seen["stage"] = model, run.stage
+        saved.model, seen["stage"], tied[0] = model, run.stage, run.tied
         drops = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
         if drops:  # stage 0's embedding dropout, or the first block's on a later stage
             drops[0].register_forward_hook(dropout_mask_hook(seen))
@@ -65,7 +68,13 @@ def record(out_dir, crash_at=None):
             stage = args[1]._stage  # the schedule's stage: what it keeps once the step is over
             seen["kept_outputs"] = max(seen["kept_outputs"], len(stage.output_chunks))
 
+    def watched_all_reduce(tensor, *args, group=None, **kwargs):  # the tied gradient's bytes
+        if seen["in_step"] and group is not None and group is tied[0]:
+            seen["tied_bytes"] += tensor.numel() * tensor.element_size()
+        return all_reduce(tensor, *args, group=group, **kwargs)
+
     trainer.pipeline_schedule, trainer.train_step = watched_schedule, counted_step
+    trainer.dist.all_reduce = watched_all_reduce
     seen["in_step"] = False  # FSDP's calls inside training steps, not evaluation's or export's
     count_calls(trainer.dist, {"reduce_scatter_tensor": "reduce_scatters",  # the names vary by
                                "reduce_scatter_single": "reduce_scatters",  # release

@@ -253,6 +253,17 @@ def test_1f1b_holds_two_micro_batches_gpipe_four_and_the_last_stage_keeps_no_log
         assert last["stage"] == rank and last["steps"] > 0 and last["kept_outputs"] == 0, last
 
 
+def test_the_traffic_line_gives_the_tied_all_reduce_that_the_end_stages_send(runs):
+    """At dp 2 x pp 2 each end stage all-reduces its shard of the tied gradient once a step: the
+    bytes recorded (tests/probe_pp.py, 10 steps) are the traffic line's per step: the shard of
+    the matrix's 32,768 fp32 bytes that FSDP leaves each of the 2 replicas, not the whole."""
+    line = re.search(r"the tied matrix: an all-reduce of ([\d.]+) MiB per step", runs["grid"])
+    for rank in range(4):
+        seen = json.loads((runs["dir"] / "counted" / f"rank{rank}.json").read_text())
+        assert seen["tied_bytes"] == 10 * 256 * 32 * 4 / 2, (rank, seen)  # vocab x C x fp32 / dp
+        assert float(line.group(1)) == pytest.approx(seen["tied_bytes"] / 10 / 2**20, abs=0.005)
+
+
 def test_compiled_or_not_fsdp_gathers_and_reduces_once_per_group_and_step(runs, monkeypatch):
     """FSDP's reduce-scatters and all-gathers inside the training steps: one of each per FSDP group
     (each block, and the stage's root) and step, counted on every rank of dp 2 x pp 2 (2
