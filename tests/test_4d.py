@@ -21,7 +21,8 @@
    process's weights at the same step and samples in chapter 3;
 4. what a rank holds and sends: the parameters of its shards add up over the mesh to the model
    (the tied matrix twice: its two stages), as the memory line counts them; the bytes rank 0 sends
-   in a step, by group, are the traffic line's (tests/probe_4d.py counts them);
+   in a step, by group, are the traffic line's (tests/probe_4d.py counts them), with sequence
+   parallelism and without, and with blocks recomputed (CP's gathers: two per block, not three);
 5. bad input is one line and exit code 2: sizes whose product does not divide the world size
    (one line from rank 0, before any group), tp not dividing the heads, more stages than blocks,
    a context that 2 x cp does not divide, a cp share that sequence parallelism cannot split by tp;
@@ -65,7 +66,9 @@ CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not he
                "test_with_dropout_and_sp_off_dp2_x_tp2_logs_ddps_numbers_and_a_tp_pair_drops_alike"],
     "dropout": ["test_with_dropout_and_sp_off_dp2_x_tp2_logs_ddps_numbers_and_a_tp_pair_drops_alike",
                 "test_with_sequence_parallelism_every_rank_drops_its_own_tokens_with_its_own_mask"],
-    "collectives": None,  # one layout's bytes, not each flag's collectives
+    "collectives": ["test_the_traffic_line_is_what_rank_0_sends_in_a_step",
+                    "test_without_sequence_parallelism_tp_sends_what_the_traffic_line_says",
+                    "test_a_recomputed_block_gathers_keys_and_values_as_the_traffic_line_says"],
     "policy": ["test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32"],
     "resume": ["test_pp2_cp2_goes_on_from_the_8_process_checkpoint",
                "test_the_4d_checkpoint_resumes_in_chapters_7_to_10"],
@@ -105,8 +108,9 @@ def runs(tmp_path_factory):
     launched = {}
     r = {"ch7": in_process("train_fsdp_minigpt.py", ONE + [  # one process's step 8
         "--max-steps", 8, "--eval-every", 8, "--save", d / "ch7", "--export", d / "ch7.pt"])}
+    (d / "square").mkdir()
     cmds["square"] = command("tests/probe_4d.py", [
-        "run", *ONE, "--pp", 1, "--cp", 2, "--tp", 2, "--sequence-parallel", "off",
+        "record", d / "square", *ONE, "--pp", 1, "--cp", 2, "--tp", 2, "--sequence-parallel", "off",
         "--max-steps", 16, *EVAL_6, "--resume", d / "ch7", "--save", "", "--export", ""], nproc=4)
     launched["square"] = start(cmds["square"], REPO)
     r.update(one=one_process_reference()[0], ddp=ddp_reference()[0], dir=d,
@@ -350,6 +354,18 @@ def test_a_recomputed_block_gathers_keys_and_values_as_the_traffic_line_says(run
                      r"([\d.]+) MiB", runs["pipes"])
     assert sent["cp"] == pytest.approx(float(line.group(1)) * 2**20, abs=0.0006 * 2**20)
     assert sent["cp"] > 0 and sent.get("tp", 0) == 0  # tp 1: no TP traffic
+
+
+def test_without_sequence_parallelism_tp_sends_what_the_traffic_line_says(runs):
+    """tp 2 x cp 2 with sequence parallelism off: TP's all-reduces of the whole stream send what
+    the line says for tp, as SP's all-gathers and reduce-scatters do (the test below); cp's gathers
+    too. Recorded in the run's second step, rank 0 (tests/probe_4d.py)."""
+    sent = record(runs["dir"] / "square", 0)["sent"]
+    line = re.search(r"traffic per step, rank 0 \(stage 0, 2 blocks\): tp ([\d.]+) MiB \| cp "
+                     r"([\d.]+) MiB", runs["square"])
+    tp, cp = (float(x) * 2**20 for x in line.groups())
+    assert sent["cp"] == pytest.approx(cp, abs=0.0006 * 2**20) and sent["cp"] > 0
+    assert sent["tp"] == pytest.approx(tp, abs=0.0012 * 2**20) and sent["tp"] > 0
 
 
 def test_the_traffic_line_is_what_rank_0_sends_in_a_step(runs):
