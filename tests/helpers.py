@@ -510,11 +510,12 @@ def assert_bf16_policy_reduces_in_fp32(module):
 def ddp_dropout_reference():
     """Chapter 3 at 2 processes with NOISY, run once: the losses, gradient norms and validation
     losses (padded) that chapters 7 and 8 must log with dropout, a binding clip and padding. It
-    runs through tests/probe_minigpt.py's `record`, which writes each rank's first dropout mask
-    (hashed) to the folder. Returns (what it printed, that folder)."""
+    runs as two nodes of one process each (chapter 4's launcher), through
+    tests/probe_minigpt.py's `record`, which writes each rank's windows and first dropout mask
+    (hashed) to the folder. Returns (what rank 0's node printed, that folder)."""
     folder = scratch("ddp_dropout")
-    cmd = command("tests/probe_minigpt.py", ["record", folder, *NOISY], nproc=2)
-    return ok(finish(start(cmd, REPO), cmd)), folder
+    nodes = start_two_nodes("tests/probe_minigpt.py", ["record", folder, *NOISY])()
+    return next(out for out in nodes if "world size 2 " in out), folder
 
 
 @functools.cache

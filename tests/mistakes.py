@@ -142,7 +142,7 @@ CATALOGUE = [
               "torch.manual_seed(args.seed)  # DDP 6")],
             "one dropout seed for every rank: the replicas drop the same units",
             "torch.manual_seed(args.seed + run.rank)  # DDP 6",
-            [T_GPT + "test_each_rank_draws_its_own_dropout_masks",
+            [T_GPT + "test_on_two_nodes_each_rank_reads_its_own_windows_and_draws_its_own_masks",
              T_TP + "test_with_dropout_and_a_padded_evaluation_dp2_x_tp2_logs_ddps_numbers"]),
     Mistake("gpt-every-rank-same-windows", 3, C3,
             [("return (offset + order * (self.block + 1))[self.rank::self.world].numpy()",
@@ -207,6 +207,13 @@ CATALOGUE = [
             "fp16: the gradients clipped while still scaled: the clip binds always, the norm 65,536x",
             "scaler.unscale_ before clip_grad_norm_",
             [T_GPT + "test_fp16_clips_and_logs_the_unscaled_gradient_norm"]),
+    Mistake("gpt-windows-by-local-rank", 3, C3,
+            [("    windows = Windows(train, args.block_size, args.batch_size, run.rank, run.world_size,",
+              "    windows = Windows(train, args.block_size, args.batch_size,\n"
+              "                      int(os.environ[\"LOCAL_RANK\"]), run.world_size,")],
+            "the windows dealt by the rank on its node: on two nodes both read the same",
+            "run.rank, the global rank  # DDP 4",
+            [T_GPT + "test_on_two_nodes_each_rank_reads_its_own_windows_and_draws_its_own_masks"]),
     Mistake("gpt-model-cast-to-bf16", 3, C3,
             [("    raw_model = GPT(**config).to(run.device)\n",
               "    raw_model = GPT(**config).to(run.device, torch.bfloat16 if args.amp == 'bf16' "

@@ -22,7 +22,8 @@ CPU/gloo), with a small model on the default corpus. These tests prove:
 8. a second layout: 3 processes log one process's losses, gradient norms (where a clip binds and
    where it does not) and validation losses over windows dealt unequally, and their checkpoint
    goes on in one process with the uninterrupted run's next steps;
-9. with dropout each rank draws its own masks (recorded by the probe, the two ranks' differ);
+9. on two nodes of one process, with dropout, each rank reads its own windows and draws its own
+   masks (recorded by the probe: the two ranks' differ);
 10. with --amp bf16 the matrix products run in bf16 while DDP all-reduces fp32 gradients.
 Bad inputs are in test_minigpt_inputs.py; --check-sync and timeouts in test_debugging.py.
 """
@@ -50,7 +51,7 @@ CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not he
                   "test_three_processes_log_one_processs_norms_and_validation_and_resume_at_one"],
     "norms": ["test_three_processes_log_one_processs_norms_and_validation_and_resume_at_one"],
     "padded": ["test_three_processes_log_one_processs_norms_and_validation_and_resume_at_one"],
-    "dropout": ["test_each_rank_draws_its_own_dropout_masks"],
+    "dropout": ["test_on_two_nodes_each_rank_reads_its_own_windows_and_draws_its_own_masks"],
     "collectives": ["test_disjoint_windows_one_allreduce_per_step_and_accumulation_is_exact",
                     "test_no_sync_holds_the_forward_too_or_every_micro_batch_all_reduces"],
     "policy": ["test_bf16_computes_in_bf16_while_ddp_all_reduces_fp32_gradients"],
@@ -117,14 +118,17 @@ def test_three_processes_log_one_processs_norms_and_validation_and_resume_at_one
     assert val_losses(resumed)[6] == pytest.approx(val_losses(one)[6], abs=1e-4)
 
 
-def test_each_rank_draws_its_own_dropout_masks():
-    """With --dropout 0.1 (helpers.NOISY at 2 processes, the run chapters 7 and 8 compare with),
-    the two ranks' first dropout masks differ: each rank seeds its own. A rank seeded like the
-    others would draw their masks on other data. The control: the run without dropout
-    (ddp_reference, through the same probe) records no mask."""
+def test_on_two_nodes_each_rank_reads_its_own_windows_and_draws_its_own_masks():
+    """With --dropout 0.1 on two nodes of one process (helpers.NOISY, the run chapters 7 and 8
+    compare with), the ranks read disjoint windows (dealt by global rank: by the rank on its node,
+    both would read the same) and their first dropout masks differ: each rank seeds its own. The
+    control: the run without dropout (ddp_reference, through the same probe) records no mask."""
     _, folder = ddp_dropout_reference()
-    masks = [json.loads((folder / f"rank{r}.json").read_text()).get("dropout_mask") for r in (0, 1)]
+    seen = [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]
+    masks = [rank.get("dropout_mask") for rank in seen]
     assert None not in masks and masks[0] != masks[1], masks
+    assert len(seen[0]["windows"]) == 4 * 2 * 6  # steps x micro-batches x batch
+    assert not set(seen[0]["windows"]) & set(seen[1]["windows"])
     plain = json.loads((ddp_reference()[2] / "rank0.json").read_text())
     assert "dropout_mask" not in plain and plain["allreduce_calls"] == 18
 
