@@ -643,8 +643,15 @@ def train_step(run, schedule, model, optimizer, windows, step):
     first, last, losses = run.stage == 0, run.stage == args.pp - 1, []
     inputs, target = ((x,) if first else ()), (y if last else None)
     with loss_parallel():  # 4D 8: the loss and its backward from logits split by vocabulary
-        schedule.step(*inputs, target=target, losses=losses if last else None,
-                      return_outputs=False)  # each cp rank's mean; all have as many targets
+        if args.pp > 1:
+            schedule.step(*inputs, target=target, losses=losses if last else None,
+                          return_outputs=False)  # each cp rank's mean; all have as many targets
+        else:  # no pipeline: each backward reduce-scatters at once, so no rank keeps whole
+            # gradients through the step (a schedule turns that off until its last backward)
+            for xs, ys in zip(x.chunk(args.grad_accum), y.chunk(args.grad_accum)):
+                loss = mean_token_loss(model(xs), ys)  # 4D 8: one micro-batch's mean
+                (loss / args.grad_accum).backward()  # a K-th of the step's mean loss
+                losses.append(loss.detach())
     losses = [local(part) for part in losses]  # 4D 8: plain tensors, a copy on each tp rank
     loss = torch.stack(losses).mean() if last else torch.zeros((), device=run.device)
     sum_tied_gradients(run, model)  # PP 4: a collective of the two ends

@@ -11,8 +11,9 @@ course never imports it:
         second training step (none if it runs one), by group ("tp", "cp", "pp", "fsdp": dp x
         cp, "tied": the first and last stage, "world"), each collective counted as a ring sends:
         an all-gather (g - 1) times its input, a reduce-scatter (g - 1) / g of its input, an
-        all-reduce twice that, an isend its tensor, and with --dropout "dropout_mask": the first
-        mask the stage's first dropout drew in training, hashed}
+        all-reduce twice that, an isend its tensor; "calls": how many of each kind in that step,
+        by group ("fsdp reduce_scatter"); and with --dropout "dropout_mask": the first mask the
+        stage's first dropout drew in training, hashed}
     torchrun ... tests/probe_4d.py run [trainer flags]
         the trainer as it is, nothing watched (the test launches that need no records)
     torchrun ... tests/probe_4d.py crash STEP:RANK OUT_DIR [trainer flags]
@@ -44,16 +45,18 @@ def record(out_dir, crash_at=None):
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     dist = trainer.dist
-    saved, seen, groups = Saved(), {"steps": 0, "sent": {}}, {}  # sent: the second step's
+    saved, seen, groups = Saved(), {"steps": 0, "sent": {}, "calls": {}}, {}  # the second step's
     kill_step, kill_rank = crash_at or (None, None)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     kill = first_attempt and int(os.environ["RANK"]) == kill_rank
     pipeline_schedule, train_step, counting = trainer.pipeline_schedule, trainer.train_step, [0]
 
-    def add(group_name, nbytes):
+    def add(group_name, nbytes, what):
         if counting[0] == 1:  # inside a training step, outermost calls only
             label = groups.get(group_name, group_name)
             seen["sent"][label] = seen["sent"].get(label, 0) + nbytes
+            call = f"{label} {what}"
+            seen["calls"][call] = seen["calls"].get(call, 0) + 1
 
     class Functional(TorchDispatchMode):  # DTensor's collectives: TP's, the norm's
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -61,7 +64,8 @@ def record(out_dir, crash_at=None):
             if func.namespace == "_c10d_functional" and kind(name):
                 group = args[-1]  # its name, the last argument of every one of them
                 size = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group))
-                add(group, args[0].numel() * args[0].element_size() * RING[kind(name)](size))
+                add(group, args[0].numel() * args[0].element_size() * RING[kind(name)](size),
+                    kind(name))
             return func(*args, **(kwargs or {}))
 
     def wrap(name):  # dist.NAME, counted by the group it is called on
@@ -73,7 +77,8 @@ def record(out_dir, crash_at=None):
             group = bound.get("group") or dist.group.WORLD
             tensor = next(bound[k] for k in ("input_tensor", "input", "tensor") if k in bound)
             share = 1 if name == "isend" else RING[kind(name)](dist.get_world_size(group))
-            add(group.group_name, tensor.numel() * tensor.element_size() * share)
+            add(group.group_name, tensor.numel() * tensor.element_size() * share,
+                kind(name) or name)
             counting[0] += counting[0] > 0  # what it calls inside is not counted again
             try:
                 return original(*args, **kwargs)

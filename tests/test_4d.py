@@ -368,6 +368,17 @@ def test_without_sequence_parallelism_tp_sends_what_the_traffic_line_says(runs):
     assert sent["tp"] == pytest.approx(tp, abs=0.0012 * 2**20) and sent["tp"] > 0
 
 
+def test_at_pp1_each_micro_batch_reduce_scatters_and_under_a_schedule_the_step_once(runs):
+    """At --pp 1 there is no schedule: each micro-batch's backward reduce-scatters every FSDP unit
+    (2 blocks and the root, 2 micro-batches: 6 a step), so no rank keeps whole gradients through
+    a step, as chapter 7 with --grad-sync every. Under a schedule (pp 2, stage 0: block 0 and the
+    root) FSDP reduce-scatters once a step, after the last backward (2). Counted by the probe."""
+    square = record(runs["dir"] / "square", 0)["calls"]
+    pipes = record(runs["dir"] / "pipes", 0)["calls"]
+    assert square["fsdp reduce_scatter"] == 3 * 2, square
+    assert pipes["fsdp reduce_scatter"] == 2, pipes
+
+
 def test_the_traffic_line_is_what_rank_0_sends_in_a_step(runs):
     """The bytes rank 0 sent in a training step, by group (tests/probe_4d.py counts each collective
     as a ring sends it), against the traffic line's formula: cp's and pp's (with the tied
