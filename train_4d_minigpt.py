@@ -1189,7 +1189,8 @@ def parse_args(argv=None):
       help="yes: free each block's gathered weights (but the last's) after each forward, "
            "from then to its backward only: the schedule keeps them after each backward, so "
            "the whole stage is gathered again by then (more all-gathers, the same peak); "
-           "no: one all-gather per block and step (default: no)")
+           "no: one all-gather per block and step, or per micro-batch at --pp 1, where no "
+           "schedule keeps them (default: no)")
     a("--debug", action="store_true", help="TORCH_DISTRIBUTED_DEBUG and each rank's data windows")
     a = p.add_argument_group("evaluation, logging, checkpoints").add_argument
     a("--eval-every", type=positive(int), default=100, metavar="N",
