@@ -1188,7 +1188,7 @@ def parse_args(argv=None):
     a("--reshard-after-forward", choices=["yes", "no"], default="no",  # PP 1: no by default
       help="yes: free each block's gathered weights (but the last's) after each forward, "
            "from then to its backward only: the schedule keeps them after each backward, so "
-           "the whole stage is gathered again by then (more all-gathers, the same peak); "
+           "the whole stage is gathered again by then (more all-gathers, no lower peak); "
            "no: one all-gather per block and step, or per micro-batch at --pp 1, where no "
            "schedule keeps them (default: no)")
     a("--debug", action="store_true", help="TORCH_DISTRIBUTED_DEBUG and each rank's data windows")

@@ -34,8 +34,10 @@
 import json
 import re
 import shutil
+import types
 
 import pytest
+import torch
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
 from helpers import assert_bf16_policy_reduces_in_fp32
@@ -377,6 +379,10 @@ def test_at_pp1_each_micro_batch_reduce_scatters_and_under_a_schedule_the_step_o
     pipes = record(runs["dir"] / "pipes", 0)["calls"]
     assert square["fsdp reduce_scatter"] == 3 * 2, square
     assert pipes["fsdp reduce_scatter"] == 2, pipes
+    # --reshard-after-forward no (the default): each unit gathered once per micro-batch at pp 1
+    # (resharded after its backward), once per step under the schedule; yes would gather block 0
+    # again in each backward
+    assert square["fsdp all_gather"] == 3 * 2 and pipes["fsdp all_gather"] == 2, (square, pipes)
 
 
 def test_the_traffic_line_is_what_rank_0_sends_in_a_step(runs):
@@ -433,6 +439,30 @@ def test_benchmark_scaling_reads_the_4d_trainers_summary(runs):
     row = bench.pace_row(summary(runs["grid"]), 8, 0.0)
     assert row["per_step"] == 6 * 32 * 2 * 2 and row["unit"] == "tokens/s"  # batch x T x K x dp
     assert row["throughput"] == pytest.approx(768 / (row["step_ms"] / 1000), rel=0.01)
+
+
+def test_the_dropout_streams_and_the_tokens_per_step_go_by_the_right_ranks():
+    """The dropout seed's offset: with sequence parallelism each rank its own (cp 2 x tp 2: 0, 1,
+    2, 3); without, one per tp pair (0, 0, 1, 1), so a pair drops its copies of one stream alike
+    and the cp ranks their different tokens differently. A step's tokens: batch x context x
+    micro-batches x dp replicas; the cp and tp ranks of a replica read the same sequences."""
+    module = trainer(FOURD)
+    for sp, offsets in (("on", [0, 1, 2, 3]), ("off", [0, 0, 1, 1])):
+        args = module.parse_args(["--cp", "2", "--tp", "2", "--sequence-parallel", sp])
+        runs_ = [types.SimpleNamespace(args=args, rank=r, dp_rank=0) for r in range(4)]
+        assert [module.dropout_stream(run) for run in runs_] == offsets, sp
+    args = module.parse_args(["--batch-size", "6", "--block-size", "32", "--grad-accum", "2",
+                              "--cp", "2", "--tp", "2"])
+    run = types.SimpleNamespace(args=args, dp_size=3, world_size=24)
+    assert module.tokens_per_step(run) == 6 * 32 * 2 * 3
+
+
+def test_the_memory_line_counts_16_bytes_per_parameter_of_a_ranks_shards():
+    """Weights, gradients and AdamW's two moments, fp32: 16 bytes per parameter of the shards."""
+    model = types.SimpleNamespace(parameters=lambda: iter([torch.zeros(1)]), whole_params=4096)
+    line = trainer(FOURD).memory_line(model, [(True, 0, "embeddings, block 0", 65536)])
+    assert "stage 0 (embeddings, block 0) 1.00 MiB, 65,536 parameters" in line, line
+    assert "(of 4,096; DDP: 0.06 MiB)" in line, line
 
 
 def test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32():
