@@ -465,6 +465,23 @@ def test_the_memory_line_counts_16_bytes_per_parameter_of_a_ranks_shards():
     assert "(of 4,096; DDP: 0.06 MiB)" in line, line
 
 
+def test_key_and_value_gradients_are_summed_in_fp32(monkeypatch):
+    """Under bf16 the reduce-scatter of dK and dV over the cp group adds in fp32 and rounds once,
+    at the end (the control: the gradient that comes in is bf16)."""
+    module, sent = trainer(FOURD), {}
+
+    def reduce_scatter(out, parts, group=None):  # as if both ranks sent this rank's parts
+        sent["dtype"] = parts.dtype
+        out.copy_(2 * parts[:len(out)])
+    monkeypatch.setattr(module.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(module.dist, "reduce_scatter_single", reduce_scatter)
+    grad = torch.randn(2, 1, 2, 8, 4).bfloat16()  # K and V, batch, heads, 2 ranks' 4 tokens, size
+    mine, _ = module.GatherContext.backward(types.SimpleNamespace(group=None), grad)
+    assert grad.dtype == torch.bfloat16 and sent["dtype"] == torch.float32
+    assert mine.dtype == torch.bfloat16 and mine.shape == (2, 1, 2, 4, 4)
+    torch.testing.assert_close(mine, (2 * grad[..., :4, :].float()).bfloat16())
+
+
 def test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32():
     """FSDP's policy in this chapter: bf16 weights for compute, fp32 gradient reductions."""
     assert_bf16_policy_reduces_in_fp32(trainer(FOURD))
