@@ -494,6 +494,54 @@ NOISY = SHARDED + ["--dropout", "0.1", "--clip", "2.0", "--eval-windows", "13", 
                    "--eval-every", "4", "--save", ""]
 
 
+# A clip of 2.0 that binds in steps 1 and 2 and not in 3 and 4, and 13 validation windows (7 and 6
+# on 2 replicas: one padded batch), no dropout: chapters 9, 10 and 11 at 2 replicas of 6 sequences
+# against one_process_clipped().
+CLIPPED = SHARDED + ["--clip", "2.0", "--eval-windows", "13", "--max-steps", "4", "--eval-every",
+                     "4", "--save", ""]
+
+
+@functools.cache
+def one_process_clipped():
+    """Chapter 3 in this process with CLIPPED and --batch-size 12: 2 replicas' global batch."""
+    return in_process(GPT, CLIPPED + ["--batch-size", 12])
+
+
+def assert_clipped_run_is_one_processs(out, val_abs=1e-4):
+    """A CLIPPED run at 2 replicas logs one process's losses (1e-5 relative), its gradient norms
+    before clipping (3 decimals) where the clip binds (steps 1 and 2) and where it does not (3 and
+    4, the control), and its validation losses, the padded evaluation's among them."""
+    one = one_process_clipped()
+    assert sorted(logged_losses(out)) == [1, 2, 3, 4], out
+    for step in range(1, 5):
+        assert logged_losses(out)[step] == pytest.approx(logged_losses(one)[step], rel=1e-5), step
+        assert logged_grad_norms(out)[step] == pytest.approx(logged_grad_norms(one)[step],
+                                                             abs=2e-3), step
+    norms = logged_grad_norms(one)
+    assert [norms[step] > 2.0 for step in range(1, 5)] == [True, True, False, False], norms
+    assert sorted(logged_val_losses(out)) == [0, 4]
+    assert logged_val_losses(out) == pytest.approx(logged_val_losses(one), abs=val_abs)
+
+
+def assert_kv_gradients_summed_in_fp32(module, monkeypatch):
+    """A chapter's GatherContext.backward under bf16: the reduce-scatter of dK and dV adds in fp32
+    and rounds once, at the end (the control: the gradient that comes in is bf16)."""
+    import types
+    import torch
+    sent = {}
+
+    def reduce_scatter(out, parts, group=None):  # as if both ranks sent this rank's parts
+        sent["dtype"] = parts.dtype
+        out.copy_(2 * parts[:len(out)])
+    monkeypatch.setattr(module.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(module.dist, "reduce_scatter_single", reduce_scatter)
+    grad = torch.randn(2, 1, 2, 8, 4).bfloat16()  # K and V, batch, heads, 2 ranks' 4 tokens, size
+    mine, _ = module.GatherContext.backward(types.SimpleNamespace(group=None), grad)
+    assert grad.dtype == torch.bfloat16 and sent["dtype"] == torch.float32
+    assert mine.dtype == torch.bfloat16 and mine.shape == (2, 1, 2, 4, 4)
+    torch.testing.assert_close(mine, (2 * grad[..., :4, :].float()).bfloat16())
+
+
 def assert_bf16_policy_reduces_in_fp32(module):
     """A chapter's FSDP MixedPrecisionPolicy: with --amp bf16 the weights are gathered and used in
     bf16 and the gradients reduced in fp32 (a bf16 sum over many ranks rounds at each addition);

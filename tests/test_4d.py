@@ -41,6 +41,8 @@ import torch
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
 from helpers import assert_bf16_policy_reduces_in_fp32
+from helpers import CLIPPED, assert_clipped_run_is_one_processs, one_process_clipped
+from helpers import assert_kv_gradients_summed_in_fp32
 from helpers import (EVAL_6, GPT, NEEDS_CP, NOISY, REPO, SHARDED, as_script, command,
                      ddp_dropout_reference, ddp_reference, finish, in_process, needs_torch, ok,
                      one_process_reference, start, start_two_nodes, summary, trainer)
@@ -50,13 +52,9 @@ import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path:
 pytestmark = needs_torch(*NEEDS_CP)
 FOURD = "train_4d_minigpt.py"
 ONE = SHARDED + ["--batch-size", 12]  # one replica: the global batch of one_process_reference
-# A clip of 2.0 that binds in steps 1 and 2 and not in 3 and 4; 13 validation windows (7 and 6 on
-# two replicas: one padded batch)
 # Four blocks on three stages (uneven), 4 micro-batches of 3 (1F1B needs as many as stages)
 THREE = SHARDED + ["--n-layer", 4, "--batch-size", 3, "--grad-accum", 4, "--max-steps", 3,
                    "--save", ""]
-CLIPPED = SHARDED + ["--clip", 2.0, "--eval-windows", 13, "--max-steps", 4, "--eval-every", 4,
-                     "--save", ""]
 
 
 CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not held yet
@@ -117,8 +115,8 @@ def runs(tmp_path_factory):
     launched["square"] = start(cmds["square"], REPO)
     r.update(one=one_process_reference()[0], ddp=ddp_reference()[0], dir=d,
              ddp_dropout=ddp_dropout_reference()[0],
-             one_clipped=in_process(GPT, CLIPPED + ["--batch-size", 12]),  # the grid's batch
              one_of_three=in_process(GPT, THREE))
+    one_process_clipped()  # the grid's global batch in this process
     outs = [out for out in nodes() if "world size 8 " in out]  # rank 0's node logs
     assert len(outs) == 1
     r["nodes"], step_8 = outs[0], d / "ck" / "step-000008"
@@ -181,15 +179,9 @@ def test_dp2_pp2_tp2_logs_one_processs_norms_about_a_binding_clip_and_padded_val
     losses, its gradient norms before clipping where the clip binds (steps 1 and 2) and where it
     does not (3 and 4, the control), and its validation losses; dp index j reads what DDP's rank j
     reads (every stage and tp rank of a replica the same windows)."""
-    grid, one, ddp = runs["grid"], runs["one_clipped"], runs["ddp"]
+    grid, ddp = runs["grid"], runs["ddp"]
     assert "world size 8 (2 pp x 2 dp x 1 cp x 2 tp) |" in grid
-    assert sorted(losses(grid)) == [1, 2, 3, 4]
-    for step in range(1, 5):
-        assert losses(grid)[step] == pytest.approx(losses(one)[step], rel=1e-5), step
-        assert grad_norms(grid)[step] == pytest.approx(grad_norms(one)[step], abs=2e-3), step
-    assert [grad_norms(one)[step] > 2.0 for step in range(1, 5)] == [True, True, False, False]
-    assert sorted(val_losses(grid)) == [0, 4]
-    assert val_losses(grid) == pytest.approx(val_losses(one), abs=2e-4)
+    assert_clipped_run_is_one_processs(grid, val_abs=2e-4)
     windows = re.findall(r"^\[rank (\d)\] stage (\d), dp (\d), cp 0, tp (\d): \d+ micro-batches "
                          r"per epoch, first windows at tokens (\[[\d, ]+\])$", grid, re.M)
     ddp_windows = dict(re.findall(r"^\[rank (\d)\] \d+ micro-batches per epoch, first windows at "
@@ -449,8 +441,8 @@ def test_the_dropout_streams_and_the_tokens_per_step_go_by_the_right_ranks():
     module = trainer(FOURD)
     for sp, offsets in (("on", [0, 1, 2, 3]), ("off", [0, 0, 1, 1])):
         args = module.parse_args(["--cp", "2", "--tp", "2", "--sequence-parallel", sp])
-        runs_ = [types.SimpleNamespace(args=args, rank=r, dp_rank=0) for r in range(4)]
-        assert [module.dropout_stream(run) for run in runs_] == offsets, sp
+        ranks = [types.SimpleNamespace(args=args, rank=r, dp_rank=0) for r in range(4)]
+        assert [module.dropout_stream(run) for run in ranks] == offsets, sp
     args = module.parse_args(["--batch-size", "6", "--block-size", "32", "--grad-accum", "2",
                               "--cp", "2", "--tp", "2"])
     run = types.SimpleNamespace(args=args, dp_size=3, world_size=24)
@@ -468,18 +460,7 @@ def test_the_memory_line_counts_16_bytes_per_parameter_of_a_ranks_shards():
 def test_key_and_value_gradients_are_summed_in_fp32(monkeypatch):
     """Under bf16 the reduce-scatter of dK and dV over the cp group adds in fp32 and rounds once,
     at the end (the control: the gradient that comes in is bf16)."""
-    module, sent = trainer(FOURD), {}
-
-    def reduce_scatter(out, parts, group=None):  # as if both ranks sent this rank's parts
-        sent["dtype"] = parts.dtype
-        out.copy_(2 * parts[:len(out)])
-    monkeypatch.setattr(module.dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(module.dist, "reduce_scatter_single", reduce_scatter)
-    grad = torch.randn(2, 1, 2, 8, 4).bfloat16()  # K and V, batch, heads, 2 ranks' 4 tokens, size
-    mine, _ = module.GatherContext.backward(types.SimpleNamespace(group=None), grad)
-    assert grad.dtype == torch.bfloat16 and sent["dtype"] == torch.float32
-    assert mine.dtype == torch.bfloat16 and mine.shape == (2, 1, 2, 4, 4)
-    torch.testing.assert_close(mine, (2 * grad[..., :4, :].float()).bfloat16())
+    assert_kv_gradients_summed_in_fp32(trainer(FOURD), monkeypatch)
 
 
 def test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32():
