@@ -38,7 +38,9 @@ are gathered and freed together; the root is the unit of the rest (embeddings, f
 DCP, torch.distributed.checkpoint, saves and loads every rank's shards, at any layout. A rank's
 place is its (dp, cp, tp) coordinates: the ranks at one place, one per stage, form its pp group and
 pass activations along it; the end stages, the first and the last, each hold a copy of the tied
-embedding and head.
+embedding and head. With --schedule interleaved-1f1b a rank holds --stages-per-rank stages, every
+pp-th (rank r of the pp group: stages r, r + pp, ...), and a micro-batch goes round the group once
+per stage a rank holds: a smaller bubble, for more sends.
 
 TP and CP's terms. TP splits a linear layer column-wise (each rank computes some of its outputs
 from the whole input) or row-wise (each rank computes, from some of the inputs, a partial sum of
@@ -117,7 +119,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # FSDP 3
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh  # FSDP 2
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # FSDP 1
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # PP 1
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,  # PP 1
+                                          ScheduleInterleaved1F1B)
 from torch.distributed.tensor import DTensor, Replicate, Shard  # 4D 5
 from torch.distributed.tensor import distribute_tensor  # FSDP 2
 from torch.distributed.tensor.parallel import (ColwiseParallel,  # 4D 5
@@ -219,7 +222,8 @@ def make_run(args, device, rank, world_size):
     print0(is_main, f"world size {world_size} ({args.pp} pp x {run.dp_size} dp x {args.cp} cp x "
                     f"{args.tp} tp) | device {device} | amp {amp} | {tokens_per_step(run):,} "
                     f"tokens per step ({args.batch_size} x {args.block_size} x {args.grad_accum} "
-                    f"micro-batches x {run.dp_size} replicas) | schedule {args.schedule}")  # 4D 2
+                    f"micro-batches x {run.dp_size} replicas) | schedule {args.schedule}"  # 4D 2
+                    + f", {args.stages_per_rank} stages per rank" * (args.stages_per_rank > 1))
     print0(is_main, layout_line(mesh, world_size - 1))  # 4D 1: one rank's place and groups
     return run
 
@@ -387,13 +391,15 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
     """This rank's stage of the model, split by TP and sharded over dp x cp, and its AdamW."""
     args = run.args
     with torch.device("meta"):  # FSDP 2: shapes and dtypes, no memory
-        raw_model = Stage(GPT(**model_config(args, vocab_size)), run.stage, args.pp,  # 4D 3
-                          run.context)  # PP 5; the schedule's forwards use this Context
+        gpt = GPT(**model_config(args, vocab_size))
+        raw_model = RankStages(gpt, run.stage, args.pp, args.stages_per_rank,  # PP 5
+                               run.context)  # 4D 3: the schedule's forwards use this Context
     shard(run, raw_model)  # FSDP 2: before the optimizer, which must see the shards
     raw_model.to_empty(device=run.device)  # FSDP 2: this rank's shards, not yet filled
     # PP 5: from --seed alone on every rank, so that any layout starts from one process's weights
     init_shards(raw_model, args.seed, args.n_layer)  # n_layer: the GPT's depth, not the stage's
-    raw_model.grad_checkpointing = args.grad_checkpointing
+    for part in raw_model.parts:
+        part.grad_checkpointing = args.grad_checkpointing
     optimizer = make_optimizer(raw_model, args, run.device)
     torch.manual_seed(args.seed + dropout_stream(run))  # 4D 5: by rank, or by tp group
     print0(run.is_main, f"model {raw_model.whole_params:,} parameters | "  # PP 5: the GPT's
@@ -414,18 +420,19 @@ def shard(run, model):  # FSDP 2: every block a unit of its own, then the root
     # gradients is the gradient of the mean loss over all tokens, as each holds as many tokens.
     mesh = run.mesh["dp", "cp"]._flatten("dp_cp")  # 4D 5
     reshard = run.args.reshard_after_forward == "yes"
-    for i, block in enumerate(model.blocks.values()):  # PP 5: the stage's blocks
-        last = i == len(model.blocks) - 1  # the backward starts with it: kept whole
-        if run.args.tp > 1:  # 4D 5: --tp 1 leaves the blocks whole
-            parallelize_module(block, run.mesh["tp"], block_plan(sp))  # collectives in forward
-        fully_shard(block, mesh=mesh, mp_policy=run.policy,
-                    reshard_after_forward=reshard and not last)  # its parameters become shards
-    plan = ends_plan(model, sp)  # 4D 5: the ends this stage holds, split by vocabulary
-    if run.args.tp > 1 and plan:
-        parallelize_module(model, run.mesh["tp"], plan)  # collectives in forward
-        if model.tok_emb is not None and model.head is not None:  # --pp 1: one matrix again
-            model.head.weight = model.tok_emb.weight  # both split the vocabulary alike
-    fully_shard(model, mesh=mesh, mp_policy=run.policy)  # the root: whole until its backward
+    for part in model.parts:  # PP 5: each stage the rank holds is a root of its own
+        for i, block in enumerate(part.blocks.values()):  # PP 5: the stage's blocks
+            last = i == len(part.blocks) - 1  # the backward starts with it: kept whole
+            if run.args.tp > 1:  # 4D 5: --tp 1 leaves the blocks whole
+                parallelize_module(block, run.mesh["tp"], block_plan(sp))  # collectives in forward
+            fully_shard(block, mesh=mesh, mp_policy=run.policy,
+                        reshard_after_forward=reshard and not last)  # its parameters: shards
+        plan = ends_plan(part, sp)  # 4D 5: the ends this stage holds, split by vocabulary
+        if run.args.tp > 1 and plan:
+            parallelize_module(part, run.mesh["tp"], plan)  # collectives in forward
+            if part.tok_emb is not None and part.head is not None:  # --pp 1: one matrix again
+                part.head.weight = part.tok_emb.weight  # both split the vocabulary alike
+        fully_shard(part, mesh=mesh, mp_policy=run.policy)  # the root: whole until its backward
 
 
 def block_plan(sp):
@@ -562,11 +569,15 @@ def pipeline_schedule(run, model):
     FSDP reduce-scatters once; the schedule then divides the gradients by K, for the mean loss.
     Until then a rank holds its stage's whole gradients and gathered weights: PipelineStage turns
     FSDP's gradient sync and its reshard after backward off for every micro-batch."""
-    inputs, outputs = stage_shapes(run, model)  # given, so no forward is run to infer them
-    stage = PipelineStage(model, run.stage, run.args.pp, run.device, inputs, outputs,
-                          group=run.mesh.get_group("pp"))  # PP 1: sends along the pp group
+    stages = [PipelineStage(part, part.index, len(model.parts) * run.args.pp, run.device,
+                            *stage_shapes(run, part),  # given: no forward runs to infer them
+                            group=run.mesh.get_group("pp"))  # PP 1: sends along the pp group
+              for part in model.parts]
+    if run.args.schedule == "interleaved-1f1b":  # PP 1: the rank's stages take turns
+        return ScheduleInterleaved1F1B(stages, run.args.grad_accum, loss_fn=mean_token_loss,
+                                       scale_grads=True)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[run.args.schedule]
-    return kind(stage, run.args.grad_accum, loss_fn=mean_token_loss,  # PP 1: K micro-batches
+    return kind(stages[0], run.args.grad_accum, loss_fn=mean_token_loss,  # PP 1: K micro-batches
                 scale_grads=True)  # the gradients divided by K: each loss is a micro-batch's mean
 
 
@@ -615,18 +626,17 @@ def mean_loss_over_ranks(run, model, batches):  # PP 7: through every stage, sum
 
 @torch.no_grad()
 def pipeline_forward(run, model, x, context=None):  # 4D 3: None: the run's Context
-    """A forward through the replica's stages, a collective: the last stage's logits, else None."""
-    group, last = run.mesh.get_group("pp"), run.args.pp - 1
-    if run.stage > 0:  # every stage knows x's shape; stream_shape says what arrives
-        h = torch.empty(*stream_shape(run, x.shape), dtype=activation_dtype(run),  # 4D 6
-                        device=run.device)
-        dist.recv(h, group=group, group_src=run.stage - 1)  # PP 7: the stage before, by group rank
-        x = h
-    out = model(x, context)  # 4D 3: with this rank's positions
-    if run.stage == last:
-        return out
-    dist.send(out.contiguous(), group=group, group_dst=run.stage + 1)  # the next stage's input
-    return None
+    """A forward through the replica's stages, a collective: the last stage's logits, else None.
+    With several stages per rank, the activations go round the pp group once per stage held."""
+    group, pp, shape = run.mesh.get_group("pp"), run.args.pp, stream_shape(run, x.shape)  # 4D 6
+    for part in model.parts:  # PP 7: stage r, then r + pp, ...
+        if part.tok_emb is None:  # every stage knows x's shape; stream_shape says what arrives
+            x = torch.empty(shape, dtype=activation_dtype(run), device=run.device)
+            dist.recv(x, group=group, group_src=(run.stage - 1) % pp)  # PP 7: the stage before
+        x = part(x, context)  # 4D 3: with this rank's positions
+        if part.head is None:  # the next stage's input, on the next rank of the pp group
+            dist.send(x.contiguous(), group=group, group_dst=(run.stage + 1) % pp)  # PP 7
+    return x if model.head is not None else None
 
 
 def stream_shape(run, size):  # a stage sends (B, T, C) for ids (B, T), or (B, T / tp, C) with sp
@@ -649,7 +659,7 @@ def train_step(run, schedule, model, optimizer, windows, step):
         else:  # no pipeline: each backward reduce-scatters at once, so no rank keeps whole
             # gradients through the step (a schedule turns that off until its last backward)
             for xs, ys in zip(x.chunk(args.grad_accum), y.chunk(args.grad_accum)):
-                loss = mean_token_loss(model(xs), ys)  # 4D 8: one micro-batch's mean
+                loss = mean_token_loss(model.parts[0](xs), ys)  # 4D 8: one micro-batch's mean
                 (loss / args.grad_accum).backward()  # a K-th of the step's mean loss
                 losses.append(loss.detach())
     losses = [local(part) for part in losses]  # 4D 8: plain tensors, a copy on each tp rank
@@ -862,16 +872,39 @@ def initial_value(name, shape, seed, n_layer):
     return torch.randn(shape, generator=generator) * std
 
 
-class Stage(nn.Module):
-    """Stage `stage` of `pp` of a GPT: its consecutive blocks under their own indices (blocks.2
-    stays blocks.2, so a checkpoint knows nothing of the stages), the embeddings on the first
-    stage, the final norm and the head on the last. Its forward takes token ids (first stage) or
-    the previous stage's activations, and returns activations, or the logits (last stage)."""
+class RankStages(nn.Module):
+    """The stages rank r of the pp group holds: stages r, r + pp, ... of pp x per_rank, so that a
+    micro-batch goes round the pp group per_rank times. Their parts sit under the whole model's
+    names (tok_emb, blocks.2, head), registered once, here; `parts` lists the stages themselves,
+    one PipelineStage each, in a plain list, so that no parameter has two names."""
 
-    def __init__(self, gpt, stage, pp, context):  # 4D 3: the run's Context, for its forwards
+    def __init__(self, gpt, rank, pp, per_rank, context):  # 4D 3: the run's Context
+        super().__init__()
+        self.parts = [Stage(gpt, rank + k * pp, pp * per_rank,  # PP 5
+                            context) for k in range(per_rank)]  # 4D 3: shared by its stages
+        first, last = self.parts[0], self.parts[-1]
+        self.whole_params, self.whole_groups = first.whole_params, first.whole_groups
+        self.tok_emb, self.pos_emb, self.drop = first.tok_emb, first.pos_emb, first.drop
+        self.blocks = nn.ModuleDict({i: block for part in self.parts
+                                     for i, block in part.blocks.items()})
+        self.ln_f, self.head = last.ln_f, last.head
+
+    def train(self, mode=True):  # the parts are not registered, so they are told here
+        for part in self.parts:
+            part.train(mode)
+        return super().train(mode)
+
+
+class Stage(nn.Module):
+    """Stage `index` of `n_stages` of a GPT: its consecutive blocks under their own indices
+    (blocks.2 stays blocks.2, so a checkpoint knows nothing of the stages), the embeddings on the
+    first stage, the final norm and the head on the last. Its forward takes token ids (first
+    stage) or the previous stage's activations, and returns activations, or the logits (last)."""
+
+    def __init__(self, gpt, index, n_stages, context):  # 4D 3: the run's Context, for forwards
         super().__init__()
         self.context = context  # 4D 3: shared with every block's attention
-        first, last = stage == 0, stage == pp - 1
+        self.index, first, last = index, index == 0, index == n_stages - 1
         self.whole_params = sum(p.numel() for p in gpt.parameters())  # the tied matrix once
         self.whole_groups = [[n for n, p in gpt.named_parameters() if p.dim() >= 2],  # AdamW's
                              [n for n, p in gpt.named_parameters() if p.dim() < 2]]  # groups
@@ -879,7 +912,7 @@ class Stage(nn.Module):
         self.tok_emb, self.pos_emb, self.drop = (gpt.tok_emb, gpt.pos_emb, gpt.drop) if first \
             else (None, None, None)
         self.blocks = nn.ModuleDict({str(i): gpt.blocks[i]  # PP 5: this stage's run of blocks
-                                     for i in stage_blocks(len(gpt.blocks), pp, stage)})
+                                     for i in stage_blocks(len(gpt.blocks), n_stages, index)})
         self.ln_f, self.head = (gpt.ln_f, gpt.head) if last else (None, None)
 
     def forward(self, x, context=None):  # None: the run's Context (the schedule's forwards)
@@ -1181,10 +1214,14 @@ def parse_args(argv=None):
            "no split (default: 2). pp x cp x tp must divide the world size: dp is the rest")
     a("--sequence-parallel", choices=["on", "off"], default="on",  # 4D 5
       help="split the norms' and dropout's activations by sequence in a tp group (default: on)")
-    a("--schedule", choices=["gpipe", "1f1b"], default="1f1b",  # PP 1
-      help="the order of a step's micro-batches: gpipe (all forwards, then all backwards) or "
+    a("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], default="1f1b",  # PP 1
+      help="the order of a step's micro-batches: gpipe (all forwards, then all backwards), "
            "1f1b (after a warm-up, one forward and one backward in turn: fewer activations "
-           "held) (default: 1f1b)")
+           "held) or interleaved-1f1b (1f1b over --stages-per-rank stages per rank: a smaller "
+           "bubble, more sends) (default: 1f1b)")
+    a("--stages-per-rank", type=positive(int), default=1, metavar="V",  # PP 5
+      help="stages each rank holds, every pp-th (rank r: r, r + pp, ...); above 1 needs "
+           "--schedule interleaved-1f1b, which needs it above 1 (default: 1)")
     a("--reshard-after-forward", choices=["yes", "no"], default="no",  # PP 1: no by default
       help="yes: free each block's gathered weights (but the last's) after each forward, "
            "from then to its backward only: the schedule keeps them after each backward, so "
@@ -1237,8 +1274,19 @@ def parse_args(argv=None):
         p.error(f"--sequence-parallel on splits a cp rank's {args.block_size // args.cp} tokens "
                 f"in --tp {args.tp} parts: give a --block-size that --cp x --tp divides, or "
                 "--sequence-parallel off")
-    if args.pp > args.n_layer:  # PP 2: every stage holds a block
-        p.error(f"--pp {args.pp} is more stages than --n-layer {args.n_layer} blocks")
+    if args.pp * args.stages_per_rank > args.n_layer:  # PP 2: every stage holds a block
+        stages = f" x --stages-per-rank {args.stages_per_rank}" * (args.stages_per_rank > 1)
+        p.error(f"--pp {args.pp}{stages} is more stages than --n-layer {args.n_layer} blocks")
+    interleaved = args.schedule == "interleaved-1f1b"  # PP 1: and only it, several per rank
+    if interleaved != (args.stages_per_rank > 1) or (interleaved and args.pp == 1):
+        p.error(f"--schedule interleaved-1f1b needs --pp 2 or more and --stages-per-rank 2 or "
+                f"more, and is the only schedule for them: got --schedule {args.schedule}, "
+                f"--pp {args.pp}, --stages-per-rank {args.stages_per_rank}")
+    rounds = max(1, args.grad_accum // args.pp)  # PP 1: torch's interleaved 1F1B runs in rounds
+    if interleaved and args.grad_accum % rounds:
+        p.error(f"--schedule interleaved-1f1b runs --grad-accum {args.grad_accum} in {rounds} "
+                f"rounds of at least --pp {args.pp}, so it must divide into them: give a "
+                f"multiple of --pp")
     if args.schedule == "1f1b" and args.grad_accum < args.pp:  # PP 1: torch's 1F1B needs K >= pp
         p.error(f"--schedule 1f1b needs at least --pp {args.pp} micro-batches per step, got "
                 f"--grad-accum {args.grad_accum}: give more, or --schedule gpipe")
@@ -1487,7 +1535,7 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
 def free_gathered_weights(model):  # FSDP 5: a forward alone leaves weights gathered
     """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
     sampling) gathered are freed, and the parameters are this rank's shards again."""
-    for module in model.modules():
+    for module in [*model.modules(), *model.parts]:  # PP 5: the stages are roots, not children
         if isinstance(module, FSDPModule):
             module.reshard()
 
@@ -1606,25 +1654,43 @@ def as_stage(optim_state, own_names):
 
 def stage_holding(run, model):
     """(whether this rank is its stage's first, its stage, the parts of the model it holds, the
-    parameters of its shards)."""
+    parameters of its shards, the bytes it holds inside a step on top of its shards)."""
     blocks = list(model.blocks)
     span = f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}"
+    if len(model.parts) > 1:  # PP 5: interleaved stages hold blocks that are not neighbours
+        span = "blocks " + ", ".join(blocks)
     parts = ["embeddings"] * (model.tok_emb is not None) + [span] \
         + ["final norm and head"] * (model.head is not None)
     mine = sum(p.to_local().numel() for p in model.parameters())
+    # From the first micro-batch to the last the schedule keeps the stage's weights gathered (the
+    # compute dtype) and its gradients whole (fp32, FSDP's reduce dtype, as they accumulate).
+    gathered = sum(p.numel() // (run.args.tp if split_by_tp(p) else 1)  # 4D 5: TP's part
+                   for p in model.parameters())
+    # 4D 5: TP's vocabulary-split embedding gets its gradient back whole (Replicate, torch 2.14,
+    # measured by the tests): every tp rank holds all its rows' gradient, not 1/tp of them.
+    emb = model.tok_emb.weight.numel() if model.tok_emb is not None and run.args.tp > 1 else 0
+    grads = 4 * (gathered + emb - emb // run.args.tp) * (run.args.pp > 1)  # 4D 1: 0 at --pp 1
+    in_step = gathered * activation_dtype(run).itemsize + grads
+    stages = ", ".join(str(part.index) for part in model.parts)  # PP 5: r, r + pp, ...
     first = run.rank % (run.world_size // run.args.pp) == 0  # 4D 1: the stage's first rank
-    return first, run.stage, ", ".join(parts), mine  # PP 5: for rank 0's memory line
+    return first, stages, ", ".join(parts), mine, in_step  # PP 5: for rank 0's memory line
 
 
 def memory_line(model, held):
     """Bytes of weights + gradients + AdamW's two moments (fp32: 4 copies) held by the first rank
     of each stage, from every rank's stage_holding(), and the parts of the model it holds. "DDP"
-    in the line is what a rank would hold with the whole model on every rank, for comparison."""
-    stages = [f"stage {stage} ({parts}) {16 * n / 2**20:.2f} MiB, {n:,} parameters"
-              for first, stage, parts, n in held if first]  # 4D 1
+    in the line is what a rank would hold with the whole model on every rank, for comparison.
+    Inside a step a rank holds more: its stage's weights gathered and, under a schedule, its
+    gradients whole until the last backward (stage_holding's last number)."""
+    stages = [f"stage{'s' * (',' in stage)} {stage} ({parts}) {16 * n / 2**20:.2f} MiB, "
+              f"{n:,} parameters"
+              for first, stage, parts, n, _ in held if first]  # 4D 1
+    inside = [f"stage{'s' * (',' in stage)} {stage} {b / 2**20:.2f} MiB"
+              for first, stage, _, _, b in held if first]  # 4D 1: each stage's first rank
     where, whole = next(model.parameters()).device.type, model.whole_params
     return (f"memory per rank ({where}): weights, gradients and AdamW state: {'; '.join(stages)} "
-            f"(of {whole:,}; DDP: {16 * whole / 2**20:.2f} MiB)")
+            f"(of {whole:,}; DDP: {16 * whole / 2**20:.2f} MiB); inside a step also the weights "
+            f"gathered and the gradients whole: {', '.join(inside)}, activations aside")
 
 
 def traffic_line(run, vocab_size):  # what rank 0 sends in a step, group by group
@@ -1633,34 +1699,44 @@ def traffic_line(run, vocab_size):  # what rank 0 sends in a step, group by grou
     (B, T / cp, C), 1 more for the embedding (and the head at --pp 1), each sending (tp - 1) / tp
     of them twice (an all-reduce, or an all-gather and a reduce-scatter). cp: per block and
     micro-batch, K and V gathered twice (forward, and backward's recompute), their fp32 gradients
-    reduce-scattered. pp: the activations to stage 1 per micro-batch, and the tied gradient's shard
-    (fp32) to the last stage."""
-    args, K, tp, cp = run.args, run.args.grad_accum, run.args.tp, run.args.cp
-    width, blocks = activation_dtype(run).itemsize, len(stage_blocks(args.n_layer, args.pp, 0))
+    reduce-scattered. pp: per micro-batch, the activations each of its V stages sends on, and
+    the gradients each but stage 0 sends back; and the tied gradient's shard (fp32)."""
+    args, K, tp, cp, V = run.args, run.args.grad_accum, run.args.tp, run.args.cp, \
+        run.args.stages_per_rank
+    mine = range(0, args.pp * V, args.pp)  # PP 5: rank 0's stages, 0, pp, ...
+    width = activation_dtype(run).itemsize
+    blocks = sum(len(stage_blocks(args.n_layer, args.pp * V, stage)) for stage in mine)
     stream = args.batch_size * args.block_size // cp * args.n_embd * width
     tp_ops = (4 * blocks + 1 + (args.pp == 1)) * K
     kv = 2 * stream / tp  # K and V of this rank's heads and tokens
+    hops = K * (2 * V - 1)  # PP 5: per micro-batch, V sends on and V - 1 gradients back
     sent = {"tp": 2 * tp_ops * stream * (tp - 1) / tp,  # 4D 6
             "cp": blocks * K * (cp - 1) * kv * (2 + 4 / width),
-            "pp": (K * math.prod(stream_shape(run, (args.batch_size, args.block_size // cp)))
+            "pp": (hops * math.prod(stream_shape(run, (args.batch_size, args.block_size // cp)))
                    * width + vocab_size * args.n_embd * 4 / (run.world_size // args.pp))
             * (args.pp > 1)}
-    return (f"traffic per step, rank 0 (stage 0, {blocks} blocks): " + " | ".join(
+    stages = "stage 0" if V == 1 else "stages " + ", ".join(map(str, mine))
+    return (f"traffic per step, rank 0 ({stages}, {blocks} blocks): " + " | ".join(
         f"{group} {mib / 2**20:.3f} MiB" for group, mib in sent.items())
         + f" (tp: {tp_ops} collectives of {stream / 2**20:.3f} MiB; FSDP's gathers aside)")
 
 
-def stage_shapes(run, model):
-    """Meta tensors of a micro-batch's input to this stage (token ids on the first, activations
+def split_by_tp(p):  # 4D 5: whether TP's plan split this parameter (FSDP aside)
+    names = p.device_mesh.mesh_dim_names
+    return "tp" in names and p.placements[names.index("tp")].is_shard()
+
+
+def stage_shapes(run, part):
+    """Meta tensors of a micro-batch's input to a stage (token ids on the first, activations
     after) and of its output (activations, logits on the last)."""
     size = (run.args.batch_size, run.args.block_size // run.args.cp)  # 4D 6: a cp rank's tokens
     ids = torch.empty(*size, dtype=torch.long, device="meta")  # the first stage's input
     stream = stream_shape(run, size)  # 4D 6: sequence parallel, split by tp too
     inputs, outputs = (torch.empty(*shape, dtype=activation_dtype(run), device="meta",
                                    requires_grad=True)  # floats: gradients come back
-                       for shape in (stream, stream if model.head is None else  # 4D 6
-                                     (*size, model.head.out_features)))
-    return ids if run.stage == 0 else inputs, outputs  # PP 1: what a stage gets, and sends
+                       for shape in (stream, stream if part.head is None else  # 4D 6
+                                     (*size, part.head.out_features)))
+    return ids if part.tok_emb is not None else inputs, outputs  # PP 1: what it gets, and sends
 
 
 def activation_dtype(run):

@@ -5,6 +5,8 @@ micro-batches of a step flow through the stages. It computes the same math as on
     torchrun --standalone --nproc_per_node=2 train_pp_minigpt.py --pp 2    # 2 stages: CPU or 2 GPUs
     torchrun --standalone --nproc_per_node=4 train_pp_minigpt.py --pp 2    # 2 stages x 2 dp
     torchrun --standalone --nproc_per_node=gpu train_pp_minigpt.py --pp 2  # the GPUs here, 2 stages
+    torchrun --standalone --nproc_per_node=2 train_pp_minigpt.py --pp 2 --stages-per-rank 2 \
+        --schedule interleaved-1f1b                                    # 4 stages, 2 on each rank
     ./launch_multinode_ddp.sh --nnodes 2 --nproc-per-node 8 --master-addr N0 \
         train_pp_minigpt.py --pp 2 --grad-accum 8
     python train_pp_minigpt.py --sample --ckpt checkpoints/minigpt_pp.pt --prompt "def main("
@@ -39,18 +41,22 @@ forward and their gradients back. A micro-batch is --batch-size sequences; a sch
 step's --grad-accum micro-batches through the stages. GPipe runs all the forwards, then all the
 backwards; 1F1B alternates one forward and one backward once the pipeline is full, so stage s holds
 the activations of at most pp - s micro-batches. The bubble is the time a stage waits idle while
-the pipeline fills and drains. The GPT embeds the tokens and computes the logits with one matrix
-(tied weights); with pp > 1 the first and the last stage each hold a copy of it. fully_shard makes
-each block a unit whose weights are gathered and freed together; the root is the unit of the rest
-(embeddings, final norm, head). DCP, torch.distributed.checkpoint, saves and loads every rank's
-shards, at any layout.
+the pipeline fills and drains. Interleaved 1F1B gives each rank V = --stages-per-rank shorter
+stages, every pp-th of pp x V (rank r: stages r, r + pp, ...), so each micro-batch goes round the
+pp group V times: the pipeline fills V times faster, for V times the sends. The GPT embeds the
+tokens and computes the logits with one matrix (tied weights); with pp > 1 the first and the last
+stage each hold a copy of it. fully_shard makes each block a unit whose weights are gathered and
+freed together; the root is the unit of the rest (embeddings, final norm, head). DCP,
+torch.distributed.checkpoint, saves and loads every rank's shards, at any layout.
 
 Tags: each `# PP k` comment marks a line that PP adds or changes, numbered in reading order:
-  PP 1   a PipelineStage in a schedule (1f1b, gpipe) of --grad-accum micro-batches per step
+  PP 1   a PipelineStage per stage in a schedule (1f1b, gpipe, interleaved-1f1b) of --grad-accum
+         micro-batches per step
   PP 2   --pp N: a mesh of N stages by world size / N replicas; a stage is consecutive ranks
   PP 3   data and global batch by dp rank: every stage of a replica reads the same batches
   PP 4   the tied matrix: its two copies each take the sum of both gradients, every step
-  PP 5   Stage: a run of the GPT's blocks under their own names, FSDP over the stage's dp group
+  PP 5   Stage: a run of the GPT's blocks under their own names, FSDP over the stage's dp group;
+         RankStages: the stages one rank holds (more than one when interleaved)
   PP 6   checkpoints under the whole model's names, so that any layout resumes any other
   PP 7   evaluation and sampling: a forward-only pipeline of send and recv (the schedule is built
          for one fixed shape, and a padded batch has its own); the last stage scores
@@ -67,6 +73,7 @@ Each send is (B, T, C) in the compute dtype, over the pp group. The waits are th
 stage's 10 ticks. GPipe runs all four F, then all four B: the same bubble, but it holds four
 micro-batches' activations where 1F1B holds at most two. FSDP reduce-scatters each unit's gradients
 once, during the last backward (B3); then come the tied gradient's sum, the norm and the step.
+For equal stages the bubble is (pp - 1) / (V x K + pp - 1) of the step: 1/5 here, 1/9 at V = 2.
 
 See also: docs/pp.md (the schedules, the bubble and FSDP's gathers, measured) and docs/mistakes.md.
 """
@@ -103,7 +110,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # FSDP 3
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh  # FSDP 2
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # FSDP 1
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # PP 1
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,  # PP 1
+                                          ScheduleInterleaved1F1B)
 from torch.distributed.tensor import distribute_tensor  # FSDP 2
 from torch.utils.checkpoint import checkpoint
 
@@ -195,7 +203,8 @@ def make_run(args, device, rank, world_size):
     print0(is_main, f"world size {world_size} ({args.pp} pp x {run.dp_size} dp) | device "
                     f"{device} | amp {amp} | {tokens_per_step(run):,} tokens per step "
                     f"({args.batch_size} x {args.block_size} x {args.grad_accum} micro-batches x "
-                    f"{run.dp_size} replicas) | schedule {args.schedule}")  # PP 3: per replica
+                    f"{run.dp_size} replicas) | schedule {args.schedule}"  # PP 3: per replica
+                    + f", {args.stages_per_rank} stages per rank" * (args.stages_per_rank > 1))
     return run
 
 
@@ -280,12 +289,14 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
     """This rank's stage of the model, sharded over the stage's dp group, and its AdamW."""
     args = run.args
     with torch.device("meta"):  # FSDP 2: shapes and dtypes, no memory
-        raw_model = Stage(GPT(**model_config(args, vocab_size)), run.stage, args.pp)  # PP 5
+        gpt = GPT(**model_config(args, vocab_size))
+        raw_model = RankStages(gpt, run.stage, args.pp, args.stages_per_rank)  # PP 5
     shard(run, raw_model)  # FSDP 2: before the optimizer, which must see the shards
     raw_model.to_empty(device=run.device)  # FSDP 2: this rank's shards, not yet filled
     # PP 5: from --seed alone on every rank, so that any layout starts from one process's weights
     init_shards(raw_model, args.seed, args.n_layer)  # n_layer: the GPT's depth, not the stage's
-    raw_model.grad_checkpointing = args.grad_checkpointing
+    for part in raw_model.parts:
+        part.grad_checkpointing = args.grad_checkpointing
     optimizer = make_optimizer(raw_model, args, run.device)
     torch.manual_seed(args.seed + run.rank)  # DDP 6: each rank draws its own dropout masks
     print0(run.is_main, f"model {raw_model.whole_params:,} parameters | "  # PP 5: the GPT's
@@ -305,11 +316,12 @@ def shard(run, model):  # FSDP 2: every block a unit of its own, then the root
     pipeline's stage turns FSDP's gradient sync off until its last micro-batch."""
     mesh = run.mesh["dp"]  # PP 5: FSDP over the ranks of this stage, not over all
     reshard = run.args.reshard_after_forward == "yes"
-    for i, block in enumerate(model.blocks.values()):  # PP 5: the stage's blocks
-        last = i == len(model.blocks) - 1  # the backward starts with it: kept whole
-        fully_shard(block, mesh=mesh, mp_policy=run.policy,
-                    reshard_after_forward=reshard and not last)  # its parameters become shards
-    fully_shard(model, mesh=mesh, mp_policy=run.policy)  # the root: whole until its backward
+    for part in model.parts:  # PP 5: each stage the rank holds is a root of its own
+        for i, block in enumerate(part.blocks.values()):  # PP 5: the stage's blocks
+            last = i == len(part.blocks) - 1  # the backward starts with it: kept whole
+            fully_shard(block, mesh=mesh, mp_policy=run.policy,
+                        reshard_after_forward=reshard and not last)  # its parameters: shards
+        fully_shard(part, mesh=mesh, mp_policy=run.policy)  # the root: whole until its backward
 
 
 @torch.no_grad()
@@ -407,11 +419,15 @@ def pipeline_schedule(run, model):
     FSDP reduce-scatters once; the schedule then divides the gradients by K, for the mean loss.
     Until then a rank holds its stage's whole gradients and gathered weights: PipelineStage turns
     FSDP's gradient sync and its reshard after backward off for every micro-batch."""
-    inputs, outputs = stage_shapes(run, model)  # given, so no forward is run to infer them
-    stage = PipelineStage(model, run.stage, run.args.pp, run.device, inputs, outputs,
-                          group=run.mesh.get_group("pp"))  # PP 1: sends along the pp group
+    stages = [PipelineStage(part, part.index, len(model.parts) * run.args.pp, run.device,
+                            *stage_shapes(run, part),  # given: no forward runs to infer them
+                            group=run.mesh.get_group("pp"))  # PP 1: sends along the pp group
+              for part in model.parts]
+    if run.args.schedule == "interleaved-1f1b":  # PP 1: the rank's stages take turns
+        return ScheduleInterleaved1F1B(stages, run.args.grad_accum, loss_fn=mean_token_loss,
+                                       scale_grads=True)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[run.args.schedule]
-    return kind(stage, run.args.grad_accum, loss_fn=mean_token_loss,  # PP 1: K micro-batches
+    return kind(stages[0], run.args.grad_accum, loss_fn=mean_token_loss,  # PP 1: K micro-batches
                 scale_grads=True)  # the gradients divided by K: each loss is a micro-batch's mean
 
 
@@ -457,17 +473,17 @@ def mean_loss_over_ranks(run, model, batches):  # PP 7: through every stage, sum
 
 @torch.no_grad()
 def pipeline_forward(run, model, x):
-    """A forward through the replica's stages, a collective: the last stage's logits, else None."""
-    group, last = run.mesh.get_group("pp"), run.args.pp - 1
-    if run.stage > 0:  # every stage knows x (B, T): the activations that arrive are (B, T, C)
-        h = torch.empty(*x.shape, run.args.n_embd, dtype=activation_dtype(run), device=run.device)
-        dist.recv(h, group=group, group_src=run.stage - 1)  # PP 7: the stage before, by group rank
-        x = h
-    out = model(x)
-    if run.stage == last:
-        return out
-    dist.send(out.contiguous(), group=group, group_dst=run.stage + 1)  # the next stage's input
-    return None
+    """A forward through the replica's stages, a collective: the last stage's logits, else None.
+    With several stages per rank, the activations go round the pp group once per stage held."""
+    group, pp, shape = run.mesh.get_group("pp"), run.args.pp, (*x.shape, run.args.n_embd)
+    for part in model.parts:  # PP 7: stage r, then r + pp, ...
+        if part.tok_emb is None:  # every stage knows x (B, T): the activations are (B, T, C)
+            x = torch.empty(shape, dtype=activation_dtype(run), device=run.device)
+            dist.recv(x, group=group, group_src=(run.stage - 1) % pp)  # PP 7: the stage before
+        x = part(x)
+        if part.head is None:  # the next stage's input, on the next rank of the pp group
+            dist.send(x.contiguous(), group=group, group_dst=(run.stage + 1) % pp)  # PP 7
+    return x if model.head is not None else None
 
 
 def train_step(run, schedule, model, optimizer, windows, step):
@@ -670,15 +686,37 @@ def initial_value(name, shape, seed, n_layer):
     return torch.randn(shape, generator=generator) * std
 
 
-class Stage(nn.Module):
-    """Stage `stage` of `pp` of a GPT: its consecutive blocks under their own indices (blocks.2
-    stays blocks.2, so a checkpoint knows nothing of the stages), the embeddings on the first
-    stage, the final norm and the head on the last. Its forward takes token ids (first stage) or
-    the previous stage's activations, and returns activations, or the logits (last stage)."""
+class RankStages(nn.Module):
+    """The stages rank r of the pp group holds: stages r, r + pp, ... of pp x per_rank, so that a
+    micro-batch goes round the pp group per_rank times. Their parts sit under the whole model's
+    names (tok_emb, blocks.2, head), registered once, here; `parts` lists the stages themselves,
+    one PipelineStage each, in a plain list, so that no parameter has two names."""
 
-    def __init__(self, gpt, stage, pp):
+    def __init__(self, gpt, rank, pp, per_rank):
         super().__init__()
-        first, last = stage == 0, stage == pp - 1
+        self.parts = [Stage(gpt, rank + k * pp, pp * per_rank) for k in range(per_rank)]  # PP 5
+        first, last = self.parts[0], self.parts[-1]
+        self.whole_params, self.whole_groups = first.whole_params, first.whole_groups
+        self.tok_emb, self.pos_emb, self.drop = first.tok_emb, first.pos_emb, first.drop
+        self.blocks = nn.ModuleDict({i: block for part in self.parts
+                                     for i, block in part.blocks.items()})
+        self.ln_f, self.head = last.ln_f, last.head
+
+    def train(self, mode=True):  # the parts are not registered, so they are told here
+        for part in self.parts:
+            part.train(mode)
+        return super().train(mode)
+
+
+class Stage(nn.Module):
+    """Stage `index` of `n_stages` of a GPT: its consecutive blocks under their own indices
+    (blocks.2 stays blocks.2, so a checkpoint knows nothing of the stages), the embeddings on the
+    first stage, the final norm and the head on the last. Its forward takes token ids (first
+    stage) or the previous stage's activations, and returns activations, or the logits (last)."""
+
+    def __init__(self, gpt, index, n_stages):
+        super().__init__()
+        self.index, first, last = index, index == 0, index == n_stages - 1
         self.whole_params = sum(p.numel() for p in gpt.parameters())  # the tied matrix once
         self.whole_groups = [[n for n, p in gpt.named_parameters() if p.dim() >= 2],  # AdamW's
                              [n for n, p in gpt.named_parameters() if p.dim() < 2]]  # groups
@@ -686,7 +724,7 @@ class Stage(nn.Module):
         self.tok_emb, self.pos_emb, self.drop = (gpt.tok_emb, gpt.pos_emb, gpt.drop) if first \
             else (None, None, None)
         self.blocks = nn.ModuleDict({str(i): gpt.blocks[i]  # PP 5: this stage's run of blocks
-                                     for i in stage_blocks(len(gpt.blocks), pp, stage)})
+                                     for i in stage_blocks(len(gpt.blocks), n_stages, index)})
         self.ln_f, self.head = (gpt.ln_f, gpt.head) if last else (None, None)
 
     def forward(self, x):
@@ -933,10 +971,14 @@ def parse_args(argv=None):
     a("--pp", type=positive(int), default=2, metavar="N",  # PP 2
       help="pipeline stages: runs of consecutive blocks, each on world size / N consecutive "
            "ranks; must divide the world size, at most --n-layer (default: 2)")
-    a("--schedule", choices=["gpipe", "1f1b"], default="1f1b",  # PP 1
-      help="the order of a step's micro-batches: gpipe (all forwards, then all backwards) or "
+    a("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], default="1f1b",  # PP 1
+      help="the order of a step's micro-batches: gpipe (all forwards, then all backwards), "
            "1f1b (after a warm-up, one forward and one backward in turn: fewer activations "
-           "held) (default: 1f1b)")
+           "held) or interleaved-1f1b (1f1b over --stages-per-rank stages per rank: a smaller "
+           "bubble, more sends) (default: 1f1b)")
+    a("--stages-per-rank", type=positive(int), default=1, metavar="V",  # PP 5
+      help="stages each rank holds, every pp-th (rank r: r, r + pp, ...); above 1 needs "
+           "--schedule interleaved-1f1b, which needs it above 1 (default: 1)")
     a("--reshard-after-forward", choices=["yes", "no"], default="no",  # PP 1: no by default
       help="yes: free each block's gathered weights (but the last's) after each forward, "
            "from then to its backward only: the schedule keeps them after each backward, so "
@@ -978,8 +1020,19 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.n_embd % args.n_head:
         p.error(f"--n-head {args.n_head} must divide --n-embd {args.n_embd}")
-    if args.pp > args.n_layer:  # PP 2: every stage holds a block
-        p.error(f"--pp {args.pp} is more stages than --n-layer {args.n_layer} blocks")
+    if args.pp * args.stages_per_rank > args.n_layer:  # PP 2: every stage holds a block
+        stages = f" x --stages-per-rank {args.stages_per_rank}" * (args.stages_per_rank > 1)
+        p.error(f"--pp {args.pp}{stages} is more stages than --n-layer {args.n_layer} blocks")
+    interleaved = args.schedule == "interleaved-1f1b"  # PP 1: and only it, several per rank
+    if interleaved != (args.stages_per_rank > 1) or (interleaved and args.pp == 1):
+        p.error(f"--schedule interleaved-1f1b needs --pp 2 or more and --stages-per-rank 2 or "
+                f"more, and is the only schedule for them: got --schedule {args.schedule}, "
+                f"--pp {args.pp}, --stages-per-rank {args.stages_per_rank}")
+    rounds = max(1, args.grad_accum // args.pp)  # PP 1: torch's interleaved 1F1B runs in rounds
+    if interleaved and args.grad_accum % rounds:
+        p.error(f"--schedule interleaved-1f1b runs --grad-accum {args.grad_accum} in {rounds} "
+                f"rounds of at least --pp {args.pp}, so it must divide into them: give a "
+                f"multiple of --pp")
     if args.schedule == "1f1b" and args.grad_accum < args.pp:  # PP 1: torch's 1F1B needs K >= pp
         p.error(f"--schedule 1f1b needs at least --pp {args.pp} micro-batches per step, got "
                 f"--grad-accum {args.grad_accum}: give more, or --schedule gpipe")
@@ -1228,7 +1281,7 @@ def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
 def free_gathered_weights(model):  # FSDP 5: a forward alone leaves the root and last block whole
     """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
     sampling) gathered are freed, and the parameters are this rank's shards again."""
-    for module in model.modules():
+    for module in [*model.modules(), *model.parts]:  # PP 5: the stages are roots, not children
         if isinstance(module, FSDPModule):
             module.reshard()
 
@@ -1346,35 +1399,49 @@ def as_stage(optim_state, own_names):
 
 
 def stage_holding(run, model):
-    """(dp rank, stage, the parts of the model it holds, the parameters of its shards)."""
+    """(dp rank, stage, the parts of the model it holds, the parameters of its shards, the bytes
+    it holds inside a step on top of its shards)."""
     blocks = list(model.blocks)
     span = f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}"
+    if len(model.parts) > 1:  # PP 5: interleaved stages hold blocks that are not neighbours
+        span = "blocks " + ", ".join(blocks)
     parts = ["embeddings"] * (model.tok_emb is not None) + [span] \
         + ["final norm and head"] * (model.head is not None)
     mine = sum(p.to_local().numel() for p in model.parameters())
-    return run.dp_rank, run.stage, ", ".join(parts), mine  # PP 5: for rank 0's memory line
+    # From the first micro-batch to the last the schedule keeps the stage's weights gathered (the
+    # compute dtype) and its gradients whole (fp32, FSDP's reduce dtype, as they accumulate).
+    in_step = sum(p.numel() for p in model.parameters()) * (activation_dtype(run).itemsize + 4)
+    stages = ", ".join(str(part.index) for part in model.parts)  # PP 5: r, r + pp, ...
+    return run.dp_rank, stages, ", ".join(parts), mine, in_step  # PP 5: for rank 0's line
 
 
 def memory_line(model, held):
     """Bytes of weights + gradients + AdamW's two moments (fp32: 4 copies) held by the first rank
     of each stage, from every rank's stage_holding(), and the parts of the model it holds. "DDP"
-    in the line is what a rank would hold with the whole model on every rank, for comparison."""
-    stages = [f"stage {stage} ({parts}) {16 * n / 2**20:.2f} MiB, {n:,} parameters"
-              for dp_rank, stage, parts, n in held if dp_rank == 0]  # PP 5: replica 0's
+    in the line is what a rank would hold with the whole model on every rank, for comparison.
+    Inside a step a rank holds more: its stage's weights gathered and, under a schedule, its
+    gradients whole until the last backward (stage_holding's last number)."""
+    stages = [f"stage{'s' * (',' in stage)} {stage} ({parts}) {16 * n / 2**20:.2f} MiB, "
+              f"{n:,} parameters"
+              for dp_rank, stage, parts, n, _ in held if dp_rank == 0]  # PP 5: replica 0's
+    inside = [f"stage{'s' * (',' in stage)} {stage} {b / 2**20:.2f} MiB"
+              for dp_rank, stage, _, _, b in held if dp_rank == 0]
     where, whole = next(model.parameters()).device.type, model.whole_params
     return (f"memory per rank ({where}): weights, gradients and AdamW state: {'; '.join(stages)} "
-            f"(of {whole:,}; DDP: {16 * whole / 2**20:.2f} MiB)")
+            f"(of {whole:,}; DDP: {16 * whole / 2**20:.2f} MiB); inside a step also the weights "
+            f"gathered and the gradients whole: {', '.join(inside)}, activations aside")
 
 
 def traffic_line(run, vocab_size):
     """PP's sends and recvs: per micro-batch, each stage but the last sends its activations
     (B, T, C) in the compute dtype to the next, and each stage but the first sends their gradient
-    back; per step, the first and last stage all-reduce the tied matrix's gradient shard (fp32).
-    FSDP's gathers of the weights and reduce-scatters of the gradients come on top, not counted."""
+    back (a rank with V stages, V times); per step, the first and last stage all-reduce the tied
+    matrix's gradient shard (fp32). FSDP's gathers and reduce-scatters are not counted here."""
     args = run.args
     if args.pp == 1:
         return "PP traffic per rank: none (--pp 1: FSDP alone)"
     tensor = args.batch_size * args.block_size * args.n_embd * activation_dtype(run).itemsize
+    tensor *= args.stages_per_rank  # PP 5: a micro-batch passes each rank once per stage it holds
     tied = vocab_size * args.n_embd * 4 / run.dp_size  # PP 4: one rank's shard of the tied gradient
     return (f"PP traffic per rank: {tensor / 2**20:.2f} MiB of activations to the next stage and "
             f"{tensor / 2**20:.2f} MiB of their gradients back, per micro-batch ({args.grad_accum}"
@@ -1382,15 +1449,15 @@ def traffic_line(run, vocab_size):
             f"between stage 0 and stage {args.pp - 1}")
 
 
-def stage_shapes(run, model):
-    """Meta tensors of a micro-batch's input to this stage (token ids on the first, activations
+def stage_shapes(run, part):
+    """Meta tensors of a micro-batch's input to a stage (token ids on the first, activations
     after) and of its output (activations, logits on the last)."""
     size, width = (run.args.batch_size, run.args.block_size), run.args.n_embd
     ids = torch.empty(*size, dtype=torch.long, device="meta")  # the first stage's input
     inputs, outputs = (torch.empty(*size, n, dtype=activation_dtype(run), device="meta",
                                    requires_grad=True)  # floats: gradients come back
-                       for n in (width, width if model.head is None else model.head.out_features))
-    return ids if run.stage == 0 else inputs, outputs  # PP 1: what a stage gets, and sends
+                       for n in (width, width if part.head is None else part.head.out_features))
+    return ids if part.tok_emb is not None else inputs, outputs  # PP 1: what it gets, and sends
 
 
 def activation_dtype(run):

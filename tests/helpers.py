@@ -291,6 +291,43 @@ def count_calls(module, keys, seen, counting=lambda: True, wanted=lambda args, k
         setattr(module, name, counted)
 
 
+def fsdp_bytes_held(model):
+    """Bytes of a rank's stages' weights FSDP holds gathered and gradients it holds whole, now:
+    the unsharded parameters of every unit that is unsharded, and every whole gradient (the fp32
+    one FSDP accumulates while its gradient sync is off, else the parameter's own); TP's local part
+    where TP split a parameter."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    def nbytes(t):
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+    total = 0
+    for module in [*model.modules(), *getattr(model, "parts", [])]:
+        group = fully_shard.state(module)._fsdp_param_group if isinstance(module, FSDPModule) \
+            else None
+        for param in group.fsdp_params if group else []:
+            whole = getattr(param, "_unsharded_param", None)
+            if whole is None:
+                continue
+            total += nbytes(whole) if group.is_unsharded else 0
+            grad = param.unsharded_accumulated_grad
+            grad = whole.grad if grad is None else grad
+            total += nbytes(grad) if grad is not None else 0
+    return total
+
+
+def watch_reduce(schedule, model, seen):
+    """Record in seen["in_step_bytes"] the most fsdp_bytes_held(model) just before a stage of the
+    schedule reduce-scatters its gradients, after its last backward: a step's peak of both."""
+    seen["in_step_bytes"] = 0
+    for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
+        def watched(*args, _reduce=stage.perform_reduce_grad, **kwargs):
+            seen["in_step_bytes"] = max(seen["in_step_bytes"], fsdp_bytes_held(model))
+            return _reduce(*args, **kwargs)
+        stage.perform_reduce_grad = watched
+
+
 def dropout_mask_hook(seen):
     """A forward hook for a Dropout module: the first mask it draws in training, hashed, goes to
     seen["dropout_mask"] (ranks that draw alike record the same hash)."""

@@ -614,6 +614,40 @@ CATALOGUE = [
             [T_PP + "test_dropout_draws_its_own_masks_on_every_rank_of_dp2_x_pp2"],
             ["--dropout", "0.1"]),
 
+    Mistake("pp-interleaved-sends-counted-once", 9, C9,
+            [("    tensor *= args.stages_per_rank  # PP 5: a micro-batch passes each rank once per "
+              "stage it holds\n", "")],
+            "the traffic line counts one send per micro-batch with several stages per rank",
+            "tensor *= args.stages_per_rank  # PP 5",
+            [T_PP + "test_interleaved_stages_compute_what_one_process_computes_from_chapter_7s_checkpoint"]),
+    Mistake("pp-interleaved-roots-left-gathered", 9, C9,
+            [("    for module in [*model.modules(), *model.parts]:  # PP 5: the stages are roots, "
+              "not children\n", "    for module in model.modules():\n")],
+            "after evaluation only the registered modules resharded: the stages, FSDP roots that "
+            "are not children, keep the embeddings and head gathered",
+            "[*model.modules(), *model.parts]  # PP 5", [T_PP + "test_interleaved_stages_compute_what_one_process_computes_from_chapter_7s_checkpoint"]),
+    Mistake("pp-interleaved-gradients-not-divided", 9, C9,
+            [("        return ScheduleInterleaved1F1B(stages, run.args.grad_accum, "
+              "loss_fn=mean_token_loss,\n                                       scale_grads=True)",
+              "        return ScheduleInterleaved1F1B(stages, run.args.grad_accum, "
+              "loss_fn=mean_token_loss,\n                                       scale_grads=False)")],
+            "the interleaved schedule's gradients left as the sum of the micro-batches' means",
+            "scale_grads=True, as for the other schedules  # PP 1", [T_PP + "test_interleaved_stages_compute_what_one_process_computes_from_chapter_7s_checkpoint"]),
+    Mistake("pp-interleaved-blocks-as-a-range", 9, C9,
+            [("    if len(model.parts) > 1:  # PP 5: interleaved stages hold blocks that are not "
+              "neighbours\n        span = \"blocks \" + \", \".join(blocks)\n", "")],
+            "the memory line shows a rank's interleaved blocks 0 and 2 as the run 0-2",
+            "each block named when the stages are interleaved  # PP 5", [T_PP + "test_interleaved_stages_compute_what_one_process_computes_from_chapter_7s_checkpoint"]),
+
+    Mistake("pp-whole-gradients-at-compute-width", 9, C9,
+            [("    in_step = sum(p.numel() for p in model.parameters()) * (activation_dtype(run)"
+              ".itemsize + 4)", "    in_step = sum(p.numel() for p in model.parameters()) * 2 * "
+              "activation_dtype(run).itemsize")],
+            "the memory line counts the whole gradients of a step in the compute dtype: under "
+            "bf16 FSDP accumulates them in fp32 while its sync is off",
+            "gathered weights in the compute dtype, whole gradients in fp32  # PP 5",
+            [T_PP + "test_inside_a_step_a_rank_holds_its_stage_gathered_and_its_gradients_whole"]),
+
     # chapter 10: CP
     Mistake("cp-ring-peers-by-global-rank", 10, C10,
             [("        dist.P2POp(dist.isend, send, group=group, group_peer=(r + 1) % n),",
@@ -789,10 +823,22 @@ CATALOGUE = [
             "tokens_per_step(): x dp_size alone  # PP 3",
             [T_4D + "test_the_dropout_streams_and_the_tokens_per_step_go_by_the_right_ranks"]),
     Mistake("4d-memory-line-12-bytes", 11, C11,
-            [("{16 * n / 2**20:.2f} MiB, {n:,} parameters", "{12 * n / 2**20:.2f} MiB, {n:,} parameters")],
+            [("({parts}) {16 * n / 2**20:.2f} MiB, \"", "({parts}) {12 * n / 2**20:.2f} MiB, \"")],
             "the memory line counts 12 bytes a parameter: the gradients left out",
             "16 bytes: weights, gradients, two AdamW moments",
             [T_4D + "test_the_memory_line_counts_16_bytes_per_parameter_of_a_ranks_shards"]),
+    Mistake("4d-interleaved-sends-counted-per-stage", 11, C11,
+            [("    hops = K * (2 * V - 1)", "    hops = K * V")],
+            "the traffic line counts one send per stage a rank holds, not the gradients its "
+            "later stages send back", "K x (2 V - 1) sends a step  # PP 5",
+            [T_4D + "test_interleaved_stages_under_tp_compute_what_one_process_computes"]),
+    Mistake("4d-embedding-gradient-counted-split", 11, C11,
+            [("    grads = 4 * (gathered + emb - emb // run.args.tp) * (run.args.pp > 1)",
+              "    grads = 4 * gathered * (run.args.pp > 1)")],
+            "the memory line counts the embedding's whole gradient as TP's part: torch's "
+            "vocabulary-split embedding gets it back whole", "emb - emb // tp more  # 4D 5",
+            [T_4D + "test_inside_a_step_a_rank_holds_its_stages_gathered_and_their_gradients_"
+             "whole"]),
     Mistake("4d-reshard-flag-as-a-truth-value", 11, C11,
             [('    reshard = run.args.reshard_after_forward == "yes"',
               '    reshard = bool(run.args.reshard_after_forward)')],

@@ -12,8 +12,10 @@ course never imports it:
         cp, "tied": the first and last stage, "world"), each collective counted as a ring sends:
         an all-gather (g - 1) times its input, a reduce-scatter (g - 1) / g of its input, an
         all-reduce twice that, an isend its tensor; "calls": how many of each kind in that step,
-        by group ("fsdp reduce_scatter"); and with --dropout "dropout_mask": the first mask the
-        stage's first dropout drew in training, hashed}
+        by group ("fsdp reduce_scatter"); "in_step_bytes": the most bytes of gathered weights and
+        whole gradients it held, just before a stage reduce-scattered (helpers.fsdp_bytes_held);
+        and with --dropout "dropout_mask": the first mask the stage's first dropout drew in
+        training, hashed}
     torchrun ... tests/probe_4d.py run [trainer flags]
         the trainer as it is, nothing watched (the test launches that need no records)
     torchrun ... tests/probe_4d.py crash STEP:RANK OUT_DIR [trainer flags]
@@ -31,7 +33,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_4d_minigpt as trainer  # noqa: E402
-from helpers import Saved, dropout_mask_hook, run_as_script, unpack  # noqa: E402
+from helpers import Saved, dropout_mask_hook, run_as_script, unpack, watch_reduce  # noqa: E402
 
 RING = {"all_gather": lambda g: g - 1, "reduce_scatter": lambda g: (g - 1) / g,
         "all_reduce": lambda g: 2 * (g - 1) / g}  # the share of its input a rank sends
@@ -107,6 +109,7 @@ def record(out_dir, crash_at=None):
         if run.tied is not None:
             groups[run.tied.group_name] = "tied"
         schedule = pipeline_schedule(run, model)
+        watch_reduce(schedule, model, seen)  # at --pp 1 the schedule never runs: 0
         step = schedule.step
 
         def watched_step(*args, **kwargs):

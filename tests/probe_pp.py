@@ -10,7 +10,9 @@ course never imports it:
         "reduce_scatters", "all_gathers": FSDP's calls inside training steps, "kept_outputs": the
         most outputs the schedule's stage kept after a step (the last stage's logits, if kept),
         "tied_bytes": the bytes it all-reduced in the end stages' group inside training steps,
-        and with --dropout "dropout_mask": the first mask the stage's first dropout drew, hashed}
+        "in_step_bytes": the most bytes of gathered weights and whole gradients it held, just
+        before its stage reduce-scattered (helpers.fsdp_bytes_held), and with --dropout
+        "dropout_mask": the first mask the stage's first dropout drew, hashed}
     torchrun ... tests/probe_pp.py crash STEP:RANK OUT_DIR [trainer flags]
         as record, and that rank SIGKILLs itself when step STEP begins, on the first attempt only
         (TORCHELASTIC_RESTART_COUNT 0), so a restarted job gets past it
@@ -25,6 +27,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_pp_minigpt as trainer  # noqa: E402
 from helpers import Saved, count_calls, dropout_mask_hook, run_as_script, unpack  # noqa: E402
+from helpers import watch_reduce  # noqa: E402
 
 
 def record(out_dir, crash_at=None):
@@ -55,6 +58,7 @@ def record(out_dir, crash_at=None):
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, unpack):
                 return step(*args, **kwargs)
         schedule._stage.forward_one_chunk, schedule.step = first_forward, watched_step
+        watch_reduce(schedule, model, seen)
         return schedule
 
     def counted_step(*args):

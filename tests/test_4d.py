@@ -95,8 +95,11 @@ def runs(tmp_path_factory):
         "--max-new-tokens", 4], nproc=4)
     cmds = {"grid": command("tests/probe_4d.py", [
         "run", *CLIPPED, "--pp", 2, "--cp", 1, "--tp", 2, "--debug", "--export", ""], nproc=8)}
-    for name in ("dropout", "sp dropout"):
+    for name in ("dropout", "sp dropout", "interleaved"):
         (d / name).mkdir()
+    cmds["interleaved"] = command("tests/probe_4d.py", [
+        "record", d / "interleaved", *THREE, "--pp", 2, "--cp", 1, "--tp", 2, "--schedule",
+        "interleaved-1f1b", "--stages-per-rank", 2, "--export", ""], nproc=4)
     cmds["dropout"] = command("tests/probe_4d.py", [
         "record", d / "dropout", *NOISY, "--pp", 1, "--cp", 1, "--tp", 2, "--sequence-parallel",
         "off", "--export", ""], nproc=4)
@@ -141,11 +144,11 @@ def runs(tmp_path_factory):
         r[script] = in_process(script, ONE + flags + ["--max-steps", 10, "--resume", step_8,
                                                       "--save", "", *export])
     r["grid"] = finish(launched.pop("grid"), cmds["grid"])
-    for name in ("dropout", "sp dropout", "three"):  # once the grid's 8 processes are done
+    for name in ("dropout", "sp dropout", "three", "interleaved"):  # once the grid is done
         launched[name] = start(cmds[name], REPO)
     for name, proc in launched.items():
         r[name] = finish(proc, cmds[name])
-    for name in ("grid", "square", "pipes", "dropout", "sp dropout", "three"):
+    for name in ("grid", "square", "pipes", "dropout", "sp dropout", "three", "interleaved"):
         r[name] = ok(r[name])
     return r
 
@@ -232,6 +235,25 @@ def test_pp3_over_4_blocks_sums_the_tied_gradient_over_the_end_stages_alone(runs
     out = runs["three"]
     assert "world size 3 (3 pp x 1 dp x 1 cp x 1 tp) |" in out
     assert_same_steps(out, runs["one_of_three"], [1, 2, 3])
+
+
+def test_interleaved_stages_under_tp_compute_what_one_process_computes(runs):
+    """pp 2 x tp 2 with two interleaved stages per rank (rank 0's stages 0 and 2: the embeddings,
+    split by vocabulary, and blocks 0 and 2; rank 1's blocks 1 and 3 and the head): one process's
+    losses and clipped gradient norms. Each micro-batch goes round the pp group twice, so rank 0
+    sends activations on from stages 0 and 2 and gradients back from stage 2: three times what
+    one stage per rank sends. The bytes recorded in step 2 are the traffic line's."""
+    out = runs["interleaved"]
+    assert "| schedule interleaved-1f1b, 2 stages per rank" in out
+    assert "stages 0, 2 (embeddings, blocks 0, 2)" in out
+    assert "stages 1, 3 (blocks 1, 3, final norm and head)" in out
+    assert_same_steps(out, runs["one_of_three"], [1, 2, 3])
+    sent = record(runs["dir"] / "interleaved", 0)["sent"]
+    line = re.search(r"traffic per step, rank 0 \(stages 0, 2, 2 blocks\): .* \| pp ([\d.]+) MiB",
+                     out)
+    once = 4 * 3 * 16 * 32 * 4  # K x B x T / tp (sequence parallel) x C x 4 bytes, one stage
+    assert sent["pp"] == pytest.approx(3 * once, abs=8) and sent["tied"] > 0, sent
+    assert sent["pp"] + sent["tied"] == pytest.approx(float(line.group(1)) * 2**20, abs=600)
 
 
 def test_the_layout_line_shows_one_ranks_place_and_groups(runs):
@@ -377,6 +399,23 @@ def test_at_pp1_each_micro_batch_reduce_scatters_and_under_a_schedule_the_step_o
     assert square["fsdp all_gather"] == 3 * 2 and pipes["fsdp all_gather"] == 2, (square, pipes)
 
 
+def test_inside_a_step_a_rank_holds_its_stages_gathered_and_their_gradients_whole(runs):
+    """Under the schedule a rank holds its stages' weights gathered (TP's part) and their gradients
+    whole until its last backward: measured just before each stage reduce-scatters
+    (tests/probe_4d.py), the bytes the memory line gives at pp 2 x cp 2 x tp 2 (each stage's
+    first rank) and with two interleaved stages per rank. At --pp 1 no schedule runs (the
+    control: none measured), and each unit's gradients are reduce-scattered after its backward."""
+    for name, ranks, label in (("nodes", (0, 4), r"stage \d"), ("interleaved", (0, 2),
+                                                               r"stages \d, \d")):
+        line = re.search(r"inside a step also the weights gathered and the gradients whole: "
+                         rf"{label} ([\d.]+) MiB, {label} ([\d.]+) MiB", runs[name])
+        for i, rank in enumerate(ranks):
+            seen = record(runs["dir"] / name, rank)
+            assert seen["in_step_bytes"] / 2**20 == pytest.approx(float(line.group(1 + i)),
+                                                                  abs=0.005), (name, rank)
+    assert record(runs["dir"] / "square", 0)["in_step_bytes"] == 0
+
+
 def test_the_traffic_line_is_what_rank_0_sends_in_a_step(runs):
     """The bytes rank 0 sent in a training step, by group (tests/probe_4d.py counts each collective
     as a ring sends it), against the traffic line's formula: cp's and pp's (with the tied
@@ -452,7 +491,7 @@ def test_the_dropout_streams_and_the_tokens_per_step_go_by_the_right_ranks():
 def test_the_memory_line_counts_16_bytes_per_parameter_of_a_ranks_shards():
     """Weights, gradients and AdamW's two moments, fp32: 16 bytes per parameter of the shards."""
     model = types.SimpleNamespace(parameters=lambda: iter([torch.zeros(1)]), whole_params=4096)
-    line = trainer(FOURD).memory_line(model, [(True, 0, "embeddings, block 0", 65536)])
+    line = trainer(FOURD).memory_line(model, [(True, "0", "embeddings, block 0", 65536, 2**20)])
     assert "stage 0 (embeddings, block 0) 1.00 MiB, 65,536 parameters" in line, line
     assert "(of 4,096; DDP: 0.06 MiB)" in line, line
 

@@ -35,7 +35,8 @@ TALKS_TO_NO_ONE = {  # calls into torch.distributed that send nothing: queries a
     "MixedPrecisionPolicy", "StateDictOptions", "ColwiseParallel", "RowwiseParallel",
     "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "Shard", "Replicate",
     "get_group", "get_local_rank",
-    "PipelineStage", "Schedule1F1B", "ScheduleGPipe"}  # built idle: schedule.step() sends
+    "PipelineStage", "Schedule1F1B", "ScheduleGPipe",  # built idle: schedule.step() sends
+    "ScheduleInterleaved1F1B"}
 DTENSOR_COLLECTIVES = {"full_tensor", "redistribute"}  # methods that gather or reshard
 
 

@@ -58,6 +58,11 @@ COLUMN = SHARDED + ["--grad-accum", 4, "--pp", 2]
 # three blocks for three stages, 4 micro-batches of 3 a step (12 sequences) in every run that uses
 # it, clipped at 0.5 so that clipping binds at every step
 THREE = SHARDED + ["--n-layer", 3, "--batch-size", 3, "--grad-accum", 4, "--clip", 0.5]
+# four blocks for two ranks of two interleaved stages each, 4 micro-batches of 3 a step, and 13
+# validation windows (5 batches of 3, the last one short)
+FOUR = SHARDED + ["--n-layer", 4, "--batch-size", 3, "--grad-accum", 4, "--eval-windows", 13,
+                  "--eval-every", 4]
+INTERLEAVED = ["--pp", 2, "--schedule", "interleaved-1f1b", "--stages-per-rank", 2]
 
 
 
@@ -101,6 +106,12 @@ def runs(tmp_path_factory):
     dropout = start(dropout_cmd, REPO)
     nodes = start_two_nodes("tests/probe_pp.py", ["record", d / "nodes", *COLUMN, "--max-steps",
                                                    18, "--save", "", "--export", d / "pp.pt"])
+    # chapter 7 to step 3 with FOUR, from which two ranks of interleaved stages go on to step 8
+    in_process(FSDP, FOUR + ["--max-steps", 3, "--save", d / "ch7four", "--export", ""])
+    interleaved_cmd = command(PP, FOUR + INTERLEAVED + [
+        "--max-steps", 8, "--resume", d / "ch7four", "--save", d / "il", "--export", d / "il.pt",
+        "--top-k", 1, "--max-new-tokens", 16], nproc=2)
+    interleaved = start(interleaved_cmd, REPO)
     # meanwhile, in this process: chapter 7 to step 5, then this trainer at --pp 1 to step 10
     ck = d / "restarted" / "ck"
     in_process(FSDP, THREE + ["--max-steps", 5, "--save", d / "ch7", "--export", ""])
@@ -118,7 +129,9 @@ def runs(tmp_path_factory):
     r = {"ddp": ddp, "ddp_records": ddp_records, "one": one, "one.pt": one_ckpt, "dir": d,
          "grid": ok(finish(grid, grid_cmd)), "restarted": finish(restarted, restart_cmd),
          "one stage": one_stage, "one of three": one_of_three,
-         "dropout": ok(finish(dropout, dropout_cmd))}
+         "dropout": ok(finish(dropout, dropout_cmd)),
+         "one of four": in_process(GPT, FOUR + ["--max-steps", 8, "--save", ""]),
+         "interleaved": ok(finish(interleaved, interleaved_cmd))}
     outs = [out for out in nodes() if "world size 2 " in out]  # rank 0's node logs
     assert len(outs) == 1
     r["nodes"] = outs[0]
@@ -152,6 +165,35 @@ def test_pp2_at_2_processes_computes_what_one_process_computes(runs):
     assert sorted(val_losses(out)) == [0, 18]  # before training, and after: the last stage's sums
     for step, loss in val_losses(out).items():
         assert loss == pytest.approx(val_losses(one)[step], abs=2e-4), step
+
+
+def test_interleaved_stages_compute_what_one_process_computes_from_chapter_7s_checkpoint(runs):
+    """Two ranks of two interleaved stages each (rank 0: stages 0 and 2, blocks 0 and 2; rank 1:
+    blocks 1 and 3 and the head) go on from chapter 7's step-3 checkpoint and log chapter 3's
+    one-process steps 4-8 at the same global batch: losses, gradient norms where the clip binds,
+    and the validation loss over 13 windows (a short batch). Their checkpoint of step 8 and the
+    export carry the whole model's names; its greedy sample after training, each token a forward
+    that goes round the two ranks twice, is the text chapter 3 generates from the export."""
+    out, one = runs["interleaved"], runs["one of four"]
+    assert "| schedule interleaved-1f1b, 2 stages per rank" in out
+    assert "stages 0, 2 (embeddings, blocks 0, 2)" in out  # not neighbours: interleaved
+    assert "stages 1, 3 (blocks 1, 3, final norm and head)" in out
+    mib = 2 * 3 * 32 * 32 * 4 / 2**20  # a micro-batch's activations (B, T, C), fp32, sent twice
+    assert f"PP traffic per rank: {mib:.2f} MiB of activations to the next stage" in out
+    assert f"resumed from {runs['dir'] / 'ch7four' / 'step-000003'} at step 3" in out
+    assert sorted(losses(out)) == list(range(4, 9))
+    for step, loss in losses(out).items():
+        assert loss == pytest.approx(losses(one)[step], rel=1e-5), step
+        assert grad_norms(out)[step] == pytest.approx(grad_norms(one)[step], abs=2e-3), step
+    assert min(grad_norms(out).values()) > 1.0  # above --clip 1.0: clipping binds every step
+    assert sorted(val_losses(out)) == [3, 4, 8]
+    for step in (4, 8):
+        assert val_losses(out)[step] == pytest.approx(val_losses(one)[step], abs=2e-4), step
+    assert val_losses(out)[8] != pytest.approx(val_losses(out)[4], abs=1e-3)  # a control
+    assert (runs["dir"] / "il" / "step-000008" / ".metadata").exists()
+    sampled = in_process(GPT, ["--sample", "--ckpt", runs["dir"] / "il.pt", "--prompt", "\n",
+                               "--top-k", 1, "--max-new-tokens", 16])
+    assert len(sampled) > 10 and out.split("sample:\n", 1)[1] == sampled, (out, sampled)
 
 
 def test_gpipe_at_three_stages_computes_what_one_process_computes_and_resumes_anywhere(runs):
@@ -244,6 +286,23 @@ def test_1f1b_holds_two_micro_batches_gpipe_four_and_the_last_stage_keeps_no_log
     for name, rank in (("nodes", 1), ("restarted", 2)):  # the last stages
         last = json.loads((runs["dir"] / name / f"rank{rank}.json").read_text())
         assert last["stage"] == rank and last["steps"] > 0 and last["kept_outputs"] == 0, last
+
+
+def test_inside_a_step_a_rank_holds_its_stage_gathered_and_its_gradients_whole(runs):
+    """Under the schedule a rank holds, from the first micro-batch to the last backward, its
+    stage's weights gathered (the compute dtype) and its gradients whole (fp32): measured just
+    before each stage reduce-scatters (tests/probe_pp.py), the bytes the memory line gives for
+    each stage, in fp32 (dp 2 x pp 2) and under bf16 (6 bytes a parameter, not 8: the control)."""
+    held = {}
+    for name, folder in (("grid", "counted"), ("dropout", "dropout")):
+        line = re.search(r"inside a step also the weights gathered and the gradients whole: "
+                         r"stage 0 ([\d.]+) MiB, stage 1 ([\d.]+) MiB", runs[name])
+        for rank in range(4):
+            seen = json.loads((runs["dir"] / folder / f"rank{rank}.json").read_text())
+            mib = float(line.group(1 + seen["stage"]))
+            assert seen["in_step_bytes"] / 2**20 == pytest.approx(mib, abs=0.005), (name, rank)
+            held[name, seen["stage"]] = seen["in_step_bytes"]
+    assert held["dropout", 0] * 8 == held["grid", 0] * 6 and held["grid", 0] > 0, held
 
 
 def test_the_traffic_line_gives_the_tied_all_reduce_that_the_end_stages_send(runs):
@@ -353,7 +412,18 @@ def test_bad_inputs_are_one_line_and_exit_code_2(capsys):
                          (["--pp", 4, "--grad-accum", 3], "--schedule 1f1b needs at least --pp 4 "
                           "micro-batches per step, got --grad-accum 3: give more, or --schedule "
                           "gpipe"),
-                         (["--schedule", "zb"], "argument --schedule: invalid choice: 'zb'")):
+                         (["--schedule", "zb"], "argument --schedule: invalid choice: 'zb'"),
+                         (INTERLEAVED + ["--stages-per-rank", 3], "--pp 2 x --stages-per-rank 3 "
+                          "is more stages than --n-layer 4 blocks"),
+                         (["--stages-per-rank", 2], "--schedule interleaved-1f1b needs --pp 2 or "
+                          "more and --stages-per-rank 2 or more, and is the only schedule for "
+                          "them: got --schedule 1f1b, --pp 2, --stages-per-rank 2"),
+                         (INTERLEAVED + ["--stages-per-rank", 1], "got --schedule "
+                          "interleaved-1f1b, --pp 2, --stages-per-rank 1"),
+                         (INTERLEAVED + ["--pp", 1], "got --schedule interleaved-1f1b, --pp 1, "
+                          "--stages-per-rank 2"),
+                         (INTERLEAVED + ["--grad-accum", 5], "--schedule interleaved-1f1b runs "
+                          "--grad-accum 5 in 2 rounds of at least --pp 2, so it must divide")):
         result = as_script(PP, flags)
         assert result.returncode == 2 and result.stderr.count("\n") == 1, result
         assert words in result.stderr, result.stderr
