@@ -1,0 +1,1644 @@
+"""Chapter 12: a GPT language model whose blocks' MLP is a mixture of experts (MoE), trained with
+FSDP (FSDP2's fully_shard) and expert parallelism (EP): the experts of every block are split over
+--ep ranks, and each token travels to the ranks of the experts that its router picks. Without
+dropout the run computes, up to rounding, what one process computes from the same global batch.
+
+    torchrun --standalone --nproc_per_node=2 train_moe_minigpt.py --ep 2   # 4 experts, 2 per rank
+    torchrun --standalone --nproc_per_node=1 train_moe_minigpt.py          # 1 process, 4 experts
+    torchrun --standalone --nproc_per_node=4 train_moe_minigpt.py --experts 8 --ep 2  # 2 x 2 ranks
+    torchrun --standalone --nproc_per_node=2 train_moe_minigpt.py --experts 0   # the dense model
+    python train_moe_minigpt.py --sample --ckpt checkpoints/minigpt_moe.pt --prompt "def main("
+
+Sampling runs in one process, from a run at --ep 1 (the export gathers no other rank's experts
+yet). The default data, this Python's standard library (2,000,000 bytes, a token per byte, vocab
+256), needs no download; `--data` also takes a text file, a .bin of uint16 token ids, or a nanoGPT
+folder.
+
+Terms. torchrun starts the processes, usually one per device; each runs this whole file. The world
+size is the number of processes; a process's rank is its number, from 0 to world size - 1. The
+process group lets the processes communicate; its backend moves the data (NCCL between GPUs, gloo on
+CPUs). A collective is a call that every rank makes, in the same order, to exchange data; a rank
+that reaches it waits there for the others. An all-reduce adds a tensor up over all ranks (or takes
+its MIN or MAX, where the call says so) and gives every rank the result; an all-to-all has every
+rank send a slice of its tensor to each rank (slices of any size, zero too) and receive one from
+each. A shard is this rank's slice of a parameter along dim 0; an all-gather gives every rank every
+rank's shard, and a reduce-scatter adds the gradients up and leaves each rank its slice. A
+DeviceMesh lays the ranks out in a grid; a DTensor is a tensor spread over a mesh. fully_shard makes
+a module a unit whose weights are gathered and freed together; the root is the unit of the rest.
+DCP, torch.distributed.checkpoint, saves and loads every rank's shards at once. A window is
+block_size + 1 consecutive tokens; a micro-batch is --batch-size windows through one forward and
+backward; an optimizer step runs --grad-accum of them on every rank. An expert is an MLP; a
+mixture of experts is E of them in place of a block's one MLP, and a router, a linear map from a
+token to E scores, picks the K experts (top-k) that process it; their outputs, weighted by the
+gates (the router's probabilities of the chosen K, rescaled to add up to 1), are summed. Each
+expert is 4C / K wide (C: --n-embd), so a token's K experts hold the parameters and cost the FLOPs
+of the dense model's one MLP of width 4C: E experts hold E / K times its parameters. Dropless:
+every token reaches its K experts, however many pick the same one. The load-balancing loss (Switch
+Transformer's) is E x sum over experts e of f_e x P_e, f_e the share of the token copies routed to
+e and P_e the mean router probability of e; it is 1 when both are even, larger when the router
+favours a few experts; --aux-weight times it is added to the loss, for every block.
+
+The mesh is a grid of world size / ep rows of ep ranks (dims "edp", "ep"). The ep ranks of a row
+hold every expert once, E / ep each, and exchange tokens by all-to-all; every rank still reads
+sequences of its own, as a data-parallel replica does. The ranks of a column hold the same experts,
+and FSDP shards each expert over them; the rest of the model is sharded over all the ranks.
+
+One optimizer step, as each rank runs it:
+  forward   as without experts, each unit's weights gathered before it runs. In each block the
+            router scores this rank's tokens; the counts of the tokens each expert gets and the
+            router's probabilities are all-reduced over every rank, for the balance loss of the
+            global micro-batch. The copies of the tokens, sorted by expert, go by all-to-all to
+            the ranks of their experts (first the counts, so that each rank knows what arrives);
+            the experts run; a second all-to-all brings the results back to be weighted and summed.
+  backward  the reverse: each all-to-all's gradient goes back by the opposite all-to-all, the
+            probabilities' by an all-reduce. FSDP reduce-scatters each unit's gradients; an
+            expert's are divided by the world size, since they hold every rank of its row's tokens.
+  step      the gradient norm (an all-reduce of every rank's squared shards), the loss all-reduced
+            for the log; AdamW updates each rank's shards and sends nothing.
+
+Read it top-down: main(), then its core steps in the order it calls them, the model, and the steps
+beyond the core (debugging, the benchmark, the report). Every call that communicates with other
+ranks sits above the line that ends `the plumbing`. Below it, no line communicates with another
+rank: guards, flags, data, files, logging, sampling, errors, and small helpers that the core calls
+(dtypes, shapes, freeing gathered weights).
+
+Tags. `# EP k` marks each line that experts change in an FSDP trainer, numbered in reading order:
+  EP 1  the mesh: world size / ep rows of ep ranks; a row holds every expert once
+  EP 2  each block's MLP a mixture of experts; a rank builds only the experts it holds
+  EP 3  FSDP shards each expert over the ranks holding it; its gradients divided by the world size
+  EP 4  the gradient norm: every rank's squared shards summed by one all-reduce
+  EP 5  the router: top-k experts per token, their gates rescaled to add up to 1
+  EP 6  the balance loss over the global micro-batch: counts and probabilities all-reduced
+  EP 7  dispatch: counts exchanged, token copies sent to their experts' ranks and back (all-to-all)
+  EP 8  the log: each expert's share of the token copies, the smallest and the largest
+Lines tagged DDP k and FSDP k mark what chapters 3 and 7 change, DDP and FSDP; their docstrings
+key them. FSDP 6 (the norm's full_tensor) gives way to EP 4.
+Lines tagged `# guard:` each avoid one known failure, all before the process group is joined.
+See also docs/fsdp.md (what FSDP holds and sends, measured) and docs/conventions.md.
+"""
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import datetime
+import errno
+import gc
+import glob
+import io  # FSDP 8
+import json
+import math
+import os
+import pickle
+import shutil
+import statistics
+import sys
+import sysconfig
+import time
+import zlib
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.distributed.checkpoint as dcp  # FSDP 3
+from torch.distributed.checkpoint.api import CheckpointException  # FSDP 3
+from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # FSDP 3
+                                                     get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh  # FSDP 2
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # FSDP 1
+from torch.distributed.tensor import distribute_tensor  # FSDP 2
+from torch.utils.checkpoint import checkpoint
+
+
+# ------------------- the distributed lesson: main(), then its core steps in the order it calls them
+def main(argv=None):
+    args = parse_args(argv)
+    if args.sample:  # sampling runs in one plain process, with no process group
+        return sample(args)
+    avoid_known_failures(args)  # guard: refuses a bad launch, avoids known failures
+    # Setup: one process per device, one group. Every rank calls the collectives in the same order.
+    device, rank, world_size = init_distributed(args.device, args.dist_timeout)  # DDP 1: join
+    run = make_run(args, device, rank, world_size)  # a collective: the mesh's groups
+    # Data: each rank reads its own windows of the training tokens, ep ranks too.
+    data = build_data(run)  # a collective with --debug: rank 0 prints every rank's windows
+    # Model: every rank computes the initial weights a single process would, one parameter at a
+    # time, and keeps only its shards of them (of its own experts); a resume then overwrites them.
+    raw_model, optimizer = build_model(run, data.vocab_size)  # every rank shards alike
+    start = resumed_step(run, raw_model, optimizer, data)  # a collective: one agreed start step
+    model = wrap_model(run, raw_model)  # the same shards: raw_model, or its compiled form
+    if args.benchmark:
+        return benchmark(run, model, optimizer, data.windows)  # collectives: timed steps
+    # Train: log, evaluate and save on schedule.
+    val_loss = evaluate(run, model, data.val)  # a collective: every rank's loss sums add up
+    print0(run.is_main, f"step {start}/{args.max_steps} | val loss {val_loss:.4f}")
+    meter = Meter(run, raw_model, start)  # the training clock starts now
+    for step in range(start, args.max_steps):  # every step runs collectives
+        loss, grad_norm = train_step(run, model, optimizer, data.windows, step)  # all-to-alls too
+        done = step + 1
+        if done % args.log_every == 0 or done == args.max_steps:
+            print0(run.is_main, meter.log_line(done, loss.item(), grad_norm.item()))
+        meter.stop_clock()  # evaluation and checkpoints are not training time
+        if done % args.eval_every == 0 or done == args.max_steps:
+            val_loss = evaluate(run, model, data.val)  # a collective
+            print0(run.is_main, f"step {done}/{args.max_steps} | val loss {val_loss:.4f} | "
+                                f"baseline {data.baseline:.4f}")
+        # Save: every rank writes its shards, rank 0 the run's state; all learn whether it worked.
+        due = done == args.max_steps or (args.save_every and done % args.save_every == 0)
+        if args.save and due:
+            save_checkpoint(run, raw_model, optimizer, data, done)  # a collective
+        meter.start_clock()
+    # Cleanup: the summary and a sample. __main__'s `finally` leaves the process group.
+    report(run, raw_model, data, val_loss, meter)  # a collective: --export gathers the weights
+
+
+def init_distributed(device_name, timeout_s):
+    """A collective: join the process group torchrun started. Returns (device, rank, world size)."""
+    if device_name == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device("cpu")
+    if device_name == "cuda":
+        # LOCAL_RANK numbers this node's processes from 0, like its GPUs; RANK numbers all nodes'.
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)  # DDP 2: this process's GPU, before any CUDA work
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    # With no address given, it reads torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+    # With NCCL, device_id ties the group to this GPU, so NCCL connects now, not at first use.
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device if backend == "nccl" else None)  # DDP 1: join
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+@dataclasses.dataclass
+class Run:
+    """What every step of one process's run shares, set once at the start."""
+    args: argparse.Namespace  # the flags
+    device: torch.device
+    rank: int
+    world_size: int
+    is_main: bool  # True on rank 0 alone, the one process that logs and writes files
+    amp: str  # FSDP 1: the compute dtype's name ("bfloat16"), or "off"
+    policy: MixedPrecisionPolicy  # FSDP 1: bf16 compute, fp32 reductions; no autocast, no scaler
+    mesh: object  # EP 1: the DeviceMesh of world size / ep rows ("edp") of ep ranks ("ep")
+
+
+def make_run(args, device, rank, world_size):
+    """This process's Run; logs the run's shape (world size, device, precision, batch)."""
+    is_main = rank == 0  # DDP 3: only rank 0 logs and writes files
+    amp, policy = mixed_precision(args.amp, device)  # FSDP 1: FSDP's dtypes
+    mesh = grid(args.ep, device, world_size)  # EP 1: world size / ep rows of ep ranks
+    run = Run(args, device, rank, world_size, is_main, amp, policy, mesh)
+    print0(is_main, f"world size {world_size} ({world_size // args.ep} edp x {args.ep} ep) | "
+                    f"device {device} | amp {amp} | "
+                    f"{tokens_per_step(run):,} tokens per step ({args.batch_size} x "
+                    f"{args.block_size} x {args.grad_accum} accumulation x {world_size} processes)")
+    return run
+
+
+def grid(ep, device, world_size):  # EP 1
+    """A collective (each dim's groups): world size / ep rows of ep consecutive ranks. A row's ranks
+    hold every expert once and trade tokens by all-to-all, so on GPUs a row fits in a node."""
+    if world_size % ep:
+        raise InputError(f"--ep {ep} does not divide the world size {world_size}: start a "
+                         f"multiple of {ep} processes, or give --ep 1")
+    shape, names = (world_size // ep, ep), ("edp", "ep")
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)  # EP 1: a group per dim
+
+
+@dataclasses.dataclass
+class Data:
+    windows: "Windows"  # this rank's training batches
+    val: np.ndarray  # the last --val-fraction of the tokens, or a folder's val.bin
+    vocab_size: int
+    itos: dict  # id -> text, from a nanoGPT folder's meta.pkl; None for bytes or plain ids
+    baseline: float  # the loss of predicting each token by its frequency, the loss to beat
+
+
+def build_data(run):
+    """This rank's training windows and the validation tokens; a collective with --debug."""
+    args = run.args
+    train, val, vocab_size, itos = load_data(args, run.world_size)
+    windows = Windows(train, args.block_size, args.batch_size, run.rank, run.world_size,
+                      args.seed)  # DDP 4: this rank reads only its own windows
+    baseline = unigram_loss(train, val, vocab_size)
+    unit = "byte" if vocab_size == 256 else "token"
+    print0(run.is_main, f"data {args.data or 'Python standard library'} | {len(train):,} train "
+                        f"/ {len(val):,} val tokens | vocab {vocab_size} | "
+                        f"{unit}-frequency baseline loss {baseline:.4f}")
+    if args.debug:
+        log_windows(run, windows)  # a collective: rank 0 prints every rank's windows
+    return Data(windows, val, vocab_size, itos, baseline)
+
+
+class Windows:
+    """This rank's training batches. Each epoch cuts the tokens into windows that do not overlap,
+    from a random offset, shuffles them (seeded by seed + epoch), and deals them to the replicas in
+    turn, as DistributedSampler(drop_last=True) with set_epoch(epoch) would. Micro-batch k depends
+    only on k, the seed and the replicas: a run resumed with as many replicas reads what an
+    unbroken run would."""
+
+    def __init__(self, tokens, block_size, batch_size, rank, world_size, seed):
+        self.tokens, self.block, self.batch = tokens, block_size, batch_size
+        self.rank, self.world, self.seed = rank, world_size, seed  # DDP 4: replica index and count
+        # The windows that fit whatever the offset (at most block_size), split evenly over ranks.
+        per_rank = (len(tokens) - block_size) // (block_size + 1) // world_size
+        self.per_epoch = per_rank // batch_size  # per rank: all ranks change epoch together
+        self.span = np.arange(block_size + 1)
+        self.epoch, self.starts = None, None
+
+    def starts_of_epoch(self, epoch):
+        """The first token of every window this rank reads in `epoch`, in order."""
+        # Seeded by epoch, not by rank, so every rank draws the same order and keeps its own part.
+        g = torch.Generator().manual_seed(self.seed + epoch)  # DDP 5: a new order each epoch
+        offset = int(torch.randint(0, self.block + 1, (1,), generator=g))
+        count = self.per_epoch * self.batch * self.world
+        order = torch.randperm((len(self.tokens) - offset) // (self.block + 1), generator=g)[:count]
+        # DDP 4: this rank keeps every world_size-th window of the order, starting at its rank.
+        return (offset + order * (self.block + 1))[self.rank::self.world].numpy()
+
+    def rows(self, k):
+        """Micro-batch k of this rank: a (B, block_size + 1) tensor of token ids, B windows."""
+        epoch, i = divmod(k, self.per_epoch)
+        if epoch != self.epoch:
+            self.epoch, self.starts = epoch, self.starts_of_epoch(epoch)
+        rows = self.tokens[self.starts[i * self.batch:(i + 1) * self.batch, None] + self.span]
+        return torch.from_numpy(rows.astype(np.int64))
+
+
+def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, then filled
+    """The sharded model and AdamW: each rank holds 1/N of each parameter, and a whole one only
+    while init_shards computes it or a unit's forward or backward has gathered it."""
+    args = run.args
+    held = experts_held(args, run.mesh.get_local_rank("ep"))  # EP 2: this rank's experts
+    with torch.device("meta"):  # FSDP 2: shapes and dtypes, no memory
+        raw_model = mixture_gpt(model_config(args, vocab_size), held)  # EP 2: experts in blocks
+    shard(run, raw_model)  # FSDP 2: before the optimizer, which must see the shards
+    raw_model.to_empty(device=run.device)  # FSDP 2: this rank's shards, not yet filled
+    init_shards(raw_model, args.seed)  # FSDP 2: one process's initial weights
+    raw_model.grad_checkpointing = args.grad_checkpointing
+    raw_model.aux_weight = args.aux_weight  # EP 6: how much the balance loss counts
+    for moe in mixtures(raw_model):  # EP 7: the groups its collectives run in
+        moe.groups = Groups(run.mesh["ep"].get_group(), dist.group.WORLD)
+    optimizer = make_optimizer(raw_model, args, run.device)
+    torch.manual_seed(args.seed + run.rank)  # DDP 6: each rank draws its own dropout masks
+    print0(run.is_main, f"model {sum(p.numel() for p in raw_model.parameters()):,} parameters | "
+                        f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
+                        f"context {args.block_size}")
+    print0(run.is_main and args.experts, experts_line(args, held))  # EP 2: what a token uses
+    print0(run.is_main, memory_line(raw_model))  # FSDP 2: what each rank holds
+    if args.grad_accum > 1:
+        print0(run.is_main, accumulation_line(raw_model, args))  # FSDP 2: and while accumulating
+    return raw_model, optimizer
+
+
+def shard(run, model):  # FSDP 2: every block a unit of its own, then the root
+    """fully_shard turns each block's parameters into DTensors split across the ranks (dim 0). A
+    block's weights are all-gathered just before its forward and again before its backward, and
+    its gradients are reduce-scattered after it. The root and the last block keep their gathered
+    weights from forward to backward (torch does so for a root by itself); with
+    --reshard-after-forward no, every block keeps them. The tied embedding and head are both in
+    the root, one unit, so their one matrix is gathered once."""
+    mesh = init_device_mesh(run.device.type, (run.world_size,))  # on the group's device type
+    reshard = run.args.reshard_after_forward == "yes"
+    for i, block in enumerate(model.blocks):  # sharding sends nothing; hooks gather later
+        last = i == len(model.blocks) - 1  # the backward starts with it: kept whole
+        if run.args.experts:  # EP 3: the experts first, a unit of their own on a column's ranks
+            shard_experts(run, block.mlp.experts, reshard and not last)
+        fully_shard(block, mesh=mesh, mp_policy=run.policy,
+                    reshard_after_forward=reshard and not last)  # its parameters become shards
+    fully_shard(model, mesh=mesh, mp_policy=run.policy)  # the root: whole until its backward
+
+
+def shard_experts(run, experts, reshard):  # EP 3
+    """Shard a block's experts over the ranks of this rank's column ("edp"), which hold the same
+    experts. Their gradients hold the tokens of a whole row of ep ranks, sent here by all-to-all:
+    summed over the column's ranks they hold every rank's tokens once. So they are divided by the
+    world size, not by the column's size, to be the mean over all ranks, as the others are."""
+    fully_shard(experts, mesh=run.mesh["edp"], mp_policy=run.policy,
+                reshard_after_forward=reshard)  # EP 3: sharded over the column's ranks
+    experts.set_gradient_divide_factor(run.world_size)  # EP 3: the mean over every rank
+    experts.set_force_sum_reduction_for_comms(True)  # a plain sum, then the division: gloo too
+
+
+@torch.no_grad()
+def init_shards(model, seed):  # FSDP 2: one whole parameter at a time, each rank keeps its slice
+    """Fill this rank's shards with one process's initial weights: each parameter whole from the
+    seed, one at a time; each rank keeps its slice, sending nothing (src_data_rank=None)."""
+    for name, p in model.named_parameters():
+        full = initial_value(name, p.shape, seed, len(model.blocks)).to(p.device)
+        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))  # no send
+
+
+def resumed_step(run, raw_model, optimizer, data):
+    """A collective: the step to go on from, 0 or --resume's; every rank loads it, or all stop."""
+    path, state, problem = resume_path(run), None, None  # FSDP 3: run.json first
+    try:  # every rank reads it; the shards load only once all agree
+        state = read_run_state(path, run, data) if path else None
+    except InputError as err:  # told to every rank below, so that none waits for this one
+        problem = str(err)
+    step = agree_on_start(state["step"] if state else 0, problem, path)  # FSDP 3: a collective
+    if path:
+        load_shards(path, state, run, raw_model, optimizer)  # FSDP 3: every rank, at once
+        print0(run.is_main, f"resumed from {path} at step {step}")
+    return step
+
+
+def resume_path(run):
+    """The checkpoint to resume from, or None. `auto` (a collective) takes --save if rank 0 finds
+    it, so a restart after a crash reruns the same command; ranks looking alone could disagree."""
+    resume, save = run.args.resume, run.args.save
+    if resume != "auto":  # a folder every rank sees: each finds its newest complete step alike
+        return resume and newest_complete_step(resume, run.is_main) or resume  # FSDP 3: newest
+    if not save:
+        raise InputError("--resume auto needs a --save path to look for")
+    found = [newest_complete_step(save, run.is_main) if run.is_main else None]  # FSDP 3: newest
+    dist.broadcast_object_list(found, src=0)  # DDP 7: rank 0 decides for every rank
+    return found[0]  # FSDP 3: the newest complete step folder, or None
+
+
+def agree_on_start(start, error, path):
+    """A collective: the same step on every rank, or all stop with one line. A rank fails alone
+    where its node cannot see the checkpoint, or sees another file than the other nodes."""
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, (start, error))  # DDP 7: every rank gets every outcome
+    failed = [(rank, problem) for rank, (_, problem) in enumerate(outcomes) if problem]
+    if failed and len(failed) == len(outcomes) and len({p for _, p in failed}) == 1:
+        raise InputError(failed[0][1])  # the same problem on every rank: the checkpoint's own
+    if failed:
+        raise InputError(f"rank {failed[0][0]}: {failed[0][1]} (every rank reads --resume: on "
+                         "several nodes it must be on a filesystem they share, docs/multinode.md)")
+    steps = [step for step, _ in outcomes]
+    if len(set(steps)) > 1:
+        raise InputError(f"the ranks read {path} at different steps {steps}: on several nodes it "
+                         "must be one file on a filesystem they share (docs/multinode.md)")
+    return start
+
+
+def load_shards(path, state, run, raw_model, optimizer):  # FSDP 3
+    """A collective: every rank reads the slices its shards hold, whatever world size wrote them
+    (DCP knows which slice each file holds); then its RNG state, if this layout saved it."""
+    model_state, optim_state = get_state_dict(raw_model, optimizer)  # my shards' state
+    try:
+        dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)  # every rank
+    except (Exception, CheckpointException) as err:  # raised on every rank: DCP gathers them
+        raise InputError(f"cannot load the shards of {path}: {first_reason(err)}") from None
+    set_state_dict(raw_model, optimizer, model_state_dict=model_state,  # into my shards
+                   optim_state_dict=optim_state)
+    if not shards_finite(raw_model):  # a collective: every rank gets the same answer
+        raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
+    # Each rank's RNG state comes back only at the layout that saved it: the same world size,
+    # and no tp in the checkpoint's args (a tensor-parallel trainer's checkpoint records one).
+    saved = state["args"].get("tp", 1), len(state["rng"])  # FSDP 3: the saving run's layout
+    if saved == (1, run.world_size):
+        restore_rng(state["rng"][run.rank], run.device)  # FSDP 3: this rank's streams
+
+
+def shards_finite(model):  # FSDP 3: checked before every save
+    """A collective: True on every rank if every rank's shards are free of NaN and infinity."""
+    mine = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
+    flag = torch.tensor([float(mine)], device=next(model.parameters()).device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # 0 if any rank's shards are not finite
+    return bool(flag.item())
+
+
+def wrap_model(run, raw_model):  # FSDP 4: no wrapper: the sharded model trains itself
+    """The model that trains: the sharded raw_model, compiled with --compile. Two handles to one
+    set of shards: `raw_model` (saved, exported) and `model`, the same or its compiled form."""
+    if run.args.compile:
+        return torch.compile(raw_model, backend=run.args.compile_backend)
+    return raw_model
+
+
+def evaluate(run, model, val):  # FSDP 5: every rank runs as many forwards
+    """The mean validation loss per token, each window once; a collective. Each forward
+    all-gathers with every rank, so a rank with fewer batches adds padding (targets -100)."""
+    batches = list(validation_batches(run, val))  # DDP 4: disjoint slices
+    most = torch.tensor(len(batches), device=run.device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most batches any rank holds
+    x = torch.zeros(1, run.args.block_size, dtype=torch.long, device=run.device)
+    batches += [(x, torch.full_like(x, -100))] * (int(most) - len(batches))
+    return mean_loss_over_ranks(model, batches)  # a collective: every rank's sums and counts
+
+
+def validation_batches(run, val):
+    """This rank's validation batches, (inputs, targets) on its device: the first --eval-windows
+    windows, dealt to the ranks in turn and never padded with repeats, so each counts once."""
+    args = run.args
+    starts = np.arange(0, len(val) - args.block_size, args.block_size + 1)[:args.eval_windows]
+    mine = starts[run.rank::run.world_size]
+    for i in range(0, len(mine), args.batch_size):
+        rows = val[mine[i:i + args.batch_size, None] + np.arange(args.block_size + 1)]
+        yield on_device(torch.from_numpy(rows.astype(np.int64)), run.device)
+
+
+@torch.no_grad()
+def mean_loss_over_ranks(model, batches):  # FSDP 1: no autocast; DDP 9: sum, divide once
+    """A collective: the mean cross-entropy per target over all ranks' batches (inputs, targets).
+    Each rank sums its own losses and counts them; one all-reduce adds those up over the ranks."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
+    for x, y in batches:
+        logits, _ = model(x)  # FSDP 1: no autocast; the policy casts
+        totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")
+        totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # DDP 9: all ranks' sums, divided below
+    free_gathered_weights(model)  # FSDP 5: forwards without a backward leave weights gathered
+    model.train()
+    return (totals[0] / totals[1]).item()
+
+
+def train_step(run, model, optimizer, windows, step):
+    """One optimizer step over --grad-accum micro-batches; a collective. Returns the loss (mean
+    over all ranks) and the gradient norm before clipping, both device tensors."""
+    args = run.args
+    batches = [on_device(windows.rows(step * args.grad_accum + i), run.device)
+               for i in range(args.grad_accum)]
+    loss = accumulate_gradients(model, batches, args.grad_sync == "every")  # FSDP 1, 7
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, args)
+    grad_norm = clip_gradients(model, args.clip)  # EP 4: a collective, the same on every rank
+    loss = mean_over_ranks(loss)  # DDP 9: the same mean on every rank, so all stop or none
+    stop_if_diverged(run, step, loss, grad_norm)
+    optimizer.step()  # FSDP 1: no scaler; each rank steps its shards
+    optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm
+
+
+def accumulate_gradients(model, batches, every=True):  # FSDP 7: stay sharded, or not
+    """Forward and backward over each micro-batch (inputs, targets); returns their mean loss. every:
+    each backward reduce-scatters a unit's gradients into the shards, which add up there, so no
+    rank holds a whole gradient past its unit's backward; else (--grad-sync last)
+    whole gradients add up on every rank and the last backward reduce-scatters them once."""
+    total = 0.0
+    for i, (x, y) in enumerate(batches):
+        model.set_requires_gradient_sync(every or i == len(batches) - 1)  # FSDP 7: when to reduce
+        _, loss = model(x, y)
+        # Every micro-batch has as many targets, none masked, so the mean of their means is the
+        # mean over all targets. With masked targets, divide the sum by the global count.
+        loss = loss / len(batches)
+        loss.backward()  # each unit reduce-scatters now (--grad-sync last: the final batch only)
+        total += loss.detach()
+    return total
+
+
+@torch.no_grad()
+def clip_gradients(model, max_norm):  # EP 4: the experts' shards live on other meshes
+    """A collective: the norm of the whole model's gradient, and each shard scaled by max_norm /
+    norm where that is below 1 (as clip_grad_norm_ does; 0: no clipping). Every element of every
+    gradient lives on exactly one rank (a shard of a column's experts, or of the rest over all the
+    ranks), so the squares of every rank's shards, added up over all ranks, are the whole sum."""
+    grads = [p.grad.to_local() for p in model.parameters() if p.grad is not None]
+    squares = sum((g.float() ** 2).sum() for g in grads)
+    dist.all_reduce(squares, op=dist.ReduceOp.SUM)  # EP 4: every rank's squares, so the norm
+    norm = squares.sqrt()
+    if max_norm:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s formula
+        for g in grads:
+            g.mul_(scale.to(g.dtype))
+    return norm
+
+
+def mean_over_ranks(value):
+    """A collective: the mean of a scalar tensor over all ranks, summed then divided."""
+    value = value.detach().clone().float()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)  # DDP 9: every rank gets the sum of all ranks'
+    return value / dist.get_world_size()
+
+
+def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every rank its shards
+    """A collective: rank 0 writes DIR/step-N/run.json (step, flags, vocabulary, every rank's RNG),
+    every rank its shards of weights and AdamW state (DCP: no gather; .metadata last marks it
+    complete). Failed: SaveFailed on every rank, the folder removed, the previous step intact."""
+    rng_states = [None] * run.world_size  # DDP 11: each rank's RNG draws its own dropout masks
+    dist.all_gather_object(rng_states, rng_state(run.device))  # so rank 0 can save them all
+    folder = os.path.join(run.args.save, f"step-{step:06d}")  # FSDP 3: a folder per step
+    if not shards_finite(raw_model):  # a collective: every rank gets the same answer
+        raise SaveFailed(f"not saving {folder}: the weights are not finite")
+    state = dict(zip(("model", "optimizer"), get_state_dict(raw_model, optimizer)))  # shards
+    try:  # rank 0 writes run.json, then every rank its shards
+        save_on_rank_0(lambda: write_file(os.path.join(folder, "run.json"),  # a collective
+                                          run_state(run, data, step, rng_states)), run.is_main)
+        dcp.save(state, checkpoint_id=folder)  # every rank its shards; .metadata last, by rank 0
+    except (SaveFailed, OSError, RuntimeError, CheckpointException) as err:  # DCP: on every rank
+        save_on_rank_0(lambda: shutil.rmtree(folder, ignore_errors=True), run.is_main)  # collective
+        failed = SaveFailed(f"cannot save {folder}: {first_reason(err, folder, state)}")
+        raise (err if isinstance(err, SaveFailed) else failed) from None
+    save_on_rank_0(lambda: drop_older_steps(run.args.save, folder), run.is_main)  # a collective
+    print0(run.is_main, f"step {step}/{run.args.max_steps} | saved {folder}")
+
+
+def save_on_rank_0(write, is_main):
+    """A collective: rank 0 calls write(); every rank waits for it and raises what it raised.
+    Never call it inside `if is_main:`, because the other ranks would not reach the broadcast."""
+    error = None
+    if is_main:
+        try:
+            write()
+        except Exception as err:  # sent to every rank below, so that none goes on alone
+            error = err
+    outcome = [error]
+    dist.broadcast_object_list(outcome, src=0)  # DDP 12: every rank waits here for rank 0's write
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
+def leave_distributed():
+    """Free what a failed run left (its model may still hold the group), then leave it."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()  # DDP 13: each rank leaves once, when it is done
+
+
+# --------------------------------------------------------------------------------- the model: a GPT
+def causal_attention(q, k, v):
+    """softmax(q k^T / sqrt(d)) v over earlier positions, by PyTorch's fused kernel (flash attention
+    on GPUs). No dropout on the attention weights: on a CPU it forces the slow path. A CPU runs it
+    in fp32 even in a bf16 run, since the bf16 CPU backward measured 3x slower than fp32."""
+    if q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with torch.autocast("cpu", enabled=False):  # fp32 even under a caller's autocast
+        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    return y.to(q.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        # qkv's outputs hold each head's q, k and v side by side.
+        # The -1 counts the heads (n_head).
+        qkv = self.qkv(x).view(B, T, -1, 3, C // self.n_head)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, head size)
+        y = causal_attention(q, k, v)
+        return self.proj(y.transpose(1, 2).flatten(2))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attention(norm(x)), then x + MLP(norm(x))."""
+
+    def __init__(self, n_embd, n_head, dropout):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
+                                 nn.Linear(4 * n_embd, n_embd))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd, dropout):
+        super().__init__()
+        self.block_size = block_size
+        self.grad_checkpointing = False  # True: recompute each block's activations in backward
+        self.aux_weight = 0.0  # EP 6: the balance loss's weight in the loss (--aux-weight)
+        self.tok_emb = nn.Embedding(vocab_size, n_embd)
+        self.pos_emb = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # weight tying: one matrix embeds and un-embeds
+        if not self.head.weight.is_meta:  # a weight with no storage (is_meta) cannot be filled
+            self.init_weights(seed=0)
+
+    @torch.no_grad()
+    def init_weights(self, seed):
+        """Set every parameter to initial_value(), so the same seed gives the same weights."""
+        for name, p in self.named_parameters():
+            p.copy_(initial_value(name, p.shape, seed, len(self.blocks)))
+
+    def forward(self, idx, targets=None):
+        """Logits (B, T, vocab), and the mean cross-entropy per token if targets are given."""
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+        for block in self.blocks:
+            if self.grad_checkpointing and self.training:  # keep block inputs; recompute the rest
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        if self.aux_weight:  # EP 6: each block's balance loss, weighted, joins the loss
+            loss = loss + self.aux_weight * sum(moe.aux for moe in mixtures(self))
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature, top_k):
+        """Append max_new_tokens tokens to idx (1, T), each drawn from the model's prediction."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.block_size:])[0][:, -1] / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            idx = torch.cat([idx, torch.multinomial(logits.softmax(-1), 1)], dim=1)
+        return idx
+
+
+def initial_value(name, shape, seed, n_layer):
+    """The initial value of parameter `name` in GPT-2's scheme: N(0, 0.02) for matrices, std
+    0.02 / sqrt(2 x layers) for residual projections, zero biases, LayerNorm weights of one. Each
+    draws from a generator seeded by (seed, name), so its value depends on nothing else."""
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if len(shape) == 1:  # a LayerNorm's weight
+        return torch.ones(shape)
+    residual = name.endswith(("attn.proj.weight", ".2.weight"))  # EP 2: an expert's too
+    std = 0.02 / math.sqrt(2 * n_layer) if residual else 0.02
+    generator = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=generator) * std
+
+
+# ------------------------------------------- the mixture of experts: routing, balance, dispatch
+def mixture_gpt(config, held=None):  # EP 2
+    """The GPT of config; with config["experts"] E, each block's MLP becomes a mixture of E
+    experts, of which this rank builds those in `held` (all of them by default)."""
+    experts, top_k = config.get("experts", 0), config.get("top_k", 1)
+    dense = {k: v for k, v in config.items() if k not in ("experts", "top_k")}
+    model = GPT(**dense)
+    for block in model.blocks if experts else []:
+        block.mlp = MixtureOfExperts(config["n_embd"], experts, top_k, held or range(experts))
+    return model
+
+
+def mixtures(model):
+    """The model's mixtures of experts, one per block (none in the dense model)."""
+    return [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
+
+
+@dataclasses.dataclass
+class Groups:
+    """The process groups a mixture's collectives run in."""
+    ep: object  # this rank's row: the ranks that hold the other experts, for the all-to-alls
+    world: object  # every rank: the balance loss is the global micro-batch's
+
+
+class MixtureOfExperts(nn.Module):
+    """E experts in place of a block's MLP, and a router that sends each token to K of them.
+    Every token reaches its K experts (dropless), wherever they live."""
+
+    def __init__(self, n_embd, experts, top_k, held):
+        super().__init__()
+        self.experts_total, self.top_k = experts, top_k
+        self.router = nn.Linear(n_embd, experts, bias=False)  # EP 5: a score per expert
+        self.experts = Experts(n_embd, 4 * n_embd // top_k, held)  # K of them: one MLP's size
+        self.groups = None  # set once the process group exists; None: one plain process
+        self.aux, self.load = None, None  # the last balance loss; copies per expert, summed
+
+    def forward(self, x):
+        B, T, C = x.shape
+        x = x.reshape(B * T, C)
+        probs = self.router(x).float().softmax(dim=-1)  # EP 5: (tokens, E), fp32
+        gates, chosen = probs.topk(self.top_k, dim=-1)  # EP 5: the K likeliest experts
+        gates = gates / gates.sum(dim=-1, keepdim=True)  # EP 5: rescaled to add up to 1
+        counts = torch.bincount(chosen.flatten(), minlength=self.experts_total)
+        self.aux = self.balance_loss(probs, counts)  # EP 6: collectives over every rank
+        # Each token's K copies, sorted by expert: the copies for expert e stand together.
+        order = chosen.flatten().argsort(stable=True)
+        out = self.dispatch(x[order // self.top_k], counts)  # EP 7: collectives, all-to-all
+        out = out[order.argsort()].view(B * T, self.top_k, C)  # back in token order
+        return (out * gates.unsqueeze(-1).to(out.dtype)).sum(dim=1).view(B, T, C)
+
+    def balance_loss(self, probs, counts):  # EP 6
+        """A collective: E x sum_e f_e x P_e over the global micro-batch (every rank's tokens), f_e
+        the share of the token copies routed to e, P_e the mean router probability of e."""
+        sums = probs.sum(dim=0)  # differentiable, unlike the counts
+        if self.groups:
+            counts = counts.clone()
+            dist.all_reduce(counts, group=self.groups.world)  # EP 6: every rank's copies
+            sums = SumOverRanks.apply(sums, self.groups.world)  # EP 6: every rank's, with grad
+        if self.training:  # the log's shares: training micro-batches only
+            self.load = counts if self.load is None else self.load + counts
+        tokens = counts.sum() / self.top_k
+        return self.experts_total * (counts / counts.sum() * sums / tokens).sum()
+
+    def dispatch(self, copies, counts):  # EP 7
+        """A collective: each expert's output for the token copies, sorted by expert (counts[e]
+        for expert e), computed on the rank that holds it. Each rank of the ep row holds E / ep."""
+        if not self.groups:  # one plain process: every expert is here
+            return self.experts(copies, counts.tolist())
+        group, ep = self.groups.ep, dist.get_world_size(self.groups.ep)
+        sent = counts.view(ep, -1).sum(dim=1).tolist()  # copies for each rank of the row
+        got = torch.empty_like(counts)  # from each rank: its copies for each of my experts
+        dist.all_to_all_single(got, counts, group=group)  # EP 7: E / ep counts to each rank
+        got = got.view(ep, -1)  # (source rank, my expert)
+        received = got.sum(dim=1).tolist()  # copies from each rank
+        rows = AllToAll.apply(copies, sent, received, group)  # EP 7: each copy to its expert
+        # What arrived stands by source rank, then expert; each expert needs its rows together.
+        mine = torch.arange(got.shape[1], device=copies.device).repeat(ep)
+        regroup = mine.repeat_interleave(got.flatten()).argsort(stable=True)
+        out = self.experts(rows[regroup], got.sum(dim=0).tolist())[regroup.argsort()]
+        return AllToAll.apply(out, received, sent, group)  # EP 7: the outputs go back
+
+
+class Experts(nn.ModuleDict):
+    """The experts this rank holds, by their number in the block: each an MLP, narrower than the
+    dense model's. A module of its own, so that FSDP shards it over the ranks that hold it."""
+
+    def __init__(self, n_embd, hidden, held):
+        super().__init__({str(e): nn.Sequential(nn.Linear(n_embd, hidden), nn.GELU(),
+                                                nn.Linear(hidden, n_embd)) for e in held})
+
+    def forward(self, rows, sizes):
+        """Rows sorted by expert, sizes[i] of them for the i-th expert held: their outputs."""
+        parts = rows.split(sizes)
+        return torch.cat([mlp(part) for mlp, part in zip(self.values(), parts)])
+
+
+class AllToAll(torch.autograd.Function):  # EP 7
+    """An all-to-all over a group: sends[j] rows to rank j, received[j] rows from rank j, stacked
+    in rank order. Its backward is the opposite all-to-all: each row's gradient goes home."""
+
+    @staticmethod
+    def forward(ctx, rows, sends, receives, group):
+        ctx.sends, ctx.receives, ctx.group = sends, receives, group
+        out = rows.new_empty((sum(receives), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), receives, sends, group=group)  # EP 7
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = grad.new_empty((sum(ctx.sends), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), ctx.sends, ctx.receives,
+                               group=ctx.group)  # EP 7: the gradients, the other way
+        return back, None, None, None
+
+
+class SumOverRanks(torch.autograd.Function):  # EP 6
+    """An all-reduce (sum) that autograd can go through. Every rank adds the same balance loss to
+    its loss, so the sum of all ranks' losses holds it world-size times: the gradient of a rank's
+    part is the sum of every rank's gradient, world size times one loss's. FSDP then divides by
+    the world size, which leaves one process's gradient for one balance loss."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)  # EP 6: every rank's sum
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)  # EP 6: every rank's gradient of it
+        return grad, None
+
+
+# -------------------------------------------- beyond the core: debugging, the benchmark, the report
+def log_windows(run, windows):
+    """A collective: rank 0 prints each rank's windows, in rank order, so lines never splice."""
+    line = (f"[rank {run.rank}] {windows.per_epoch} micro-batches per epoch, "
+            f"first windows at tokens {windows.starts_of_epoch(0)[:4].tolist()}")
+    lines = [None] * run.world_size
+    dist.all_gather_object(lines, line)  # DDP 14: every rank gets all lines; rank 0 prints
+    print0(run.is_main, "\n".join(lines))
+
+
+def benchmark(run, model, optimizer, windows):
+    """--benchmark: 5 warm-up steps, then --max-steps timed ones; median ms/step and tokens/s."""
+    times = []
+    for step in range(5 + run.args.max_steps):
+        start = time.perf_counter()
+        loss, _ = train_step(run, model, optimizer, windows, step)  # a collective
+        loss.item()  # wait for the device: the step is over
+        times.append(time.perf_counter() - start)
+    result = {**pace_keys(statistics.median(times[5:]), tokens_per_step(run)),
+              "timed_steps": run.args.max_steps}
+    log_peak_gpu_memory(run)  # a collective on GPUs: every rank's peak
+    print0(run.is_main, f"benchmark | {result['step_ms']} ms/step | "
+                        f"{result['throughput']:,.0f} tok/s")
+    print0(run.is_main, summary_line(result))
+
+
+def report(run, raw_model, data, val_loss, meter):
+    """Every rank's GPU peak (a collective on GPUs), then rank 0's done line, summary, sample."""
+    log_peak_gpu_memory(run)  # a collective on GPUs: every rank's peak
+    summary = {**meter.summary(), "val_loss": val_loss, "baseline_loss": data.baseline}
+    unit = "byte" if data.vocab_size == 256 else "token"
+    print0(run.is_main, f"done | val loss {val_loss:.4f} ({unit}-frequency baseline "
+                        f"{data.baseline:.4f}) | {summary['tokens_per_s']:,.0f} tok/s over "
+                        f"{summary['train_s']:.1f} s of training")
+    print0(run.is_main, summary_line(summary))
+    if run.args.export and run.args.ep > 1:  # EP 2: rank 0 holds only its own experts
+        print0(run.is_main, f"no export at --ep {run.args.ep}: rank 0 holds only its experts")
+    elif run.args.export:  # FSDP 8: one plain file, for one-process sampling
+        export(run, raw_model, data)  # a collective: the weights gathered to rank 0
+    if unit == "byte" or data.itos:  # FSDP 5: every rank generates: each forward gathers weights
+        raw_model.eval()
+        start = 10 if unit == "byte" else min(data.itos)  # a newline, or the first piece
+        first, args = torch.tensor([[start]], device=run.device), run.args
+        out = raw_model.generate(first, args.max_new_tokens, args.temperature, args.top_k)
+        print0(run.is_main, "sample:\n" + decode(out[0].tolist(), data.itos))  # FSDP 5: rank 0's
+
+
+def export(run, raw_model, data):  # FSDP 8: one plain file, as one process saves it
+    """A collective: every rank's shards to rank 0's CPU, which writes one plain state_dict."""
+    if not shards_finite(raw_model):  # a collective: every rank gets the same answer
+        raise SaveFailed(f"not exporting {run.args.export}: the weights are not finite")
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0
+    weights = get_model_state_dict(raw_model, options=options)  # empty on the other ranks
+    save_on_rank_0(lambda: write_export(run, weights, data), run.is_main)  # a collective
+
+
+def log_peak_gpu_memory(run):
+    """A collective on CUDA: rank 0 prints every rank's peak of allocated GPU memory, in order."""
+    if run.device.type != "cuda":
+        return
+    peaks = [None] * run.world_size
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(run.device))  # DDP 16: all peaks
+    print0(run.is_main, "peak GPU memory per rank (max_memory_allocated): " +
+           ", ".join(f"rank {rank} {peak / 2**20:,.1f} MiB" for rank, peak in enumerate(peaks)))
+
+
+# ============================================================================== the plumbing
+
+
+# ---------------------------------------- guards: each stops one thing going wrong in production
+def avoid_known_failures(args):  # guard: all guards, in one place, before the group is joined
+    """Exit code 2 for a launch that could never join a group; a workaround for each known fault."""
+    refuse_a_bad_launch(args.device)  # guard: no torchrun, or more processes than GPUs
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    backend = "nccl" if cuda else "gloo"
+    level = safe_debug_level(backend, args.debug, dist.get_debug_level())  # guard: DETAIL on gloo
+    dist.set_debug_level(level)  # before init_process_group, which reads it
+    if not cuda:
+        avoid_page_faults_on_cpu()  # guard: page faults every step on Linux CPUs
+
+
+def refuse_a_bad_launch(device_name):  # guard: a process that could never join a group
+    """Exit code 2 and one line if torchrun did not start this process, or its GPU is missing."""
+    def refuse(problem):
+        sys.stderr.write(f"error: {problem}\n")
+        sys.exit(2)
+
+    if "RANK" not in os.environ:  # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT
+        refuse("not launched by torchrun: see the commands at the top of this script")
+    if device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available()):
+        local_rank, visible = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+        if local_rank >= visible:
+            refuse(f"--device cuda: GPU {local_rank} asked for, but {visible} visible: start at "
+                   "most one process per GPU (--nproc_per_node), or --device cpu")
+
+
+def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo
+    """The debug level to run at, starting from the shell's. --debug asks for DETAIL on NCCL and
+    INFO on gloo. DETAIL on gloo is untested here (it crashes other trainers), so there it
+    becomes INFO, with one warning."""
+    if debug:
+        level = dist.DebugLevel.DETAIL if backend == "nccl" else dist.DebugLevel.INFO
+    if backend == "gloo" and level == dist.DebugLevel.DETAIL:  # the shell's
+        if os.environ["RANK"] == "0":  # no group yet, so torchrun's RANK says who logs
+            print("warning: TORCH_DISTRIBUTED_DEBUG=DETAIL is untested on gloo "
+                  "(docs/troubleshooting.md): going on at INFO", flush=True)
+        level = dist.DebugLevel.INFO
+    return level
+
+
+def avoid_page_faults_on_cpu():  # guard: glibc returning freed memory at once
+    """On Linux CPUs (glibc), keep freed memory in the process. Otherwise glibc hands each step's
+    tens of MB (the logits) back to the OS, and the page faults cost 10-30% of a step."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc (macOS, musl, Windows): nothing to tune
+    libc.mallopt(-4, 0)  # M_MMAP_MAX = 0: serve large blocks from the heap, not fresh mmaps
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD = 1 GiB: keep that much freed heap for reuse
+
+
+# ------------------------------------------------------------------------------------------ flags
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2, instead of argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive(kind, zero_ok=False):
+    """An argparse type: a number of `kind` above zero, or at least zero if zero_ok."""
+    def parse(text):
+        value = kind(text)
+        if value < 0 or (value == 0 and not zero_ok):
+            bound = "at least 0" if zero_ok else "positive"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+    parse.__name__ = f"positive {kind.__name__}"  # argparse names it: "invalid positive int value"
+    return parse
+
+
+def parse_args(argv=None):
+    p = Parser(description=__doc__.split("\n\n")[0])
+    a = p.add_argument_group("data").add_argument
+    a("--data", metavar="PATH",
+      help="a text file (its bytes are the tokens), a .bin of uint16 token ids, or a nanoGPT "
+           "folder: train.bin, val.bin, meta.pkl (default: the Python standard library)")
+    a("--vocab-size", type=positive(int), metavar="N",
+      help="the ids of a .bin (or a folder without meta.pkl) are below N")
+    a("--val-fraction", type=float, default=0.1, metavar="F",
+      help="the tail of the data held out for validation (default: 0.1)")
+    a = p.add_argument_group("model").add_argument
+    a("--n-layer", type=positive(int), default=4, metavar="N",
+      help="transformer blocks (default: 4)")
+    a("--n-head", type=positive(int), default=4, metavar="N",
+      help="attention heads, must divide --n-embd (default: 4)")
+    a("--n-embd", type=positive(int), default=128, metavar="N",
+      help="width of the residual stream (default: 128)")
+    a("--block-size", type=positive(int), default=128, metavar="T",
+      help="context length in tokens (default: 128)")
+    a("--dropout", type=float, default=0.0, metavar="P", help="dropout probability (default: 0.0)")
+    a("--experts", type=positive(int, zero_ok=True), default=4, metavar="E",  # EP 2
+      help="experts per block, each 4 x --n-embd / K wide; 0 = the dense model (default: 4)")
+    a("--experts-per-token", type=int, default=2, metavar="K",  # EP 5
+      help="K: the experts each token goes to (top-k routing), 1 to E (default: 2)")
+    a("--aux-weight", type=positive(float, zero_ok=True), default=0.01, metavar="W",  # EP 6
+      help="weight of each block's load-balancing loss in the loss (default: 0.01)")
+    a("--grad-checkpointing", action="store_true",
+      help="recompute each block's activations in backward: less memory, more time")
+    a("--compile", action="store_true", help="torch.compile the model (default: off)")
+    a("--compile-backend", default="inductor", metavar="NAME",
+      help="torch.compile backend (default: inductor)")
+    a = p.add_argument_group("training").add_argument
+    a("--batch-size", type=positive(int), default=16, metavar="B",
+      help="windows per micro-batch, on each rank (default: 16)")
+    a("--grad-accum", type=positive(int), default=1, metavar="K",
+      help="micro-batches per optimizer step (default: 1)")
+    a("--max-steps", type=positive(int), default=300, metavar="N",
+      help="optimizer steps (default: 300)")
+    a("--lr", type=positive(float), default=3e-3, help="peak learning rate (default: 0.003)")
+    a("--min-lr", type=positive(float, zero_ok=True), default=3e-4, metavar="LR",
+      help="where the cosine ends (default: 0.0003)")
+    a("--warmup-steps", type=positive(int, zero_ok=True), default=30, metavar="N",
+      help="steps of linear warmup (default: 30)")
+    a("--weight-decay", type=positive(float, zero_ok=True), default=0.1, metavar="W",
+      help="AdamW's, on matrices only (default: 0.1)")
+    a("--clip", type=positive(float, zero_ok=True), default=1.0, metavar="NORM",
+      help="clip the gradient norm to NORM, 0 = off (default: 1.0)")
+    a("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
+      help="the compute dtype of FSDP's policy; auto: bf16 on GPUs that have it natively, else "
+           "off (fp32); fp16 is refused (default: auto)")
+    a("--seed", type=int, default=0, help="seeds the weights, data order, dropout (default: 0)")
+    a("--device", choices=["auto", "cpu", "cuda"], default="auto",
+      help="auto = cuda if there is one, else cpu (default: auto)")
+    a = p.add_argument_group("distributed: timeouts, debugging and the layout").add_argument
+    a("--dist-timeout", type=positive(float), default=300, metavar="S",
+      help="seconds a collective waits for a peer before the job fails (default: 300)")
+    a("--grad-sync", choices=["every", "last"], default="every",  # FSDP 7
+      help="with --grad-accum: every: reduce-scatter each micro-batch's gradients, they stay "
+           "sharded; last: keep them whole and reduce-scatter once (default: every)")
+    a("--reshard-after-forward", choices=["yes", "no"], default="yes",  # FSDP 2
+      help="yes: free each block's gathered weights (but the last's) after its forward; "
+           "no: keep them "
+           "until its backward (fewer all-gathers, more memory) (default: yes)")
+    a("--ep", type=positive(int), default=1, metavar="N",  # EP 1
+      help="expert parallelism: the experts of a block split over N ranks, which trade tokens by "
+           "all-to-all; N divides --experts and the world size (default: 1)")
+    a("--debug", action="store_true", help="TORCH_DISTRIBUTED_DEBUG and each rank's data windows")
+    a = p.add_argument_group("evaluation, logging, checkpoints").add_argument
+    a("--eval-every", type=positive(int), default=100, metavar="N",
+      help="steps between evaluations (default: 100)")
+    a("--eval-windows", type=positive(int), default=128, metavar="N",
+      help="validation sequences per evaluation (default: 128)")
+    a("--log-every", type=positive(int), default=10, metavar="N",
+      help="steps between log lines (default: 10)")
+    a("--save", default="checkpoints/minigpt_moe", metavar="DIR",  # FSDP 3
+      help="checkpoint folder of step-N folders, '' for none (default: %(default)s)")
+    a("--export", default="checkpoints/minigpt_moe.pt", metavar="PATH",  # FSDP 8
+      help="the final weights in one file that --sample reads, '' for none (default: %(default)s)")
+    a("--save-every", type=positive(int, zero_ok=True), default=0, metavar="N",
+      help="also save every N steps, 0 = only at the end (default: 0)")
+    a("--resume", metavar="DIR",  # FSDP 3
+      help="go on from this checkpoint folder's newest complete step; 'auto': from --save's")
+    a("--gpu-peak-tflops", type=positive(float), metavar="T",
+      help="one GPU's peak TFLOPS for MFU (default: from the GPU's name and --amp, for A100, "
+           "H100, H200, L4, L40S, A10, V100, T4, RTX 3090/4090)")
+    a("--benchmark", action="store_true",
+      help="time --max-steps steps after 5 warm-up steps; no evaluation, no checkpoint")
+    a = p.add_argument_group("sampling (one process, no torchrun)").add_argument
+    a("--sample", action="store_true", help="generate text from --ckpt instead of training")
+    a("--ckpt", metavar="PATH", help="the checkpoint to sample from")
+    a("--prompt", default="\n", metavar="TEXT",
+      help="text to start from, not empty (default: a newline)")
+    a("--max-new-tokens", type=positive(int), default=300, metavar="N",
+      help="tokens to generate, by --sample and after training (default: 300)")
+    a("--temperature", type=positive(float), default=0.8, metavar="T",
+      help="below 1: safer choices, above 1: wilder ones (default: 0.8)")
+    a("--top-k", type=positive(int, zero_ok=True), default=40, metavar="K",
+      help="draw from the K likeliest tokens, 0 = from all (default: 40)")
+    args = p.parse_args(argv)
+    if args.n_embd % args.n_head:
+        p.error(f"--n-head {args.n_head} must divide --n-embd {args.n_embd}")
+    if not 0 <= args.dropout < 1 or not 0 < args.val_fraction < 1:
+        p.error("--dropout must be in [0, 1) and --val-fraction in (0, 1)")
+    if args.sample and not args.ckpt:
+        p.error("--sample needs --ckpt PATH")
+    if bad_experts(args):  # EP 5: one line and exit code 2
+        p.error(bad_experts(args))
+    if not args.prompt:
+        p.error("--prompt must not be empty")
+    return args
+
+
+def bad_experts(args):  # EP 5
+    """What is wrong with the experts' flags, in one line, or None."""
+    e, k, ep = args.experts, args.experts_per_token, args.ep
+    if e and not 1 <= k <= e:
+        return f"--experts-per-token {k} must be between 1 and --experts {e}"
+    if e and (4 * args.n_embd) % k:
+        return (f"--experts-per-token {k} must divide 4 x --n-embd {args.n_embd}: each expert is "
+                "4 x --n-embd / K wide")
+    if ep > 1 and (not e or e % ep):
+        return f"--ep {ep} must divide --experts {e}: each rank of a row holds as many experts"
+    return None
+
+
+# ------------------------------------------------------------------------------------------- data
+def load_tokens(args, default_bytes=2_000_000):
+    """All tokens as a 1-D numpy array, and the vocabulary size. A text file's bytes are its
+    tokens; a .bin file is memory-mapped, so a corpus of many GB costs no RAM until it is read."""
+    if args.data is None:
+        files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+        raw = b"".join(open(f, "rb").read() for f in files)[:default_bytes]
+        return np.frombuffer(raw, dtype=np.uint8), 256
+    if not os.path.isfile(args.data):
+        raise InputError(f"data file not found: {args.data}")
+    if not args.data.endswith(".bin"):
+        return np.fromfile(args.data, dtype=np.uint8), 256
+    if args.vocab_size is None:
+        raise InputError(f"{args.data} holds token ids: give --vocab-size "
+                         "(e.g. 50304 for GPT-2's BPE)")
+    return read_ids(args.data, args.vocab_size, "--vocab-size"), args.vocab_size
+
+
+def read_meta(path):
+    """nanoGPT's meta.pkl ({"vocab_size", "itos", "stoi"}), read without running it: a pickle may
+    call any function; this unpickler refuses them all, and takes dicts, lists, strings and ints."""
+    class PlainData(pickle.Unpickler):
+        def find_class(self, module, name):
+            raise pickle.UnpicklingError(f"it asks for {module}.{name}, not plain data")
+
+    def plain(x):  # dicts, lists, strings and ints, all the way down
+        if isinstance(x, dict):
+            return all(plain(k) and plain(v) for k, v in x.items())
+        if isinstance(x, list):
+            return all(plain(v) for v in x)
+        return isinstance(x, (str, int))
+    try:
+        with open(path, "rb") as f:
+            meta = PlainData(f).load()
+    except Exception as err:  # refused, truncated, not a pickle
+        raise InputError(f"cannot read {path}: {type(err).__name__}: {err}") from None
+    size, itos = (meta.get("vocab_size"), meta.get("itos")) if isinstance(meta, dict) else (0, 0)
+    ids_to_text = isinstance(itos, dict) and all(isinstance(v, str) for v in itos.values())
+    if not (plain(meta) and ids_to_text and type(size) is int and set(itos) == set(range(size))):
+        raise InputError(f"{path} is not a nanoGPT meta.pkl of plain dicts, strings and ints, with "
+                         "itos naming each id below vocab_size")
+    return size, itos
+
+
+def load_folder(args):
+    """A nanoGPT data folder: train.bin and val.bin of uint16 ids, and for character-level sets a
+    meta.pkl with the vocabulary. Returns train, val, vocab size, and itos (id -> text) or None."""
+    paths = [os.path.join(args.data, name) for name in ("train.bin", "val.bin", "meta.pkl")]
+    missing = [p for p in paths[:2] if not os.path.isfile(p)]
+    if missing:
+        raise InputError(f"{args.data} is a folder but holds no {' and no '.join(missing)}")
+    vocab_size, itos = read_meta(paths[2]) if os.path.isfile(paths[2]) else (args.vocab_size, None)
+    if vocab_size is None:
+        raise InputError(f"{args.data} has no meta.pkl: give --vocab-size (e.g. 50304 for GPT-2)")
+    train, val = (read_ids(p, vocab_size, "its meta.pkl" if itos else "--vocab-size")
+                  for p in paths[:2])
+    return train, val, vocab_size, itos
+
+
+def read_ids(path, vocab_size, source):
+    """A .bin of uint16 token ids, memory-mapped; every id must be below vocab_size."""
+    size = os.path.getsize(path)
+    if size % 2:
+        raise InputError(f"{path} has an odd number of bytes: not a file of uint16 token ids")
+    tokens = np.memmap(path, dtype=np.uint16, mode="r") if size else np.zeros(0, np.uint16)
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        raise InputError(f"{path} holds token id {int(tokens.max())}, not below the vocabulary "
+                         f"size {vocab_size} ({source})")
+    return tokens
+
+
+def load_data(args, world_size):
+    """Training and validation tokens, the vocabulary size and itos (id -> text, or None). A file
+    is split: training on the head, validation on the tail. Refuses data too short for a batch."""
+    if args.data is not None and os.path.isdir(args.data):
+        train, val, vocab_size, itos = load_folder(args)
+    else:
+        tokens, vocab_size = load_tokens(args)
+        n_val, itos = int(len(tokens) * args.val_fraction), None
+        train, val = tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]
+    need = world_size * args.batch_size * (args.block_size + 1)
+    if len(train) < need + args.block_size or len(val) < args.block_size + 1:
+        raise InputError(f"{args.data or 'the default corpus'} has {len(train):,} training and "
+                         f"{len(val):,} validation tokens: too few for {world_size} process(es) x "
+                         f"--batch-size {args.batch_size} x --block-size {args.block_size}; give "
+                         "more data or smaller sizes")
+    return train, val, vocab_size, itos
+
+
+def unigram_loss(train, val, vocab_size):
+    """Cross-entropy (nats/token) on the validation tokens of predicting each token by its frequency
+    in the training tokens: the loss to beat, for a model that ignores context."""
+    counts = np.bincount(train, minlength=vocab_size) + 1.0  # +1: no token has probability 0
+    return float(-np.log(counts / counts.sum())[val].mean())
+
+
+def on_device(rows, device):
+    """Token rows (B, T + 1) as inputs and targets (B, T) on `device`. On a GPU the rows are
+    copied from page-locked memory, so the copy can overlap GPU work, and sliced there."""
+    if device.type == "cuda":
+        rows = rows.pin_memory()
+    rows = rows.to(device, non_blocking=True)
+    return rows[:, :-1], rows[:, 1:]
+
+
+# -------------------------------------------------------------- precision, optimizer, schedule
+def amp_dtype(choice, device):
+    """The compute dtype, or None for fp32. bf16 has fp32's range, so it needs no loss scaling.
+    Only native bf16 counts: V100s and T4s only emulate it."""
+    native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    if choice == "auto":
+        if device.type != "cuda":
+            return None
+        return torch.bfloat16 if native_bf16 else torch.float16
+    if choice == "fp16" and device.type != "cuda":
+        raise InputError("--amp fp16 needs a CUDA device; on a CPU use --amp bf16 or --amp off")
+    if choice == "bf16" and device.type == "cuda" and not native_bf16:
+        raise InputError("--amp bf16: this GPU has no native bf16 (only slow emulation); "
+                         "use --amp off")  # FSDP 1: not fp16, which this trainer refuses
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[choice]
+
+
+def mixed_precision(choice, device):  # FSDP 1: FSDP's policy casts the weights, not autocast
+    """(the dtype's name, FSDP's policy). Each shard is cast to bf16 before its all-gather, so
+    gathers and compute run in bf16; gradients are reduced in fp32; shards stay fp32. No scaler."""
+    dtype = amp_dtype(choice, device)
+    if dtype == torch.float16 and choice == "auto":  # FSDP 1: no native bf16: fp32 here
+        dtype = None
+    if dtype == torch.float16:
+        raise InputError("--amp fp16: this FSDP trainer runs bf16 or fp32 (fp16 would need loss "
+                         "scaling of sharded gradients); use --amp bf16, or train_ddp_minigpt.py")
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    return str(dtype or "off").replace("torch.", ""), policy
+
+
+def model_config(args, vocab_size):
+    config = {"vocab_size": vocab_size, "block_size": args.block_size, "n_layer": args.n_layer,
+              "n_head": args.n_head, "n_embd": args.n_embd, "dropout": args.dropout}
+    if args.experts:  # EP 2: without experts, the dense model's config, checkpoints alike
+        config.update(experts=args.experts, top_k=args.experts_per_token)
+    return config
+
+
+def experts_held(args, ep_rank):  # EP 2
+    """The numbers of the experts that the ep_rank-th rank of a row holds: E / ep in a run."""
+    per_rank = args.experts // args.ep
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+
+def make_optimizer(model, args, device):
+    """AdamW; weight decay on matrices (embeddings, linear weights) only, never biases or norms."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
+def lr_at(step, args):
+    """Linear warmup to --lr over --warmup-steps, then a cosine down to --min-lr at --max-steps."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))  # from 1 down to 0
+    return args.min_lr + cosine * (args.lr - args.min_lr)
+
+
+def stop_if_diverged(run, step, loss, grad_norm):
+    """Raise Diverged, before the optimizer applies it, if a step's loss or gradient norm is not
+    finite. Both are the same on every rank, so every rank stops at this step."""
+    loss, grad_norm = loss.item(), grad_norm.item()  # a host sync per step: the price of the check
+    if math.isfinite(loss) and math.isfinite(grad_norm):  # FSDP 1: no fp16, so no scaler to skip
+        return
+    args = run.args
+    raise Diverged(f"step {step + 1}/{args.max_steps}: loss {loss:.4g}, grad norm {grad_norm:.4g}: "
+                   f"not finite, step not applied; try a lower --lr (now {args.lr:g}), a --clip "
+                   f"(now {args.clip:g})")
+
+
+# ------------------------------------------------------------------------------- checkpoint files
+def all_finite(state_dict):
+    """True if every floating-point tensor of a state dict is free of NaN and infinity."""
+    return all(bool(torch.isfinite(t).all()) for t in state_dict.values() if t.is_floating_point())
+
+
+def state_bytes(state):
+    """About the bytes a checkpoint of `state` takes: its tensors', in nested dicts and lists."""
+    if torch.is_tensor(state):
+        return state.nbytes
+    if isinstance(state, bytes):  # a file's bytes, ready to write
+        return len(state)
+    if isinstance(state, dict):
+        state = list(state.values())
+    return sum(map(state_bytes, state)) if isinstance(state, (list, tuple)) else 0
+
+
+def why_not_written(err, tmp, needed):
+    """Why writing `tmp` failed, in one line: a full disk (or quota) says so, with the room left
+    (the partial file gone) and the room a checkpoint needs; then the system's or torch's words."""
+    detail = getattr(err, "strerror", None) or (str(err).strip().splitlines() or [repr(err)])[0]
+    folder = os.path.dirname(os.path.abspath(tmp))
+    while not os.path.isdir(folder):  # a folder that could not be made
+        folder = os.path.dirname(folder)
+    free = shutil.disk_usage(folder).free + (os.path.getsize(tmp) if os.path.isfile(tmp) else 0)
+    if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < needed:
+        return (f"the disk holding {folder} is full: {readable_size(free)} free, a checkpoint "
+                f"needs about {readable_size(needed)} ({detail})")
+    return detail
+
+
+def readable_size(n):
+    """A number of bytes for a person: MB, or kB below 0.1 MB."""
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+def run_state(run, data, step, rng_states):  # FSDP 3: all of a step but the shards
+    """What a step needs besides its shards, as JSON: the step, model config, flags and every
+    rank's RNG states (their bytes as lists of numbers)."""
+    rng = [{k: None if v is None else v.tolist() for k, v in r.items()} for r in rng_states]
+    return json.dumps({"step": step, "config": model_config(run.args, data.vocab_size),
+                       "args": vars(run.args), "rng": rng}).encode()
+
+
+def write_file(path, state):  # FSDP 3: bytes: run.json, or the export
+    """Write atomically: a temp file in the same folder, fsync, then rename over the final name.
+    Any failure is SaveFailed and leaves the previous file as it was."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(state)  # FSDP 3
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half
+    except (OSError, RuntimeError) as err:  # disk full, no permission, a folder at `path`...
+        needed = state_bytes(state)
+        raise SaveFailed(f"cannot save {path}: {why_not_written(err, tmp, needed)}") from None
+    finally:
+        if os.path.exists(tmp):  # the write failed: drop the partial file
+            os.remove(tmp)
+
+
+def free_gathered_weights(model):  # FSDP 5: a forward alone leaves the root and last block whole
+    """Reshard every FSDP module of the model: the weights a forward without a backward (evaluation,
+    sampling) gathered are freed, and the parameters are this rank's shards again."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def write_export(run, weights, data):  # FSDP 8: rank 0's part of --export
+    """Write the gathered weights to --export in the one-file format --sample reads, atomically."""
+    path, step = run.args.export, run.args.max_steps
+    # A one-process checkpoint's keys, so that --sample reads it; no fp16 here, so no scaler state.
+    state = {"model": weights, "optimizer": {}, "scaler": {}, "step": step, "args": vars(run.args),
+             "config": model_config(run.args, data.vocab_size), "itos": data.itos, "rng": []}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    write_file(path, buffer.getvalue())
+    print(f"step {step}/{step} | exported {path}", flush=True)
+
+
+def restore_rng(saved, device):  # FSDP 3: run.json keeps the states as lists of bytes
+    """Set this process's RNG states (the CPU's, and its GPU's on a GPU) from run.json's lists."""
+    torch.set_rng_state(torch.tensor(saved["cpu"], dtype=torch.uint8))
+    if saved["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(torch.tensor(saved["cuda"], dtype=torch.uint8))
+
+
+def rng_state(device):
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def first_reason(err, folder=None, state=None):  # FSDP 3
+    """One line for a failed load, or save of `state` into `folder`; DCP's holds each rank's."""
+    if isinstance(err, CheckpointException):
+        err = next(iter(err.failures.values()))[0]
+    if folder:
+        return why_not_written(err, folder, state_bytes(state))
+    return getattr(err, "strerror", None) or (str(err).strip().splitlines() or [repr(err)])[0]
+
+
+def newest_complete_step(folder, is_main):  # FSDP 3
+    """The newest step folder in `folder` that DCP finished (.metadata is written last), or
+    None; newer unfinished ones are named in one line and ignored."""
+    steps = sorted(glob.glob(os.path.join(glob.escape(folder), "step-*")))
+    done = [s for s in steps if os.path.isfile(os.path.join(s, ".metadata"))]
+    unfinished = [s for s in steps if not done or s > done[-1]]
+    print0(is_main and unfinished, f"ignoring unfinished checkpoint steps (no .metadata): "
+                                   f"{', '.join(unfinished)}")
+    return done[-1] if done else None
+
+
+def drop_older_steps(folder, newest):  # FSDP 3
+    """Remove every complete step in `folder` older than `newest`: first its .metadata (no longer
+    complete), then the rest. A step left behind costs only disk."""
+    for old in sorted(glob.glob(os.path.join(glob.escape(folder), "step-*"))):
+        if old < newest:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(old, ".metadata"))
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def read_checkpoint(path):
+    """The checkpoint dict, loaded to the CPU with weights_only=True; a problem is an InputError."""
+    if not os.path.isfile(path):
+        raise InputError(f"checkpoint not found: {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or not {"model", "config", "step"} <= state.keys():
+            raise ValueError("not a checkpoint of this script (no model, config and step)")
+    except Exception as err:  # truncated, not a torch file, not a checkpoint of ours: bad input
+        reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+        raise InputError(f"cannot read checkpoint {path}: {reason}") from None
+    if not all_finite(state["model"]):
+        raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
+    return state
+
+
+def read_run_state(path, run, data):  # FSDP 3
+    """A step folder's run.json, checked against this run's model; a problem is an InputError."""
+    if os.path.isfile(path):  # FSDP 3: folders, not files
+        raise InputError(f"{path} is one file, as train_ddp_minigpt.py saves; this trainer "
+                         "resumes from a checkpoint folder of its own (--save DIR)")
+    file = os.path.join(path, "run.json")
+    if not os.path.isfile(os.path.join(path, ".metadata")) or not os.path.isfile(file):
+        raise InputError(f"no complete checkpoint at {path} (it needs .metadata and run.json)")
+    try:
+        with open(file, "rb") as f:  # FSDP 3
+            state = json.load(f)
+        config = state["config"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise InputError(f"cannot read {file}: {type(err).__name__}: {err}") from None
+    if config != model_config(run.args, data.vocab_size):
+        raise InputError(f"{path} was trained with {config}, this run builds "
+                         f"{model_config(run.args, data.vocab_size)}")
+    return state
+
+
+def memory_line(model):  # FSDP 2: what each rank holds, against a whole copy
+    """Bytes of weights + gradients + AdamW's two moments (fp32: 4 copies) held by this rank."""
+    mine = sum(p.to_local().numel() for p in model.parameters())
+    full = sum(p.numel() for p in model.parameters())
+    where = next(model.parameters()).device.type
+    return (f"memory per rank ({where}): weights, gradients and AdamW state "
+            f"{16 * mine / 2**20:.2f} MiB "
+            f"({mine:,} of {full:,} parameters; DDP: {16 * full / 2**20:.2f} MiB); every "
+            "parameter is sharded, the embeddings too")
+
+
+def experts_line(args, held):  # EP 2: what a token uses, against the dense model
+    """The experts per block, those this rank holds, and a token's share of their parameters."""
+    c, e, k = args.n_embd, args.experts, args.experts_per_token
+    expert = 2 * c * (4 * c // k) + 4 * c // k + c  # two matrices and two biases
+    return (f"experts {e} per block, {k} per token, each {4 * c // k} wide: a token uses "
+            f"{k * expert:,} of their {e * expert:,} parameters (the dense MLP: "
+            f"{2 * c * 4 * c + 5 * c:,}) | rank 0 holds experts {held[0]}-{held[-1]}")
+
+
+def accumulation_line(model, args):  # FSDP 2: the gradients held, and reduce-scattered
+    """What a rank holds of the gradients between micro-batches, and the reduce-scatters a step
+    makes (each takes a unit's whole fp32 gradient in and gives back its shard)."""
+    whole = 4 * sum(p.numel() for p in model.parameters()) / 2**20  # fp32 gradients, all of them
+    if args.grad_sync == "every":
+        return (f"--grad-sync every: gradients stay sharded between micro-batches; the {whole:.2f} "
+                f"MiB of them reduce-scattered {args.grad_accum} times per step, unit by unit")
+    return (f"--grad-sync last: every rank holds the whole gradients, {whole:.2f} MiB, from the "
+            f"first micro-batch to the last; reduce-scattered once per step")
+
+
+# --------------------------------------------------------------------------- logging and timing
+def print0(is_main, message):
+    """Print a log line if this process is the one that logs; flush, so it shows at once."""
+    if is_main:
+        print(message, flush=True)
+
+
+def tokens_per_step(run):
+    return run.args.batch_size * run.args.block_size * run.args.grad_accum * run.world_size
+
+
+def peak_tflops(gpu_name, amp):
+    """The dense peak TFLOPS of a GPU in the table (datasheets, no sparsity; 16-bit with fp32
+    accumulation) for the compute dtype ("off": fp32 without TF32), or None.
+    Names match word by word: an "H100 NVL" is no H100 SXM, an "L40" no "L4", an "A10G" no "A10"."""
+    words = gpu_name.replace("-", " ").split()
+    table = {  # the words of a model's name: (16-bit tensor cores, fp32); variants first
+        ("H100", "PCIe"): (756, 51), ("H100", "NVL"): (835, 60), ("H100",): (989, 67),
+        ("H200", "NVL"): (835, 60), ("H200",): (989, 67), ("A100",): (312, 19.5),
+        ("L40S",): (362, 91.6), ("L40",): (181, 90.5), ("L4",): (121, 30.3),
+        ("A10",): (125, 31.2), ("V100",): (125, 15.7), ("T4",): (65, 8.1),
+        ("RTX", "4090"): (165, 82.6), ("RTX", "3090"): (71, 35.6)}
+    for model, (half, single) in table.items():
+        if all(word in words for word in model):
+            return single if amp == "off" else half
+    return None
+
+
+def flops_per_token(raw_model, args):
+    """The model's FLOPs per token of training as nanoGPT counts them: 6 per parameter (forward
+    and backward), position embeddings aside, plus attention's 12 x layers x width x context."""
+    n = sum(p.numel() for p in raw_model.parameters()) - raw_model.pos_emb.weight.numel()
+    for moe in mixtures(raw_model):  # EP 2: a token runs K experts, not those this rank holds
+        per_expert = sum(p.numel() for p in next(iter(moe.experts.values())).parameters())
+        n += (moe.top_k - len(moe.experts)) * per_expert
+    return 6 * n + 12 * args.n_layer * args.n_embd * args.block_size
+
+
+def gpu_peak_flops(run):
+    """The peak FLOP/s of all the job's GPUs together and a line naming the peak used; (None,
+    None) on a CPU, (None, a hint) for a GPU not in peak_tflops' table without --gpu-peak-tflops."""
+    if run.device.type != "cuda":
+        return None, None
+    name = torch.cuda.get_device_name(run.device)
+    peak = run.args.gpu_peak_tflops or peak_tflops(name, run.amp)
+    if peak is None:
+        return None, f"MFU: {name} is not in the table; give --gpu-peak-tflops"
+    precision = "fp32" if run.amp == "off" else run.amp
+    note = f"MFU against {peak:g} TFLOPS per GPU ({name}, {precision})"
+    return peak * 1e12 * run.world_size, note
+
+
+class Meter:
+    """The training clock and the log line; main() stops the clock for evaluation and saving."""
+
+    def __init__(self, run, raw_model, start):
+        self.args, self.tokens = run.args, tokens_per_step(run)
+        peak, note = gpu_peak_flops(run)
+        self.flops_over_peak = peak and self.tokens * flops_per_token(raw_model, run.args) / peak
+        print0(run.is_main and note is not None, note)
+        self.clock, self.last_step, self.intervals = Stopwatch(), start, []  # (steps, seconds)
+        self.mixtures = mixtures(raw_model)  # EP 8: their counts of token copies per expert
+
+    def stop_clock(self):
+        self.clock.stop()
+
+    def start_clock(self):
+        self.clock.start()
+
+    def log_line(self, step, loss, grad_norm):
+        """step N/M | loss | lr | grad norm | ms/step | tok/s (and MFU), since the last log line."""
+        self.intervals.append((step - self.last_step, self.clock.lap()))
+        self.last_step = step
+        step_s = self.intervals[-1][1] / self.intervals[-1][0]
+        line = (f"step {step}/{self.args.max_steps} | loss {loss:.4f} | "
+                f"lr {lr_at(step - 1, self.args):.2e} | grad norm {grad_norm:.3f} | "
+                f"{1000 * step_s:.1f} ms/step | {self.tokens / step_s:,.0f} tok/s")
+        if self.flops_over_peak:  # model FLOPs utilisation
+            line += f" | MFU {100 * self.flops_over_peak / step_s:.1f}%"
+        if self.mixtures:  # EP 8: how evenly the router spread the tokens since the last line
+            line += expert_shares(self.mixtures)
+        return line
+
+    def summary(self):
+        """Steps, seconds and tokens/s of training, and the median pace."""
+        steps, train_s = sum(n for n, _ in self.intervals), sum(s for _, s in self.intervals)
+        timed = self.intervals[1:] or self.intervals  # the first interval is the warm-up
+        step_s = statistics.median([s / n for n, s in timed]) if timed else 0.0
+        return {"steps": steps, "train_s": round(train_s, 3),
+                "tokens_per_s": round(steps * self.tokens / train_s, 1) if train_s else 0.0,
+                **pace_keys(step_s, self.tokens)}
+
+
+def expert_shares(moes):  # EP 8
+    """` | aux A | expert share min X% max Y%`: the last balance loss summed over the blocks,
+    and the smallest and largest share of the token copies any expert of any block got (every
+    rank's, counted since the last line; even: 100 / E %). Starts the count again."""
+    shares = torch.stack([m.load / m.load.sum() for m in moes])
+    aux = sum(float(m.aux) for m in moes)
+    for m in moes:
+        m.load = None
+    return (f" | aux {aux:.4f} | expert share min {100 * float(shares.min()):.1f}% "
+            f"max {100 * float(shares.max()):.1f}%")
+
+
+def pace_keys(step_s, tokens_per_step):
+    """The summary keys benchmark_scaling.py reads: median ms per step, all ranks' tokens/s."""
+    return {"step_ms": round(1000 * step_s, 3), "per_step": tokens_per_step,
+            "throughput_unit": "tokens/s",
+            "throughput": round(tokens_per_step / step_s, 1) if step_s else 0.0}
+
+
+class Stopwatch:
+    """Training seconds between log lines; evaluation and checkpoints are left out (stop/start)."""
+
+    def __init__(self):
+        self.since, self.elapsed = time.perf_counter(), 0.0
+
+    def stop(self):
+        self.elapsed += time.perf_counter() - self.since
+
+    def start(self):
+        self.since = time.perf_counter()
+
+    def lap(self):
+        """Training seconds since the last lap (or the start), and start counting again."""
+        self.stop()
+        seconds, self.elapsed = self.elapsed, 0.0
+        self.start()
+        return seconds
+
+
+def summary_line(summary):
+    """`summary {...}` in strict JSON: a value that is not finite is written as null."""
+    finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+              for k, v in summary.items()}
+    return "summary " + json.dumps(finite, allow_nan=False)
+
+
+# --------------------------------------------------------------------------------------- sampling
+def sample(args):
+    """Inference: ONE plain process, no process group (generation has no gradients to average)."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda, but no CUDA device is visible (try --device cpu)")
+    cuda = args.device != "cpu" and torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    state = read_checkpoint(args.ckpt)
+    itos = state.get("itos")
+    if state["config"]["vocab_size"] != 256 and itos is None:
+        raise InputError(f"{args.ckpt} was trained on token ids (vocab "
+                         f"{state['config']['vocab_size']}) without a meta.pkl: --prompt text "
+                         "needs a byte-level checkpoint or a nanoGPT folder's vocabulary")
+    model = mixture_gpt(state["config"]).to(device)  # EP 2: every expert, in one process
+    model.load_state_dict(state["model"])
+    model.eval()
+    torch.manual_seed(args.seed)
+    prompt = torch.tensor([encode(args.prompt, itos)], device=device)
+    out = model.generate(prompt, args.max_new_tokens, args.temperature, args.top_k)
+    print(decode(out[0].tolist(), itos), flush=True)
+
+
+def encode(text, itos):
+    """Token ids of text: its UTF-8 bytes, or through a nanoGPT vocabulary (itos: id -> text)."""
+    if itos is None:
+        return list(text.encode("utf-8"))
+    stoi = {piece: i for i, piece in itos.items()}
+    unknown = sorted({c for c in text if c not in stoi})
+    if unknown:
+        raise InputError(f"--prompt has characters the vocabulary lacks: {unknown}")
+    return [stoi[c] for c in text]
+
+
+def decode(ids, itos):
+    """Text of token ids: UTF-8 bytes (a broken character shows as U+FFFD), or through itos."""
+    if itos is None:
+        return bytes(ids).decode("utf-8", errors="replace")
+    return "".join(itos[i] for i in ids)
+
+
+# ----------------------------------------------------------------------------------------- errors
+class Stop(Exception):
+    """A run that cannot go on: one line on stderr and exit code `code`, never a traceback."""
+    code = 1
+
+
+class InputError(Stop):
+    """Bad input from the user: a flag, a file, a checkpoint."""
+    code = 2
+
+
+class Diverged(Stop):
+    """A step whose loss or gradient norm is not finite: not applied, the run stops."""
+    code = 4
+
+
+class SaveFailed(Stop):
+    """A checkpoint that could not be written; the previous one is left as it was."""
+    code = 5
+
+
+if __name__ == "__main__":
+    code = 0
+    try:
+        main()
+    except Stop as err:  # handled here, so the traceback (and the model it holds) is freed at once
+        sys.stderr.write(f"error: {err}\n")  # one write: lines from several ranks never splice
+        code = err.code
+    finally:
+        # A rank that fails mid-step leaves the group here and exits with a non-zero code. torchrun
+        # then stops the other ranks, which wait in their next collective until it does.
+        leave_distributed()  # DDP 13
+    sys.exit(code)
