@@ -312,13 +312,10 @@ def shard(run, model):  # FSDP 2: every block a unit of its own, then the root
 
 def shard_experts(run, experts, reshard):  # EP 3
     """Shard a block's experts over the ranks of this rank's column ("edp"), which hold the same
-    experts. Their gradients hold the tokens of a whole row of ep ranks, sent here by all-to-all:
-    summed over the column's ranks they hold every rank's tokens once. So they are divided by the
-    world size, not by the column's size, to be the mean over all ranks, as the others are."""
+    experts: FSDP gathers their weights and reduce-scatters their gradients among these alone,
+    and divides the gradients by the column's size (train_step divides them by ep more)."""
     fully_shard(experts, mesh=run.mesh["edp"], mp_policy=run.policy,
                 reshard_after_forward=reshard)  # EP 3: sharded over the column's ranks
-    experts.set_gradient_divide_factor(run.world_size)  # EP 3: the mean over every rank
-    experts.set_force_sum_reduction_for_comms(True)  # a plain sum, then the division: gloo too
 
 
 @torch.no_grad()
@@ -455,6 +452,11 @@ def train_step(run, model, optimizer, windows, step):
     batches = [on_device(windows.rows(step * args.grad_accum + i), run.device)
                for i in range(args.grad_accum)]
     loss = accumulate_gradients(model, batches, args.grad_sync == "every")  # FSDP 1, 7
+    # An expert's gradient holds the tokens of its row's ep ranks, sent to it by all-to-all, and
+    # FSDP averaged it over its column: divided by ep more, it is the mean over every rank's tokens.
+    # (FSDP's set_gradient_divide_factor would, but torch 2.14 divides twice on a column of 1.)
+    for p in (p for moe in mixtures(model) for p in moe.experts.parameters()):
+        p.grad.div_(args.ep)  # EP 3: each rank its shard, sending nothing
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, args)
     grad_norm = clip_gradients(model, args.clip)  # EP 4: a collective, the same on every rank
@@ -1528,7 +1530,7 @@ def expert_shares(moes):  # EP 8
     and the smallest and largest share of the token copies any expert of any block got (every
     rank's, counted since the last line; even: 100 / E %). Starts the count again."""
     shares = torch.stack([m.load / m.load.sum() for m in moes])
-    aux = sum(float(m.aux) for m in moes)
+    aux = sum(float(m.aux.detach()) for m in moes)
     for m in moes:
         m.load = None
     return (f" | aux {aux:.4f} | expert share min {100 * float(shares.min()):.1f}% "
