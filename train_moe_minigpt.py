@@ -285,7 +285,8 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
     print0(run.is_main, f"model {sum(p.numel() for p in raw_model.parameters()):,} parameters | "
                         f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
                         f"context {args.block_size}")
-    print0(run.is_main and args.experts, experts_line(args, held))  # EP 2: what a token uses
+    if args.experts:
+        print0(run.is_main, experts_line(args, held))  # EP 2: what a token uses, what I hold
     print0(run.is_main, memory_line(raw_model))  # FSDP 2: what each rank holds
     if args.grad_accum > 1:
         print0(run.is_main, accumulation_line(raw_model, args))  # FSDP 2: and while accumulating

@@ -1,0 +1,108 @@
+"""Chapter 12, train_moe_minigpt.py (a mixture of experts in every block, expert parallelism over
+--ep ranks, FSDP as in chapter 7), under real torchrun launches on CPU/gloo. These tests prove:
+
+1. expert parallelism computes one process's math: at --ep 2 on 2 processes (2 experts a rank,
+   each rank its own 6 sequences, 2 micro-batches a step), the losses and the gradient norms
+   before clipping of 8 steps are those of one process at --ep 1 with the same global batch
+   (--batch-size 12), to 1e-5 relative (every digit train_step returns, recorded by
+   tests/probe_moe.py), with a clip of 2.0 that binds in steps 1 and 2 and not after (the
+   control); the balance loss and the experts' shares of the token copies, counted over the
+   global batch, are logged alike, and so are the validation losses (13 windows: one rank runs a
+   padded batch, whose forward still trades tokens); every step makes 20 all-to-alls per rank
+   (2 blocks x 2 micro-batches x (the counts, the tokens there and back, and the two backward));
+2. --experts 0 is the dense model: at 2 processes it logs chapter 7's losses, gradient norms and
+   validation losses (chapter 7 in one process with the same global batch), and the experts change
+   them (the control);
+3. bad input is one line and exit code 2: --ep that divides neither the experts nor the world
+   size, --experts-per-token of 0 or above the experts (or not dividing 4 x --n-embd).
+The two launches run side by side in one module fixture while the one-process references run in
+this process.
+"""
+import json
+
+import pytest
+from helpers import logged_grad_norms as norms, logged_losses as losses
+from helpers import logged_val_losses as val_losses
+from helpers import SHARDED, as_script, command, finish, in_process, ok, start, trainer, REPO
+
+MOE, FSDP = "train_moe_minigpt.py", "train_fsdp_minigpt.py"
+moe = trainer(MOE)
+# 8 steps of 2 micro-batches of 6 sequences a rank; a clip of 2.0 that binds in steps 1 and 2;
+# 13 validation windows (7 and 6 on 2 ranks: one padded batch)
+FLAGS = SHARDED + ["--clip", "2.0", "--eval-windows", 13, "--max-steps", 8, "--eval-every", 8,
+                   "--save", "", "--export", ""]
+EXPERTS = ["--experts", 4, "--experts-per-token", 2, "--aux-weight", 0.01]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """--ep 2 at 2 processes through the probe (its records in "dir"), and --experts 0 at 2
+    processes, launched; meanwhile, in this process, their one-process references: --ep 1 with
+    --batch-size 12 (every digit of its losses and norms recorded), and chapter 7 alike."""
+    d = tmp_path_factory.mktemp("moe")
+    cmds = {"ep2": command("tests/probe_moe.py", ["record", d, *FLAGS, *EXPERTS, "--ep", 2],
+                           nproc=2),
+            "dense": command(MOE, [*FLAGS, "--experts", 0], nproc=2)}
+    started = {name: start(cmd, REPO) for name, cmd in cmds.items()}
+    one, recorded = {}, {"losses": [], "norms": []}
+    step = moe.train_step
+
+    def recording(*args):
+        loss, norm = step(*args)
+        recorded["losses"].append(loss.item())
+        recorded["norms"].append(norm.item())
+        return loss, norm
+    moe.train_step = recording
+    try:
+        one["moe"] = in_process(MOE, [*FLAGS, *EXPERTS, "--batch-size", 12])
+    finally:
+        moe.train_step = step
+    one["fsdp"] = in_process(FSDP, [*FLAGS, "--batch-size", 12])
+    r = {name: ok(finish(proc, cmds[name])) for name, proc in started.items()}
+    return {**r, "one": one, "recorded": recorded, "dir": d}
+
+
+def test_expert_parallel_runs_compute_what_one_process_computes(runs):
+    ep2 = json.loads((runs["dir"] / "rank0.json").read_text())
+    one = runs["recorded"]
+    assert len(ep2["losses"]) == len(one["losses"]) == 8
+    assert ep2["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert ep2["norms"] == pytest.approx(one["norms"], rel=1e-5)
+    assert [n > 2.0 for n in one["norms"]] == [True, True] + [False] * 6  # the clip binds
+    assert one["losses"][-1] < one["losses"][0] - 0.5  # it learns
+    assert ep2["all_to_alls"] == [2 * 2 * (3 + 2)] * 8
+    out, ref = runs["ep2"], runs["one"]["moe"]
+    assert "world size 2 (1 edp x 2 ep)" in out and "rank 0 holds experts 0-1" in out
+    shares = [line.split("| aux ")[1] for line in out.splitlines() if "| aux " in line]
+    assert len(shares) == 8 and shares == [line.split("| aux ")[1] for line in ref.splitlines()
+                                          if "| aux " in line]
+    assert sorted(val_losses(out)) == [0, 8]
+    assert val_losses(out) == pytest.approx(val_losses(ref), abs=1e-4)
+
+
+def test_no_experts_is_the_dense_model(runs):
+    dense, fsdp, experts = runs["dense"], runs["one"]["fsdp"], runs["one"]["moe"]
+    assert sorted(losses(dense)) == list(range(1, 9))
+    assert losses(dense) == pytest.approx(losses(fsdp), rel=1e-5)
+    assert norms(dense) == pytest.approx(norms(fsdp), abs=2e-3)
+    assert val_losses(dense) == pytest.approx(val_losses(fsdp), abs=1e-4)
+    assert "| aux " not in dense and "experts" not in dense.split("memory per rank")[0]
+    assert abs(losses(experts)[8] - losses(fsdp)[8]) > 1e-3  # the control: experts differ
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--experts", 4, "--ep", 3], "--ep 3 must divide --experts 4"),
+    (["--experts", 0, "--ep", 2], "--ep 2 must divide --experts 0"),
+    (["--experts", 4, "--experts-per-token", 0], "--experts-per-token 0 must be between 1 and"),
+    (["--experts", 4, "--experts-per-token", 5], "--experts-per-token 5 must be between 1 and"),
+    (["--experts", 4, "--experts-per-token", 3], "--experts-per-token 3 must divide 4 x")])
+def test_bad_experts_are_one_line_and_exit_code_2(flags, words):
+    result = as_script(MOE, flags)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"{MOE}: error: {words}"), result.stderr
+
+
+def test_an_ep_that_does_not_divide_the_world_size_is_bad_input():
+    with pytest.raises(moe.InputError, match=r"^--ep 2 does not divide the world size 1: "):
+        in_process(MOE, [*FLAGS, *EXPERTS, "--ep", 2])
+    assert moe.InputError.code == 2  # __main__ prints the one line, exits with it
