@@ -65,14 +65,14 @@ rank: guards, flags, data, files, logging, sampling, errors, and small helpers t
 Tags. `# EP k` marks each line that experts change in an FSDP trainer, numbered in reading order:
   EP 1  the mesh: world size / ep rows of ep ranks; a row holds every expert once
   EP 2  each block's MLP a mixture of experts; a rank builds only the experts it holds
-  EP 3  FSDP shards each expert over the ranks holding it; its gradients divided by the world size
-  EP 4  the gradient norm: every rank's squared shards summed by one all-reduce
-  EP 5  the router: top-k experts per token, their gates rescaled to add up to 1
-  EP 6  the balance loss over the global micro-batch: counts and probabilities all-reduced
-  EP 7  dispatch: counts exchanged, token copies sent to their experts' ranks and back (all-to-all)
+  EP 3  the balance loss over the global micro-batch: counts and probabilities all-reduced
+  EP 4  dispatch: counts exchanged, token copies sent to their experts' ranks and back (all-to-all)
+  EP 5  FSDP shards each expert over the ranks holding it; its gradients divided by ep more
+  EP 6  the gradient norm: every rank's squared shards summed by one all-reduce
+  EP 7  the router: top-k experts per token, their gates rescaled to add up to 1
   EP 8  the log: each expert's share of the token copies, the smallest and the largest
 Lines tagged DDP k and FSDP k mark what chapters 3 and 7 change, DDP and FSDP; their docstrings
-key them. FSDP 6 (the norm's full_tensor) gives way to EP 4.
+key them. FSDP 6 (the norm's full_tensor) gives way to EP 6.
 Lines tagged `# guard:` each avoid one known failure, all before the process group is joined.
 See also docs/fsdp.md (what FSDP holds and sends, measured) and docs/conventions.md.
 """
@@ -277,8 +277,8 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
     raw_model.to_empty(device=run.device)  # FSDP 2: this rank's shards, not yet filled
     init_shards(raw_model, args.seed)  # FSDP 2: one process's initial weights
     raw_model.grad_checkpointing = args.grad_checkpointing
-    raw_model.aux_weight = args.aux_weight  # EP 6: how much the balance loss counts
-    for moe in mixtures(raw_model):  # EP 7: the groups its collectives run in
+    raw_model.aux_weight = args.aux_weight  # EP 3: how much the balance loss counts
+    for moe in mixtures(raw_model):  # EP 4: the groups its collectives run in
         moe.groups = Groups(run.mesh["ep"].get_group(), dist.group.WORLD)
     optimizer = make_optimizer(raw_model, args, run.device)
     torch.manual_seed(args.seed + run.rank)  # DDP 6: each rank draws its own dropout masks
@@ -304,19 +304,19 @@ def shard(run, model):  # FSDP 2: every block a unit of its own, then the root
     reshard = run.args.reshard_after_forward == "yes"
     for i, block in enumerate(model.blocks):  # sharding sends nothing; hooks gather later
         last = i == len(model.blocks) - 1  # the backward starts with it: kept whole
-        if run.args.experts:  # EP 3: the experts first, a unit of their own on a column's ranks
-            shard_experts(run, block.mlp.experts, reshard and not last)
+        if run.args.experts:  # EP 5: the experts first, a unit of their own on a column's ranks
+            shard_experts(run, block.mlp.experts, reshard and not last)  # sends nothing yet
         fully_shard(block, mesh=mesh, mp_policy=run.policy,
                     reshard_after_forward=reshard and not last)  # its parameters become shards
     fully_shard(model, mesh=mesh, mp_policy=run.policy)  # the root: whole until its backward
 
 
-def shard_experts(run, experts, reshard):  # EP 3
+def shard_experts(run, experts, reshard):  # EP 5
     """Shard a block's experts over the ranks of this rank's column ("edp"), which hold the same
     experts: FSDP gathers their weights and reduce-scatters their gradients among these alone,
     and divides the gradients by the column's size (train_step divides them by ep more)."""
     fully_shard(experts, mesh=run.mesh["edp"], mp_policy=run.policy,
-                reshard_after_forward=reshard)  # EP 3: sharded over the column's ranks
+                reshard_after_forward=reshard)  # EP 5: sharded over the column's ranks
 
 
 @torch.no_grad()
@@ -454,13 +454,13 @@ def train_step(run, model, optimizer, windows, step):
                for i in range(args.grad_accum)]
     loss = accumulate_gradients(model, batches, args.grad_sync == "every")  # FSDP 1, 7
     # An expert's gradient holds the tokens of its row's ep ranks, sent to it by all-to-all, and
-    # FSDP averaged it over its column: divided by ep more, it is the mean over every rank's tokens.
+    # was averaged over its column by FSDP: divided by ep more, it is the mean over all tokens.
     # (FSDP's set_gradient_divide_factor would, but torch 2.14 divides twice on a column of 1.)
     for p in (p for moe in mixtures(model) for p in moe.experts.parameters()):
-        p.grad.div_(args.ep)  # EP 3: each rank its shard, sending nothing
+        p.grad.div_(args.ep)  # EP 5: each rank its shard, sending nothing
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, args)
-    grad_norm = clip_gradients(model, args.clip)  # EP 4: a collective, the same on every rank
+    grad_norm = clip_gradients(model, args.clip)  # EP 6: a collective, the same on every rank
     loss = mean_over_ranks(loss)  # DDP 9: the same mean on every rank, so all stop or none
     stop_if_diverged(run, step, loss, grad_norm)
     optimizer.step()  # FSDP 1: no scaler; each rank steps its shards
@@ -486,14 +486,14 @@ def accumulate_gradients(model, batches, every=True):  # FSDP 7: stay sharded, o
 
 
 @torch.no_grad()
-def clip_gradients(model, max_norm):  # EP 4: the experts' shards live on other meshes
+def clip_gradients(model, max_norm):  # EP 6: the experts' shards live on other meshes
     """A collective: the norm of the whole model's gradient, and each shard scaled by max_norm /
     norm where that is below 1 (as clip_grad_norm_ does; 0: no clipping). Every element of every
     gradient lives on exactly one rank (a shard of a column's experts, or of the rest over all the
     ranks), so the squares of every rank's shards, added up over all ranks, are the whole sum."""
     grads = [p.grad.to_local() for p in model.parameters() if p.grad is not None]
     squares = sum((g.float() ** 2).sum() for g in grads)
-    dist.all_reduce(squares, op=dist.ReduceOp.SUM)  # EP 4: every rank's squares, so the norm
+    dist.all_reduce(squares, op=dist.ReduceOp.SUM)  # EP 6: every rank's squares, so the norm
     norm = squares.sqrt()
     if max_norm:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s formula
@@ -603,7 +603,7 @@ class GPT(nn.Module):
         super().__init__()
         self.block_size = block_size
         self.grad_checkpointing = False  # True: recompute each block's activations in backward
-        self.aux_weight = 0.0  # EP 6: the balance loss's weight in the loss (--aux-weight)
+        self.aux_weight = 0.0  # EP 3: the balance loss's weight in the loss (--aux-weight)
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
@@ -633,7 +633,7 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        if self.aux_weight:  # EP 6: each block's balance loss, weighted, joins the loss
+        if self.aux_weight:  # EP 3: each block's balance loss, weighted, joins the loss
             loss = loss + self.aux_weight * sum(moe.aux for moe in mixtures(self))
         return logits, loss
 
@@ -694,7 +694,7 @@ class MixtureOfExperts(nn.Module):
     def __init__(self, n_embd, experts, top_k, held):
         super().__init__()
         self.experts_total, self.top_k = experts, top_k
-        self.router = nn.Linear(n_embd, experts, bias=False)  # EP 5: a score per expert
+        self.router = nn.Linear(n_embd, experts, bias=False)  # EP 7: a score per expert
         self.experts = Experts(n_embd, 4 * n_embd // top_k, held)  # K of them: one MLP's size
         self.groups = None  # set once the process group exists; None: one plain process
         self.aux, self.load = None, None  # the last balance loss; copies per expert, summed
@@ -702,31 +702,31 @@ class MixtureOfExperts(nn.Module):
     def forward(self, x):
         B, T, C = x.shape
         x = x.reshape(B * T, C)
-        probs = self.router(x).float().softmax(dim=-1)  # EP 5: (tokens, E), fp32
-        gates, chosen = probs.topk(self.top_k, dim=-1)  # EP 5: the K likeliest experts
-        gates = gates / gates.sum(dim=-1, keepdim=True)  # EP 5: rescaled to add up to 1
+        probs = self.router(x).float().softmax(dim=-1)  # EP 7: (tokens, E), fp32
+        gates, chosen = probs.topk(self.top_k, dim=-1)  # EP 7: the K likeliest experts
+        gates = gates / gates.sum(dim=-1, keepdim=True)  # EP 7: rescaled to add up to 1
         counts = torch.bincount(chosen.flatten(), minlength=self.experts_total)
-        self.aux = self.balance_loss(probs, counts)  # EP 6: collectives over every rank
+        self.aux = self.balance_loss(probs, counts)  # EP 3: collectives over every rank
         # Each token's K copies, sorted by expert: the copies for expert e stand together.
         order = chosen.flatten().argsort(stable=True)
-        out = self.dispatch(x[order // self.top_k], counts)  # EP 7: collectives, all-to-all
+        out = self.dispatch(x[order // self.top_k], counts)  # EP 4: collectives, all-to-all
         out = out[order.argsort()].view(B * T, self.top_k, C)  # back in token order
         return (out * gates.unsqueeze(-1).to(out.dtype)).sum(dim=1).view(B, T, C)
 
-    def balance_loss(self, probs, counts):  # EP 6
+    def balance_loss(self, probs, counts):  # EP 3
         """A collective: E x sum_e f_e x P_e over the global micro-batch (every rank's tokens), f_e
         the share of the token copies routed to e, P_e the mean router probability of e."""
         sums = probs.sum(dim=0)  # differentiable, unlike the counts
         if self.groups:
             counts = counts.clone()
-            dist.all_reduce(counts, group=self.groups.world)  # EP 6: every rank's copies
-            sums = SumOverRanks.apply(sums, self.groups.world)  # EP 6: every rank's, with grad
+            dist.all_reduce(counts, group=self.groups.world)  # EP 3: every rank's copies
+            sums = SumOverRanks.apply(sums, self.groups.world)  # EP 3: every rank's, with grad
         if self.training:  # the log's shares: training micro-batches only
             self.load = counts if self.load is None else self.load + counts
         tokens = counts.sum() / self.top_k
         return self.experts_total * (counts / counts.sum() * sums / tokens).sum()
 
-    def dispatch(self, copies, counts):  # EP 7
+    def dispatch(self, copies, counts):  # EP 4
         """A collective: each expert's output for the token copies, sorted by expert (counts[e]
         for expert e), computed on the rank that holds it. Each rank of the ep row holds E / ep."""
         if not self.groups:  # one plain process: every expert is here
@@ -734,15 +734,15 @@ class MixtureOfExperts(nn.Module):
         group, ep = self.groups.ep, dist.get_world_size(self.groups.ep)
         sent = counts.view(ep, -1).sum(dim=1).tolist()  # copies for each rank of the row
         got = torch.empty_like(counts)  # from each rank: its copies for each of my experts
-        dist.all_to_all_single(got, counts, group=group)  # EP 7: E / ep counts to each rank
+        dist.all_to_all_single(got, counts, group=group)  # EP 4: E / ep counts to each rank
         got = got.view(ep, -1)  # (source rank, my expert)
         received = got.sum(dim=1).tolist()  # copies from each rank
-        rows = AllToAll.apply(copies, sent, received, group)  # EP 7: each copy to its expert
+        rows = AllToAll.apply(copies, sent, received, group)  # EP 4: each copy to its expert
         # What arrived stands by source rank, then expert; each expert needs its rows together.
         mine = torch.arange(got.shape[1], device=copies.device).repeat(ep)
         regroup = mine.repeat_interleave(got.flatten()).argsort(stable=True)
         out = self.experts(rows[regroup], got.sum(dim=0).tolist())[regroup.argsort()]
-        return AllToAll.apply(out, received, sent, group)  # EP 7: the outputs go back
+        return AllToAll.apply(out, received, sent, group)  # EP 4: the outputs go back
 
 
 class Experts(nn.ModuleDict):
@@ -759,7 +759,7 @@ class Experts(nn.ModuleDict):
         return torch.cat([mlp(part) for mlp, part in zip(self.values(), parts)])
 
 
-class AllToAll(torch.autograd.Function):  # EP 7
+class AllToAll(torch.autograd.Function):  # EP 4
     """An all-to-all over a group: sends[j] rows to rank j, received[j] rows from rank j, stacked
     in rank order. Its backward is the opposite all-to-all: each row's gradient goes home."""
 
@@ -767,18 +767,18 @@ class AllToAll(torch.autograd.Function):  # EP 7
     def forward(ctx, rows, sends, receives, group):
         ctx.sends, ctx.receives, ctx.group = sends, receives, group
         out = rows.new_empty((sum(receives), *rows.shape[1:]))
-        dist.all_to_all_single(out, rows.contiguous(), receives, sends, group=group)  # EP 7
+        dist.all_to_all_single(out, rows.contiguous(), receives, sends, group=group)  # EP 4
         return out
 
     @staticmethod
     def backward(ctx, grad):
         back = grad.new_empty((sum(ctx.sends), *grad.shape[1:]))
         dist.all_to_all_single(back, grad.contiguous(), ctx.sends, ctx.receives,
-                               group=ctx.group)  # EP 7: the gradients, the other way
+                               group=ctx.group)  # EP 4: the gradients, the other way
         return back, None, None, None
 
 
-class SumOverRanks(torch.autograd.Function):  # EP 6
+class SumOverRanks(torch.autograd.Function):  # EP 3
     """An all-reduce (sum) that autograd can go through. Every rank adds the same balance loss to
     its loss, so the sum of all ranks' losses holds it world-size times: the gradient of a rank's
     part is the sum of every rank's gradient, world size times one loss's. FSDP then divides by
@@ -788,13 +788,13 @@ class SumOverRanks(torch.autograd.Function):  # EP 6
     def forward(ctx, x, group):
         ctx.group = group
         x = x.clone()
-        dist.all_reduce(x, group=group)  # EP 6: every rank's sum
+        dist.all_reduce(x, group=group)  # EP 3: every rank's sum
         return x
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)  # EP 6: every rank's gradient of it
+        dist.all_reduce(grad, group=ctx.group)  # EP 3: every rank's gradient of it
         return grad, None
 
 
@@ -959,9 +959,9 @@ def parse_args(argv=None):
     a("--dropout", type=float, default=0.0, metavar="P", help="dropout probability (default: 0.0)")
     a("--experts", type=positive(int, zero_ok=True), default=4, metavar="E",  # EP 2
       help="experts per block, each 4 x --n-embd / K wide; 0 = the dense model (default: 4)")
-    a("--experts-per-token", type=int, default=2, metavar="K",  # EP 5
+    a("--experts-per-token", type=int, default=2, metavar="K",  # EP 7
       help="K: the experts each token goes to (top-k routing), 1 to E (default: 2)")
-    a("--aux-weight", type=positive(float, zero_ok=True), default=0.01, metavar="W",  # EP 6
+    a("--aux-weight", type=positive(float, zero_ok=True), default=0.01, metavar="W",  # EP 3
       help="weight of each block's load-balancing loss in the loss (default: 0.01)")
     a("--grad-checkpointing", action="store_true",
       help="recompute each block's activations in backward: less memory, more time")
@@ -1042,14 +1042,14 @@ def parse_args(argv=None):
         p.error("--dropout must be in [0, 1) and --val-fraction in (0, 1)")
     if args.sample and not args.ckpt:
         p.error("--sample needs --ckpt PATH")
-    if bad_experts(args):  # EP 5: one line and exit code 2
+    if bad_experts(args):  # EP 7: one line and exit code 2
         p.error(bad_experts(args))
     if not args.prompt:
         p.error("--prompt must not be empty")
     return args
 
 
-def bad_experts(args):  # EP 5
+def bad_experts(args):  # EP 7
     """What is wrong with the experts' flags, in one line, or None."""
     e, k, ep = args.experts, args.experts_per_token, args.ep
     if e and not 1 <= k <= e:

@@ -28,7 +28,8 @@ import pytest
 from helpers import REPO
 
 SCRIPTS = ["train_ddp_minigpt.py", "train_fsdp_minigpt.py", "train_tp_minigpt.py",
-           "train_pp_minigpt.py", "train_cp_minigpt.py", "train_4d_minigpt.py"]
+           "train_pp_minigpt.py", "train_cp_minigpt.py", "train_4d_minigpt.py",
+           "train_moe_minigpt.py"]
 PLUMBING = re.compile(r"^# =+ the plumbing$")
 TALKS_TO_NO_ONE = {  # calls into torch.distributed that send nothing: queries and settings
     "get_rank", "get_world_size", "is_initialized", "get_debug_level", "set_debug_level",

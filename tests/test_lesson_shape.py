@@ -58,7 +58,7 @@ TAG = re.compile(r"# DDP (\d+)\b")
 PLUMBING = re.compile(r"^# =+ the plumbing$")
 SCRIPTS = ["train_single_gpu.py", "train_ddp_basic.py", "train_ddp_minigpt.py",
            "train_fsdp_minigpt.py", "train_tp_minigpt.py", "train_pp_minigpt.py",
-           "train_cp_minigpt.py", "train_4d_minigpt.py"]
+           "train_cp_minigpt.py", "train_4d_minigpt.py", "train_moe_minigpt.py"]
 CHANGES = 9  # chapter 2's
 LM_CHANGES = 16  # chapter 3's, in its own reading order
 FSDP_TAG, FSDP_CHANGES = re.compile(r"# FSDP (\d+)\b"), 8
@@ -66,10 +66,11 @@ TP_TAG, TP_CHANGES = re.compile(r"# TP (\d+)\b"), 8
 PP_TAG, PP_CHANGES = re.compile(r"# PP (\d+)\b"), 8
 CP_TAG, CP_CHANGES = re.compile(r"# CP (\d+)\b"), 7
 FOURD_TAG, FOURD_CHANGES = re.compile(r"# 4D (\d+)\b"), 10
+EP_TAG, EP_CHANGES = re.compile(r"# EP (\d+)\b"), 8
 SIZE = {"train_ddp_minigpt.py": 1202, "train_fsdp_minigpt.py": 1369,  # lines, at most, besides
         "train_tp_minigpt.py": 1535, "train_pp_minigpt.py": 1612,  # the docstring's own key (how
         "train_cp_minigpt.py": 1608,  # to read the file, and its tags): the sizes before the key;
-        "train_4d_minigpt.py": 1881}
+        "train_4d_minigpt.py": 1881, "train_moe_minigpt.py": 1628}
 # chapter 10: 1,438, a line for its global-count loss, 11 for its guard for cp across nodes, 1 for
 # the masks it builds before compile traces it, 2 for the last block kept whole (as in 7-9), 127
 # for --cp-rotate ring (the ring's autograd function, its pass, its tiles of attention), 3 for the
@@ -89,6 +90,8 @@ SIZE = {"train_ddp_minigpt.py": 1202, "train_fsdp_minigpt.py": 1369,  # lines, a
 # sampling from logits split by vocabulary, the traffic line's two forms, the flag and its guard);
 # chapter 7: 10 for its Terms paragraph, 2 for its debug guard's and --reshard's words (the
 # other chapters' Terms stand after their reading order, which this count leaves out);
+# chapter 12: 1,628 at its first version (chapter 7's 1,369 with the mixture of experts: router,
+# balance loss, all-to-all dispatch, 142 lines; the mesh, the norm, the flags, the log);
 # chapter 11: 1,788 at its first version (chapter 9's 1,552 with chapter 8's plans and chapter 10's
 # Context and gather, without the ring)
 
@@ -138,7 +141,7 @@ def test_the_lm_trainer_numbers_its_ddp_lines_and_the_readme_has_every_row():
     for name in SCRIPTS[2:]:
         code = lines(name)[lines(name).index('"""', 1):]  # after the docstring's commands
         unnumbered = [line.strip() for line in code
-                      if re.search(r"# (DDP|FSDP|TP|PP|CP|4D)(:|$| [^\d])", line)]
+                      if re.search(r"# (DDP|FSDP|TP|PP|CP|4D|EP)(:|$| [^\d])", line)]
         assert not unnumbered, f"{name}: tags without a number: {unnumbered}"
         assert "reading order" in (REPO / name).read_text().split('"""')[1], name
 
@@ -222,15 +225,16 @@ def test_the_lm_trainers_read_top_down(name):
 
 
 OWN = {"train_ddp_minigpt.py": "DDP", "train_fsdp_minigpt.py": "FSDP", "train_tp_minigpt.py": "TP",
-       "train_pp_minigpt.py": "PP", "train_cp_minigpt.py": "CP", "train_4d_minigpt.py": "4D"}
-KEY_ROW = re.compile(r"^ {2}(DDP|FSDP|TP|PP|CP|4D) (\d+) +\S", re.M)
+       "train_pp_minigpt.py": "PP", "train_cp_minigpt.py": "CP", "train_4d_minigpt.py": "4D",
+       "train_moe_minigpt.py": "EP"}
+KEY_ROW = re.compile(r"^ {2}(DDP|FSDP|TP|PP|CP|4D|EP) (\d+) +\S", re.M)
 
 
 def key_problems(name, source):
     """What is wrong with a script's key: its own tags unkeyed or keyed but unused, another
     family's tags keyed, or no line saying where the other tags come from."""
     own, doc = OWN[name], ast.get_docstring(ast.parse(source))
-    used = set(re.findall(r"# (DDP|FSDP|TP|PP|CP|4D) (\d+)\b", source))
+    used = set(re.findall(r"# (DDP|FSDP|TP|PP|CP|4D|EP) (\d+)\b", source))
     keyed = set(KEY_ROW.findall(doc))
     problems = [f"unkeyed {f} {k}" for f, k in sorted(used - keyed) if f == own]
     problems += [f"keyed but unused {f} {k}" for f, k in sorted(keyed - used)]
@@ -277,7 +281,10 @@ def test_the_key_check_fails_on_an_unkeyed_tag_and_an_inherited_row():
                                          ("train_tp_minigpt.py", "DDP"),
                                          ("train_pp_minigpt.py", "DDP"),
                                          ("train_cp_minigpt.py", "DDP"),
-                                         ("train_4d_minigpt.py", "DDP")])
+                                         ("train_4d_minigpt.py", "DDP"),
+                                         ("train_moe_minigpt.py", "EP"),
+                                         ("train_moe_minigpt.py", "FSDP"),
+                                         ("train_moe_minigpt.py", "DDP")])
 def test_tags_first_appear_in_reading_order(name, family):
     seen = []
     for line in lines(name):
@@ -316,7 +323,7 @@ def test_main_runs_the_same_code_in_the_twins():
     assert code_of_main("train_fsdp_minigpt.py") != [(c, c) for c in code("train_fsdp_minigpt.py")]
     check_sync = [line for line in code("train_ddp_minigpt.py") if "check_" not in line]
     assert check_sync == code("train_fsdp_minigpt.py") == code("train_tp_minigpt.py") \
-        == code("train_cp_minigpt.py")
+        == code("train_cp_minigpt.py") == code("train_moe_minigpt.py")
     assert code("train_4d_minigpt.py") == code("train_pp_minigpt.py")  # chapter 11: chapter 9's
     extra = [raw for c, raw in code_of_main("train_pp_minigpt.py")
              if c not in code("train_fsdp_minigpt.py")]
@@ -400,7 +407,10 @@ def test_the_block_check_fails_on_untagged_code_and_passes_reworded_comments():
     # chapter 10: 127 for the ring (--cp-rotate ring), 3 for the torch it needs, 3 for FSDP
     ("train_fsdp_minigpt.py", "train_cp_minigpt.py", CP_TAG, CP_CHANGES, 372, "10", "C"),
     # chapter 11 against chapter 9: the mesh, TP's plans, CP's Context, the norm, the flags
-    ("train_pp_minigpt.py", "train_4d_minigpt.py", FOURD_TAG, FOURD_CHANGES, 492, "11", "D")])
+    ("train_pp_minigpt.py", "train_4d_minigpt.py", FOURD_TAG, FOURD_CHANGES, 492, "11", "D"),
+    # chapter 12 against chapter 7: the mesh, the mixture (router, balance loss, all-to-alls),
+    # the norm over two meshes, the experts' flags and log
+    ("train_fsdp_minigpt.py", "train_moe_minigpt.py", EP_TAG, EP_CHANGES, 285, "12", "E")])
 def test_every_changed_block_holds_its_tag_and_the_readme_has_every_row(
         parent, child, tag, changes, limit, chapter, row):
     count = past_the_docstring(parent, child)  # each docstring keys its own family
@@ -424,7 +434,8 @@ def test_every_changed_block_holds_its_tag_and_the_readme_has_every_row(
     # 2: the names of its two collectives
     # chapter 11: 251, then 22 for words and for layout_line and stream_shape, moved up beside
     # the core that calls them; 2: the names of its two collectives; 7: --pp 1 without a schedule
-    ("train_pp_minigpt.py", "train_4d_minigpt.py", 288)])
+    ("train_pp_minigpt.py", "train_4d_minigpt.py", 288),
+    ("train_fsdp_minigpt.py", "train_moe_minigpt.py", 72)])  # 72 at its first version
 def test_each_twins_lesson_section_differs_from_its_parents_within_budget(parent, child, limit):
     def lesson(name):  # main() and its steps, up to the plumbing's marker, the model aside
         lesson, model, beyond, plumbing = section_lines(name)
