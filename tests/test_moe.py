@@ -13,7 +13,9 @@
 2. --experts 0 is the dense model: at 2 processes it logs chapter 7's losses, gradient norms and
    validation losses (chapter 7 in one process with the same global batch), and the experts change
    them (the control);
-3. bad input is one line and exit code 2: --ep that divides neither the experts nor the world
+3. the policy: with --amp bf16 the weights (the experts' too) compute in bf16 and the gradients
+   reduce in fp32;
+4. bad input is one line and exit code 2: --ep that divides neither the experts nor the world
    size, --experts-per-token of 0 or above the experts (or not dividing 4 x --n-embd).
 The two launches run side by side in one module fixture while the one-process references run in
 this process.
@@ -24,6 +26,7 @@ import pytest
 from helpers import logged_grad_norms as norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
 from helpers import SHARDED, as_script, command, finish, in_process, ok, start, trainer, REPO
+from helpers import assert_bf16_policy_reduces_in_fp32
 
 MOE, FSDP = "train_moe_minigpt.py", "train_fsdp_minigpt.py"
 moe = trainer(MOE)
@@ -32,6 +35,17 @@ moe = trainer(MOE)
 FLAGS = SHARDED + ["--clip", "2.0", "--eval-windows", 13, "--max-steps", 8, "--eval-every", 8,
                    "--save", "", "--export", ""]
 EXPERTS = ["--experts", 4, "--experts-per-token", 2, "--aux-weight", 0.01]
+
+CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not held yet
+    "reference": ["test_expert_parallel_runs_compute_what_one_process_computes",
+                  "test_no_experts_is_the_dense_model"],
+    "norms": ["test_expert_parallel_runs_compute_what_one_process_computes"],
+    "padded": ["test_expert_parallel_runs_compute_what_one_process_computes"],
+    "dropout": None,
+    "collectives": ["test_expert_parallel_runs_compute_what_one_process_computes"],
+    "policy": ["test_the_policy_computes_in_bf16_and_reduces_gradients_in_fp32"],
+    "resume": None,
+}
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +102,12 @@ def test_no_experts_is_the_dense_model(runs):
     assert val_losses(dense) == pytest.approx(val_losses(fsdp), abs=1e-4)
     assert "| aux " not in dense and "experts" not in dense.split("memory per rank")[0]
     assert abs(losses(experts)[8] - losses(fsdp)[8]) > 1e-3  # the control: experts differ
+
+
+def test_the_policy_computes_in_bf16_and_reduces_gradients_in_fp32():
+    """The one policy of every unit, the experts' included (the control: --amp off casts
+    nothing)."""
+    assert_bf16_policy_reduces_in_fp32(moe)
 
 
 @pytest.mark.parametrize("flags,words", [
