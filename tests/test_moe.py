@@ -13,11 +13,14 @@
 2. --experts 0 is the dense model: at 2 processes it logs chapter 7's losses, gradient norms and
    validation losses (chapter 7 in one process with the same global batch), and the experts change
    them (the control);
-3. the policy: with --amp bf16 the weights (the experts' too) compute in bf16 and the gradients
+3. checkpoints resume at another --ep: saved at --ep 2 on 2 processes (step 4), resumed at --ep 1
+   in one process with the same global batch, steps 5 to 8 log the uninterrupted one-process
+   run's losses (DCP names each expert by its number in the block, whichever rank holds it);
+4. the policy: with --amp bf16 the weights (the experts' too) compute in bf16 and the gradients
    reduce in fp32;
-4. bad input is one line and exit code 2: --ep that divides neither the experts nor the world
+5. bad input is one line and exit code 2: --ep that divides neither the experts nor the world
    size, --experts-per-token of 0 or above the experts (or not dividing 4 x --n-embd).
-The two launches run side by side in one module fixture while the one-process references run in
+The three launches run side by side in one module fixture while the one-process references run in
 this process.
 """
 import json
@@ -44,7 +47,7 @@ CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not he
     "dropout": None,
     "collectives": ["test_expert_parallel_runs_compute_what_one_process_computes"],
     "policy": ["test_the_policy_computes_in_bf16_and_reduces_gradients_in_fp32"],
-    "resume": None,
+    "resume": ["test_a_checkpoint_saved_at_ep_2_resumes_at_ep_1"],
 }
 
 
@@ -56,7 +59,9 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("moe")
     cmds = {"ep2": command("tests/probe_moe.py", ["record", d, *FLAGS, *EXPERTS, "--ep", 2],
                            nproc=2),
-            "dense": command(MOE, [*FLAGS, "--experts", 0], nproc=2)}
+            "dense": command(MOE, [*FLAGS, "--experts", 0], nproc=2),
+            "saved": command(MOE, [*FLAGS, *EXPERTS, "--ep", 2, "--max-steps", 4, "--eval-every",
+                                   4, "--save", d / "ck"], nproc=2)}
     started = {name: start(cmd, REPO) for name, cmd in cmds.items()}
     one, recorded = {}, {"losses": [], "norms": []}
     step = moe.train_step
@@ -73,6 +78,7 @@ def runs(tmp_path_factory):
         moe.train_step = step
     one["fsdp"] = in_process(FSDP, [*FLAGS, "--batch-size", 12])
     r = {name: ok(finish(proc, cmds[name])) for name, proc in started.items()}
+    r["resumed"] = in_process(MOE, [*FLAGS, *EXPERTS, "--batch-size", 12, "--resume", d / "ck"])
     return {**r, "one": one, "recorded": recorded, "dir": d}
 
 
@@ -108,6 +114,15 @@ def test_the_policy_computes_in_bf16_and_reduces_gradients_in_fp32():
     """The one policy of every unit, the experts' included (the control: --amp off casts
     nothing)."""
     assert_bf16_policy_reduces_in_fp32(moe)
+
+
+def test_a_checkpoint_saved_at_ep_2_resumes_at_ep_1(runs):
+    resumed, one = runs["resumed"], runs["one"]["moe"]
+    assert "resumed from" in resumed and "step-000004 at step 4" in resumed
+    assert sorted(losses(resumed)) == [5, 6, 7, 8]
+    for step in range(5, 9):
+        assert losses(resumed)[step] == pytest.approx(losses(one)[step], rel=1e-5), step
+    assert val_losses(resumed)[8] == pytest.approx(val_losses(one)[8], abs=1e-4)
 
 
 @pytest.mark.parametrize("flags,words", [
