@@ -282,7 +282,7 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
         moe.groups = Groups(run.mesh["ep"].get_group(), dist.group.WORLD)
     optimizer = make_optimizer(raw_model, args, run.device)
     torch.manual_seed(args.seed + run.rank)  # DDP 6: each rank draws its own dropout masks
-    print0(run.is_main, f"model {sum(p.numel() for p in raw_model.parameters()):,} parameters | "
+    print0(run.is_main, f"model {whole_model_size(raw_model):,} parameters | "  # EP 2: all experts
                         f"{args.n_layer} layers, {args.n_head} heads, {args.n_embd} wide, "
                         f"context {args.block_size}")
     if args.experts:
@@ -1405,7 +1405,7 @@ def read_run_state(path, run, data):  # FSDP 3
 def memory_line(model):  # FSDP 2: what each rank holds, against a whole copy
     """Bytes of weights + gradients + AdamW's two moments (fp32: 4 copies) held by this rank."""
     mine = sum(p.to_local().numel() for p in model.parameters())
-    full = sum(p.numel() for p in model.parameters())
+    full = whole_model_size(model)  # EP 2: the experts of the other ranks of my row too
     where = next(model.parameters()).device.type
     return (f"memory per rank ({where}): weights, gradients and AdamW state "
             f"{16 * mine / 2**20:.2f} MiB "
@@ -1420,6 +1420,15 @@ def experts_line(args, held):  # EP 2: what a token uses, against the dense mode
     return (f"experts {e} per block, {k} per token, each {4 * c // k} wide: a token uses "
             f"{k * expert:,} of their {e * expert:,} parameters (the dense MLP: "
             f"{2 * c * 4 * c + 5 * c:,}) | rank 0 holds experts {held[0]}-{held[-1]}")
+
+
+def whole_model_size(model):  # EP 2
+    """The parameters of the whole model: those this rank built and the experts it did not."""
+    n = sum(p.numel() for p in model.parameters())
+    for moe in mixtures(model):
+        per_expert = sum(p.numel() for p in next(iter(moe.experts.values())).parameters())
+        n += (moe.experts_total - len(moe.experts)) * per_expert
+    return n
 
 
 def accumulation_line(model, args):  # FSDP 2: the gradients held, and reduce-scattered

@@ -10,6 +10,8 @@
    global batch, are logged alike, and so are the validation losses (13 windows: one rank runs a
    padded batch, whose forward still trades tokens); every step makes 20 all-to-alls per rank
    (2 blocks x 2 micro-batches x (the counts, the tokens there and back, and the two backward));
+   at 4 processes of 3 sequences (2 edp x 2 ep: each expert sharded by FSDP over a column of 2
+   ranks), the same global batch, the losses and gradient norms are one process's too (1e-5);
 2. --experts 0 is the dense model: at 2 processes it logs chapter 7's losses, gradient norms and
    validation losses (chapter 7 in one process with the same global batch), and the experts change
    them (the control);
@@ -20,7 +22,7 @@
    reduce in fp32;
 5. bad input is one line and exit code 2: --ep that divides neither the experts nor the world
    size, --experts-per-token of 0 or above the experts (or not dividing 4 x --n-embd).
-The three launches run side by side in one module fixture while the one-process references run in
+The four launches run side by side in one module fixture while the one-process references run in
 this process.
 """
 import json
@@ -57,9 +59,12 @@ def runs(tmp_path_factory):
     processes, launched; meanwhile, in this process, their one-process references: --ep 1 with
     --batch-size 12 (every digit of its losses and norms recorded), and chapter 7 alike."""
     d = tmp_path_factory.mktemp("moe")
+    (d / "grid").mkdir()
     cmds = {"ep2": command("tests/probe_moe.py", ["record", d, *FLAGS, *EXPERTS, "--ep", 2],
                            nproc=2),
             "dense": command(MOE, [*FLAGS, "--experts", 0], nproc=2),
+            "grid": command("tests/probe_moe.py", ["record", d / "grid", *FLAGS, *EXPERTS, "--ep",
+                                                   2, "--batch-size", 3], nproc=4),
             "saved": command(MOE, [*FLAGS, *EXPERTS, "--ep", 2, "--max-steps", 4, "--eval-every",
                                    4, "--save", d / "ck"], nproc=2)}
     started = {name: start(cmd, REPO) for name, cmd in cmds.items()}
@@ -91,6 +96,10 @@ def test_expert_parallel_runs_compute_what_one_process_computes(runs):
     assert [n > 2.0 for n in one["norms"]] == [True, True] + [False] * 6  # the clip binds
     assert one["losses"][-1] < one["losses"][0] - 0.5  # it learns
     assert ep2["all_to_alls"] == [2 * 2 * (3 + 2)] * 8
+    grid = json.loads((runs["dir"] / "grid" / "rank0.json").read_text())
+    assert grid["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert grid["norms"] == pytest.approx(one["norms"], rel=1e-5)
+    assert "world size 4 (2 edp x 2 ep)" in runs["grid"]
     out, ref = runs["ep2"], runs["one"]["moe"]
     assert "world size 2 (1 edp x 2 ep)" in out and "rank 0 holds experts 0-1" in out
     shares = [line.split("| aux ")[1] for line in out.splitlines() if "| aux " in line]
