@@ -91,7 +91,7 @@ SIZE = {"train_ddp_minigpt.py": 1202, "train_fsdp_minigpt.py": 1369,  # lines, a
 # chapter 7: 10 for its Terms paragraph, 2 for its debug guard's and --reshard's words (the
 # other chapters' Terms stand after their reading order, which this count leaves out);
 # chapter 12: 1,637 at its first version (chapter 7's 1,369 with the mixture of experts: router,
-# balance loss, all-to-all dispatch, 142 lines; the mesh, the norm, the flags, the log);
+# balance loss, all-to-all dispatch, 135 lines; the mesh, the norm, the flags, the log);
 # chapter 11: 1,788 at its first version (chapter 9's 1,552 with chapter 8's plans and chapter 10's
 # Context and gather, without the ring)
 
