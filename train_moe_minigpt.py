@@ -9,9 +9,9 @@ dropout the run computes, up to rounding, what one process computes from the sam
     torchrun --standalone --nproc_per_node=2 train_moe_minigpt.py --experts 0   # the dense model
     python train_moe_minigpt.py --sample --ckpt checkpoints/minigpt_moe.pt --prompt "def main("
 
-Sampling runs in one process, from a run at --ep 1 (the export gathers no other rank's experts
-yet). The default data, this Python's standard library (2,000,000 bytes, a token per byte, vocab
-256), needs no download; `--data` also takes a text file, a .bin of uint16 token ids, or a nanoGPT
+Sampling runs in one process, from the export of a run at any --ep: rank 0 gathers every expert.
+The default data, this Python's standard library (2,000,000 bytes, a token per byte, vocab 256),
+needs no download; `--data` also takes a text file, a .bin of uint16 token ids, or a nanoGPT
 folder.
 
 Terms. torchrun starts the processes, usually one per device; each runs this whole file. The world
@@ -33,7 +33,9 @@ token to E scores, picks the K experts (top-k) that process it; their outputs, w
 gates (the router's probabilities of the chosen K, rescaled to add up to 1), are summed. Each
 expert is 4C / K wide (C: --n-embd), so a token's K experts hold the parameters and cost the FLOPs
 of the dense model's one MLP of width 4C: E experts hold E / K times its parameters. Dropless:
-every token reaches its K experts, however many pick the same one. The load-balancing loss (Switch
+every token reaches its K experts, however many pick the same one (the default; a capacity
+caps what an expert takes from a rank's micro-batch and drops the rest, so the run then depends
+on how the tokens are spread over the ranks). The load-balancing loss (Switch
 Transformer's) is E x sum over experts e of f_e x P_e, f_e the share of the token copies routed to
 e and P_e the mean router probability of e; it is 1 when both are even, larger when the router
 favours a few experts; --aux-weight times it is added to the loss, for every block.
@@ -66,7 +68,8 @@ Tags. `# EP k` marks each line that experts change in an FSDP trainer, numbered 
   EP 1  the mesh: world size / ep rows of ep ranks; a row holds every expert once
   EP 2  each block's MLP a mixture of experts; a rank builds only the experts it holds
   EP 3  the balance loss over the global micro-batch: counts and probabilities all-reduced
-  EP 4  dispatch: counts exchanged, token copies sent to their experts' ranks and back (all-to-all)
+  EP 4  dispatch: counts exchanged, token copies sent to their experts' ranks and back (all-to-all);
+        a capacity (--capacity-factor) drops the copies past it
   EP 5  FSDP shards each expert over the ranks holding it; its gradients divided by ep more
   EP 6  the gradient norm: every rank's squared shards summed by one all-reduce
   EP 7  the router: top-k experts per token, their gates rescaled to add up to 1
@@ -280,6 +283,7 @@ def build_model(run, vocab_size):  # FSDP 2: built on the meta device, sharded, 
     raw_model.aux_weight = args.aux_weight  # EP 3: how much the balance loss counts
     for moe in mixtures(raw_model):  # EP 4: the groups its collectives run in
         moe.groups = Groups(run.mesh["ep"].get_group(), dist.group.WORLD)
+        moe.capacity_factor = args.capacity_factor  # EP 4: None: every copy reaches its expert
     optimizer = make_optimizer(raw_model, args, run.device)
     torch.manual_seed(args.seed + run.rank)  # DDP 6: each rank draws its own dropout masks
     print0(run.is_main, f"model {whole_model_size(raw_model):,} parameters | "  # EP 2: all experts
@@ -696,8 +700,9 @@ class MixtureOfExperts(nn.Module):
         self.experts_total, self.top_k = experts, top_k
         self.router = nn.Linear(n_embd, experts, bias=False)  # EP 7: a score per expert
         self.experts = Experts(n_embd, 4 * n_embd // top_k, held)  # K of them: one MLP's size
+        self.capacity_factor = None  # None: dropless; c: at most c x copies / E an expert
         self.groups = None  # set once the process group exists; None: one plain process
-        self.aux, self.load = None, None  # the last balance loss; copies per expert, summed
+        self.aux, self.load = None, None  # the last balance loss; copies routed and sent, summed
 
     def forward(self, x):
         B, T, C = x.shape
@@ -705,17 +710,31 @@ class MixtureOfExperts(nn.Module):
         probs = self.router(x).float().softmax(dim=-1)  # EP 7: (tokens, E), fp32
         gates, chosen = probs.topk(self.top_k, dim=-1)  # EP 7: the K likeliest experts
         gates = gates / gates.sum(dim=-1, keepdim=True)  # EP 7: rescaled to add up to 1
-        counts = torch.bincount(chosen.flatten(), minlength=self.experts_total)
-        self.aux = self.balance_loss(probs, counts)  # EP 3: collectives over every rank
         # Each token's K copies, sorted by expert: the copies for expert e stand together.
         order = chosen.flatten().argsort(stable=True)
-        out = self.dispatch(x[order // self.top_k], counts)  # EP 4: collectives, all-to-all
-        out = out[order.argsort()].view(B * T, self.top_k, C)  # back in token order
+        counts = torch.bincount(chosen.flatten(), minlength=self.experts_total)
+        kept, sent = self.within_capacity(order, counts)  # every copy, unless a capacity drops
+        self.aux = self.balance_loss(probs, torch.stack([counts, sent]))  # EP 3: collectives
+        out = self.dispatch(x[kept // self.top_k], sent)  # EP 4: collectives, all-to-all
+        # Back in token order. A dropped copy adds nothing: its token goes on by the residual.
+        out = out.new_zeros(B * T * self.top_k, C).index_copy(0, kept, out).view(B * T, -1, C)
         return (out * gates.unsqueeze(-1).to(out.dtype)).sum(dim=1).view(B, T, C)
+
+    def within_capacity(self, order, counts):  # EP 4
+        """The sorted copies that reach their experts, and how many each expert gets. Dropless:
+        all of them. With a capacity factor c, in training, an expert takes at most c x copies / E
+        of this rank's micro-batch, the first in token order; the rest are dropped."""
+        if not (self.capacity_factor and self.training):
+            return order, counts
+        capacity = math.ceil(self.capacity_factor * len(order) / self.experts_total)
+        first = counts.cumsum(0) - counts  # where each expert's copies start in `order`
+        place = torch.arange(len(order), device=order.device) - first.repeat_interleave(counts)
+        return order[place < capacity], counts.clamp(max=capacity)
 
     def balance_loss(self, probs, counts):  # EP 3
         """A collective: E x sum_e f_e x P_e over the global micro-batch (every rank's tokens), f_e
-        the share of the token copies routed to e, P_e the mean router probability of e."""
+        the share of the token copies routed to e, P_e the mean router probability of e. counts:
+        the copies routed to each expert, and below them those sent (fewer if some were dropped)."""
         sums = probs.sum(dim=0)  # differentiable, unlike the counts
         if self.groups:
             counts = counts.clone()
@@ -723,8 +742,9 @@ class MixtureOfExperts(nn.Module):
             sums = SumOverRanks.apply(sums, self.groups.world)  # EP 3: every rank's, with grad
         if self.training:  # the log's shares: training micro-batches only
             self.load = counts if self.load is None else self.load + counts
-        tokens = counts.sum() / self.top_k
-        return self.experts_total * (counts / counts.sum() * sums / tokens).sum()
+        routed = counts[0]
+        tokens = routed.sum() / self.top_k
+        return self.experts_total * (routed / routed.sum() * sums / tokens).sum()
 
     def dispatch(self, copies, counts):  # EP 4
         """A collective: each expert's output for the token copies, sorted by expert (counts[e]
@@ -833,9 +853,7 @@ def report(run, raw_model, data, val_loss, meter):
                         f"{data.baseline:.4f}) | {summary['tokens_per_s']:,.0f} tok/s over "
                         f"{summary['train_s']:.1f} s of training")
     print0(run.is_main, summary_line(summary))
-    if run.args.export and run.args.ep > 1:  # EP 2: rank 0 holds only its own experts
-        print0(run.is_main, f"no export at --ep {run.args.ep}: rank 0 holds only its experts")
-    elif run.args.export:  # FSDP 8: one plain file, for one-process sampling
+    if run.args.export:  # FSDP 8: one plain file, for one-process sampling
         export(run, raw_model, data)  # a collective: the weights gathered to rank 0
     if unit == "byte" or data.itos:  # FSDP 5: every rank generates: each forward gathers weights
         raw_model.eval()
@@ -851,7 +869,21 @@ def export(run, raw_model, data):  # FSDP 8: one plain file, as one process save
         raise SaveFailed(f"not exporting {run.args.export}: the weights are not finite")
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0
     weights = get_model_state_dict(raw_model, options=options)  # empty on the other ranks
+    weights.update(experts_of_the_row(run, raw_model))  # EP 2: with every other rank's experts
     save_on_rank_0(lambda: write_export(run, weights, data), run.is_main)  # a collective
+
+
+def experts_of_the_row(run, raw_model):  # EP 2
+    """A collective: on rank 0, every expert's weights whole, on the CPU; elsewhere nothing. Each
+    expert is gathered over its column, and the first row's ranks send theirs to rank 0."""
+    mine = {}
+    for name, p in raw_model.named_parameters():
+        if ".experts." in name:
+            whole = p.full_tensor()  # EP 2: a collective over the column that holds the expert
+            mine.update({name: whole.cpu()} if run.mesh.get_local_rank("edp") == 0 else {})
+    parts = [None] * run.world_size if run.is_main else None
+    dist.gather_object(mine, parts, dst=0)  # EP 2: every rank's dict, to rank 0 alone
+    return {name: w for part in parts or [] for name, w in part.items()}
 
 
 def log_peak_gpu_memory(run):
@@ -963,6 +995,9 @@ def parse_args(argv=None):
       help="K: the experts each token goes to (top-k routing), 1 to E (default: 2)")
     a("--aux-weight", type=positive(float, zero_ok=True), default=0.01, metavar="W",  # EP 3
       help="weight of each block's load-balancing loss in the loss (default: 0.01)")
+    a("--capacity-factor", type=positive(float), default=None, metavar="C",  # EP 4
+      help="in training, an expert takes at most C x (tokens x K / E) of a rank's micro-batch "
+           "and drops the rest; the run then differs from one process (default: dropless)")
     a("--grad-checkpointing", action="store_true",
       help="recompute each block's activations in backward: less memory, more time")
     a("--compile", action="store_true", help="torch.compile the model (default: off)")
@@ -1059,6 +1094,9 @@ def bad_experts(args):  # EP 7
                 "4 x --n-embd / K wide")
     if ep > 1 and (not e or e % ep):
         return f"--ep {ep} must divide --experts {e}: each rank of a row holds as many experts"
+    c = args.capacity_factor
+    if c is not None and (not e or not math.isfinite(c)):
+        return f"--capacity-factor {c} needs --experts and a finite value"
     return None
 
 
@@ -1417,9 +1455,15 @@ def experts_line(args, held):  # EP 2: what a token uses, against the dense mode
     """The experts per block, those this rank holds, and a token's share of their parameters."""
     c, e, k = args.n_embd, args.experts, args.experts_per_token
     expert = 2 * c * (4 * c // k) + 4 * c // k + c  # two matrices and two biases
-    return (f"experts {e} per block, {k} per token, each {4 * c // k} wide: a token uses "
+    line = (f"experts {e} per block, {k} per token, each {4 * c // k} wide: a token uses "
             f"{k * expert:,} of their {e * expert:,} parameters (the dense MLP: "
             f"{2 * c * 4 * c + 5 * c:,}) | rank 0 holds experts {held[0]}-{held[-1]}")
+    if args.capacity_factor:  # EP 4: as within_capacity() counts it
+        copies = args.batch_size * args.block_size * k
+        line += (f" | capacity {args.capacity_factor}: at most "
+                 f"{math.ceil(args.capacity_factor * copies / e)} of a rank's {copies} copies "
+                 "per expert, the rest dropped")
+    return line
 
 
 def whole_model_size(model):  # EP 2
@@ -1538,13 +1582,18 @@ class Meter:
 def expert_shares(moes):  # EP 8
     """` | aux A | expert share min X% max Y%`: the last balance loss summed over the blocks,
     and the smallest and largest share of the token copies any expert of any block got (every
-    rank's, counted since the last line; even: 100 / E %). Starts the count again."""
-    shares = torch.stack([m.load / m.load.sum() for m in moes])
+    rank's, counted since the last line; even: 100 / E %); with a capacity, ` | dropped Z%` of
+    the copies. Starts the count again."""
+    shares = torch.stack([m.load[0] / m.load[0].sum() for m in moes])
     aux = sum(float(m.aux.detach()) for m in moes)
+    line = (f" | aux {aux:.4f} | expert share min {100 * float(shares.min()):.1f}% "
+            f"max {100 * float(shares.max()):.1f}%")
+    if moes[0].capacity_factor:  # the copies routed that their experts did not take
+        routed, sent = sum(m.load.sum(dim=1) for m in moes).tolist()
+        line += f" | dropped {100 * (1 - sent / routed):.1f}%"
     for m in moes:
         m.load = None
-    return (f" | aux {aux:.4f} | expert share min {100 * float(shares.min()):.1f}% "
-            f"max {100 * float(shares.max()):.1f}%")
+    return line
 
 
 def pace_keys(step_s, tokens_per_step):

@@ -10,8 +10,11 @@
    global batch, are logged alike, and so are the validation losses (13 windows: one rank runs a
    padded batch, whose forward still trades tokens); every step makes 20 all-to-alls per rank
    (2 blocks x 2 micro-batches x (the counts, the tokens there and back, and the two backward));
-   at 4 processes of 3 sequences (2 edp x 2 ep: each expert sharded by FSDP over a column of 2
-   ranks), the same global batch, the losses and gradient norms are one process's too (1e-5);
+   at 4 processes of 3 sequences, the same global batch, both at 2 edp x 2 ep (each expert
+   sharded by FSDP over a column of 2 ranks) and at --ep 4 (one expert a rank), the losses and
+   gradient norms are one process's too (1e-5); the export at --ep 2 holds every expert, with one
+   process's weights (1e-5, each expert its own: the control), and samples its text in one
+   plain process;
 2. --experts 0 is the dense model: at 2 processes it logs chapter 7's losses, gradient norms and
    validation losses (chapter 7 in one process with the same global batch), and the experts change
    them (the control);
@@ -20,14 +23,20 @@
    run's losses (DCP names each expert by its number in the block, whichever rank holds it);
 4. the policy: with --amp bf16 the weights (the experts' too) compute in bf16 and the gradients
    reduce in fp32;
-5. bad input is one line and exit code 2: --ep that divides neither the experts nor the world
-   size, --experts-per-token of 0 or above the experts (or not dividing 4 x --n-embd).
-The four launches run side by side in one module fixture while the one-process references run in
+5. a capacity drops copies, and the run then depends on its layout: at --capacity-factor 1.0,
+   --ep 2 at 2 processes drops some copies each step (logged) and its losses differ from one
+   process's at the same global batch; at 2.0 (E / K) nothing can drop and one process logs its
+   dropless losses;
+6. bad input is one line and exit code 2: --ep that divides neither the experts nor the world
+   size, --experts-per-token of 0 or above the experts (or not dividing 4 x --n-embd), a capacity
+   factor that is not positive and finite, or without experts.
+The six launches run side by side in one module fixture while the one-process references run in
 this process.
 """
 import json
 
 import pytest
+import torch
 from helpers import logged_grad_norms as norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
 from helpers import SHARDED, as_script, command, finish, in_process, ok, start, trainer, REPO
@@ -40,6 +49,7 @@ moe = trainer(MOE)
 FLAGS = SHARDED + ["--clip", "2.0", "--eval-windows", 13, "--max-steps", 8, "--eval-every", 8,
                    "--save", "", "--export", ""]
 EXPERTS = ["--experts", 4, "--experts-per-token", 2, "--aux-weight", 0.01]
+CAPACITY = ["--max-steps", 3, "--eval-every", 3, "--capacity-factor", 1.0]
 
 CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not held yet
     "reference": ["test_expert_parallel_runs_compute_what_one_process_computes",
@@ -60,8 +70,12 @@ def runs(tmp_path_factory):
     --batch-size 12 (every digit of its losses and norms recorded), and chapter 7 alike."""
     d = tmp_path_factory.mktemp("moe")
     (d / "grid").mkdir()
-    cmds = {"ep2": command("tests/probe_moe.py", ["record", d, *FLAGS, *EXPERTS, "--ep", 2],
-                           nproc=2),
+    (d / "ep4").mkdir()
+    cmds = {"ep2": command("tests/probe_moe.py", ["record", d, *FLAGS, *EXPERTS, "--ep", 2,
+                                                  "--export", d / "ep2.pt"], nproc=2),
+            "ep4": command("tests/probe_moe.py", ["record", d / "ep4", *FLAGS, *EXPERTS, "--ep",
+                                                  4, "--batch-size", 3], nproc=4),
+            "capacity": command(MOE, [*FLAGS, *EXPERTS, *CAPACITY, "--ep", 2], nproc=2),
             "dense": command(MOE, [*FLAGS, "--experts", 0], nproc=2),
             "grid": command("tests/probe_moe.py", ["record", d / "grid", *FLAGS, *EXPERTS, "--ep",
                                                    2, "--batch-size", 3], nproc=4),
@@ -78,9 +92,12 @@ def runs(tmp_path_factory):
         return loss, norm
     moe.train_step = recording
     try:
-        one["moe"] = in_process(MOE, [*FLAGS, *EXPERTS, "--batch-size", 12])
+        one["moe"] = in_process(MOE, [*FLAGS, *EXPERTS, "--batch-size", 12,
+                                      "--export", d / "one.pt"])
     finally:
         moe.train_step = step
+    one["capacity"] = in_process(MOE, [*FLAGS, *EXPERTS, *CAPACITY, "--batch-size", 12])
+    one["roomy"] = in_process(MOE, [*FLAGS, *EXPERTS, *CAPACITY[:-1], 2.0, "--batch-size", 12])
     one["fsdp"] = in_process(FSDP, [*FLAGS, "--batch-size", 12])
     r = {name: ok(finish(proc, cmds[name])) for name, proc in started.items()}
     r["resumed"] = in_process(MOE, [*FLAGS, *EXPERTS, "--batch-size", 12, "--resume", d / "ck"])
@@ -100,6 +117,10 @@ def test_expert_parallel_runs_compute_what_one_process_computes(runs):
     assert grid["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert grid["norms"] == pytest.approx(one["norms"], rel=1e-5)
     assert "world size 4 (2 edp x 2 ep)" in runs["grid"]
+    ep4 = json.loads((runs["dir"] / "ep4" / "rank0.json").read_text())
+    assert ep4["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert ep4["norms"] == pytest.approx(one["norms"], rel=1e-5)
+    assert "world size 4 (1 edp x 4 ep)" in runs["ep4"] and "holds experts 0-0" in runs["ep4"]
     out, ref = runs["ep2"], runs["one"]["moe"]
     assert "world size 2 (1 edp x 2 ep)" in out and "rank 0 holds experts 0-1" in out
     shares = [line.split("| aux ")[1] for line in out.splitlines() if "| aux " in line]
@@ -134,12 +155,45 @@ def test_a_checkpoint_saved_at_ep_2_resumes_at_ep_1(runs):
     assert val_losses(resumed)[8] == pytest.approx(val_losses(one)[8], abs=1e-4)
 
 
+def test_the_export_at_ep_2_holds_every_expert_and_samples_in_one_process(runs):
+    ep2 = torch.load(runs["dir"] / "ep2.pt", weights_only=True)["model"]
+    one = torch.load(runs["dir"] / "one.pt", weights_only=True)["model"]
+    assert ep2.keys() == one.keys() and "blocks.1.mlp.experts.3.2.weight" in ep2
+    for name, w in one.items():  # 8 AdamW steps of 3e-3 move a weight by up to 0.024
+        assert torch.allclose(ep2[name], w, rtol=0, atol=1e-5), name
+    a, b = ep2["blocks.0.mlp.experts.2.0.weight"], ep2["blocks.0.mlp.experts.0.0.weight"]
+    assert not torch.allclose(a, b, atol=1e-3)  # the control: each expert its own weights
+    texts = [in_process(MOE, ["--sample", "--ckpt", runs["dir"] / f"{name}.pt", "--prompt",
+                              "def ", "--top-k", 0, "--max-new-tokens", 24])  # drawn, seed 0
+             for name in ("ep2", "one")]
+    assert texts[0] == texts[1] and len(set(texts[0])) > 8
+
+
+def test_a_capacity_drops_copies_and_the_run_then_depends_on_its_layout(runs):
+    """At a capacity factor of 1.0 each rank drops the copies past its experts' capacity: which
+    ones depends on the tokens the rank holds, so 2 ranks of 6 sequences differ from one process
+    of 12, where dropless runs matched (the control above); at E / K = 2.0 nothing can drop."""
+    ep2, one, roomy = runs["capacity"], runs["one"]["capacity"], runs["one"]["roomy"]
+    dropped = [float(line.split("| dropped ")[1].rstrip("%")) for line in ep2.splitlines()
+               if "| dropped " in line]
+    assert len(dropped) == 3 and min(dropped) > 1.0
+    assert "at most 96 of a rank's 384 copies per expert" in ep2
+    assert sorted(losses(ep2)) == sorted(losses(one)) == [1, 2, 3]
+    assert abs(losses(ep2)[3] - losses(one)[3]) > 1e-4
+    assert "| dropped 0.0%" in roomy
+    for step in (1, 2, 3):
+        assert losses(roomy)[step] == pytest.approx(losses(runs["one"]["moe"])[step], rel=1e-6)
+
+
 @pytest.mark.parametrize("flags,words", [
     (["--experts", 4, "--ep", 3], "--ep 3 must divide --experts 4"),
     (["--experts", 0, "--ep", 2], "--ep 2 must divide --experts 0"),
     (["--experts", 4, "--experts-per-token", 0], "--experts-per-token 0 must be between 1 and"),
     (["--experts", 4, "--experts-per-token", 5], "--experts-per-token 5 must be between 1 and"),
-    (["--experts", 4, "--experts-per-token", 3], "--experts-per-token 3 must divide 4 x")])
+    (["--experts", 4, "--experts-per-token", 3], "--experts-per-token 3 must divide 4 x"),
+    (["--capacity-factor", 0], "argument --capacity-factor: must be positive, got 0"),
+    (["--capacity-factor", "nan"], "--capacity-factor nan needs --experts and a finite value"),
+    (["--experts", 0, "--capacity-factor", 1], "--capacity-factor 1.0 needs --experts")])
 def test_bad_experts_are_one_line_and_exit_code_2(flags, words):
     result = as_script(MOE, flags)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
