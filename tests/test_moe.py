@@ -15,9 +15,10 @@
    gradient norms are one process's too (1e-5); the export at --ep 2 holds every expert, with one
    process's weights (1e-5, each expert its own: the control), and samples its text in one
    plain process;
-2. --experts 0 is the dense model: at 2 processes it logs chapter 7's losses, gradient norms and
-   validation losses (chapter 7 in one process with the same global batch), and the experts change
-   them (the control);
+2. --experts 0 is the dense model, and dropout draws DDP's masks: with dropout, a clip that binds
+   and a padded validation, --experts 0 at 2 processes logs chapter 3's losses, gradient norms and
+   validation losses at 2 processes (DDP), and with experts --ep 2 logs --ep 1's at 2 processes;
+   the experts change the losses, and so does dropout (the controls);
 3. checkpoints resume at another --ep: saved at --ep 2 on 2 processes (step 4), resumed at --ep 1
    in one process with the same global batch, steps 5 to 8 log the uninterrupted one-process
    run's losses (DCP names each expert by its number in the block, whichever rank holds it);
@@ -30,7 +31,7 @@
 6. bad input is one line and exit code 2: --ep that divides neither the experts nor the world
    size, --experts-per-token of 0 or above the experts (or not dividing 4 x --n-embd), a capacity
    factor that is not positive and finite, or without experts.
-The six launches run side by side in one module fixture while the one-process references run in
+The eight launches run side by side in one module fixture while the one-process references run in
 this process.
 """
 import json
@@ -39,10 +40,11 @@ import pytest
 import torch
 from helpers import logged_grad_norms as norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
-from helpers import SHARDED, as_script, command, finish, in_process, ok, start, trainer, REPO
+from helpers import NOISY, SHARDED, as_script, command, finish, in_process, ok, start, trainer
+from helpers import REPO, ddp_dropout_reference
 from helpers import assert_bf16_policy_reduces_in_fp32
 
-MOE, FSDP = "train_moe_minigpt.py", "train_fsdp_minigpt.py"
+MOE = "train_moe_minigpt.py"
 moe = trainer(MOE)
 # 8 steps of 2 micro-batches of 6 sequences a rank; a clip of 2.0 that binds in steps 1 and 2;
 # 13 validation windows (7 and 6 on 2 ranks: one padded batch)
@@ -53,10 +55,10 @@ CAPACITY = ["--max-steps", 3, "--eval-every", 3, "--capacity-factor", 1.0]
 
 CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not held yet
     "reference": ["test_expert_parallel_runs_compute_what_one_process_computes",
-                  "test_no_experts_is_the_dense_model"],
+                  "test_no_experts_is_the_dense_model_and_dropout_draws_ddps_masks"],
     "norms": ["test_expert_parallel_runs_compute_what_one_process_computes"],
     "padded": ["test_expert_parallel_runs_compute_what_one_process_computes"],
-    "dropout": None,
+    "dropout": ["test_no_experts_is_the_dense_model_and_dropout_draws_ddps_masks"],
     "collectives": ["test_expert_parallel_runs_compute_what_one_process_computes"],
     "policy": ["test_the_policy_computes_in_bf16_and_reduces_gradients_in_fp32"],
     "resume": ["test_a_checkpoint_saved_at_ep_2_resumes_at_ep_1"],
@@ -76,7 +78,9 @@ def runs(tmp_path_factory):
             "ep4": command("tests/probe_moe.py", ["record", d / "ep4", *FLAGS, *EXPERTS, "--ep",
                                                   4, "--batch-size", 3], nproc=4),
             "capacity": command(MOE, [*FLAGS, *EXPERTS, *CAPACITY, "--ep", 2], nproc=2),
-            "dense": command(MOE, [*FLAGS, "--experts", 0], nproc=2),
+            "dense": command(MOE, [*NOISY, "--experts", 0, "--export", ""], nproc=2),
+            "noisy": command(MOE, [*NOISY, *EXPERTS, "--ep", 2, "--export", ""], nproc=2),
+            "noisy ep1": command(MOE, [*NOISY, *EXPERTS, "--export", ""], nproc=2),
             "grid": command("tests/probe_moe.py", ["record", d / "grid", *FLAGS, *EXPERTS, "--ep",
                                                    2, "--batch-size", 3], nproc=4),
             "saved": command(MOE, [*FLAGS, *EXPERTS, "--ep", 2, "--max-steps", 4, "--eval-every",
@@ -98,10 +102,10 @@ def runs(tmp_path_factory):
         moe.train_step = step
     one["capacity"] = in_process(MOE, [*FLAGS, *EXPERTS, *CAPACITY, "--batch-size", 12])
     one["roomy"] = in_process(MOE, [*FLAGS, *EXPERTS, *CAPACITY[:-1], 2.0, "--batch-size", 12])
-    one["fsdp"] = in_process(FSDP, [*FLAGS, "--batch-size", 12])
+    ddp = ddp_dropout_reference()[0]  # chapter 3 at 2 processes, with dropout
     r = {name: ok(finish(proc, cmds[name])) for name, proc in started.items()}
     r["resumed"] = in_process(MOE, [*FLAGS, *EXPERTS, "--batch-size", 12, "--resume", d / "ck"])
-    return {**r, "one": one, "recorded": recorded, "dir": d}
+    return {**r, "one": one, "recorded": recorded, "dir": d, "ddp": ddp}
 
 
 def test_expert_parallel_runs_compute_what_one_process_computes(runs):
@@ -130,14 +134,27 @@ def test_expert_parallel_runs_compute_what_one_process_computes(runs):
     assert val_losses(out) == pytest.approx(val_losses(ref), abs=1e-4)
 
 
-def test_no_experts_is_the_dense_model(runs):
-    dense, fsdp, experts = runs["dense"], runs["one"]["fsdp"], runs["one"]["moe"]
-    assert sorted(losses(dense)) == list(range(1, 9))
-    assert losses(dense) == pytest.approx(losses(fsdp), rel=1e-5)
-    assert norms(dense) == pytest.approx(norms(fsdp), abs=2e-3)
-    assert val_losses(dense) == pytest.approx(val_losses(fsdp), abs=1e-4)
+def test_no_experts_is_the_dense_model_and_dropout_draws_ddps_masks(runs):
+    """With dropout 0.1, a clip of 2.0 that binds in steps 1 and 2, and 13 validation windows: at
+    --experts 0, 2 processes log chapter 3's numbers at 2 processes (DDP: each rank draws its own
+    masks, seeded by its rank); with experts, --ep 2 logs --ep 1's (the router draws nothing, so
+    each rank's masks stay DDP's). The controls: the experts change the losses, and without dropout
+    the first loss differs."""
+    dense, ddp = runs["dense"], runs["ddp"]
+    assert sorted(losses(dense)) == sorted(norms(dense)) == [1, 2, 3, 4]
+    for step in range(1, 5):
+        assert losses(dense)[step] == pytest.approx(losses(ddp)[step], rel=1e-5), step
+        assert norms(dense)[step] == pytest.approx(norms(ddp)[step], abs=2e-3), step
+    assert [norms(ddp)[step] > 2.0 for step in range(1, 5)] == [True, True, False, False]
+    assert val_losses(dense) == pytest.approx(val_losses(ddp), abs=1e-4)
     assert "| aux " not in dense and "experts" not in dense.split("memory per rank")[0]
-    assert abs(losses(experts)[8] - losses(fsdp)[8]) > 1e-3  # the control: experts differ
+    noisy, ep1 = runs["noisy"], runs["noisy ep1"]
+    assert sorted(losses(noisy)) == [1, 2, 3, 4]
+    assert losses(noisy) == pytest.approx(losses(ep1), rel=1e-5)
+    assert norms(noisy) == pytest.approx(norms(ep1), rel=1e-5)
+    assert val_losses(noisy) == pytest.approx(val_losses(ep1), abs=1e-4)
+    assert abs(losses(noisy)[4] - losses(dense)[4]) > 1e-3  # the control: experts differ
+    assert abs(losses(noisy)[1] - losses(runs["ep2"])[1]) > 1e-3  # dropout was on
 
 
 def test_the_policy_computes_in_bf16_and_reduces_gradients_in_fp32():
