@@ -1700,7 +1700,8 @@ def traffic_line(run, vocab_size):  # what rank 0 sends in a step, group by grou
     of them twice (an all-reduce, or an all-gather and a reduce-scatter). cp: per block and
     micro-batch, K and V gathered twice (forward, and backward's recompute), their fp32 gradients
     reduce-scattered. pp: per micro-batch, the activations each of its V stages sends on, and
-    the gradients each but stage 0 sends back; and the tied gradient's shard (fp32)."""
+    the gradients each but stage 0 sends back; and the tied gradient's shard (fp32). At --tp 1
+    there is no tp group, and the line counts no collectives."""
     args, K, tp, cp, V = run.args, run.args.grad_accum, run.args.tp, run.args.cp, \
         run.args.stages_per_rank
     mine = range(0, args.pp * V, args.pp)  # PP 5: rank 0's stages, 0, pp, ...
@@ -1716,9 +1717,9 @@ def traffic_line(run, vocab_size):  # what rank 0 sends in a step, group by grou
                    * width + vocab_size * args.n_embd * 4 / (run.world_size // args.pp))
             * (args.pp > 1)}
     stages = "stage 0" if V == 1 else "stages " + ", ".join(map(str, mine))
+    ops = f"tp: {tp_ops} collectives of {stream / 2**20:.3f} MiB; " * (tp > 1)  # none at tp 1
     return (f"traffic per step, rank 0 ({stages}, {blocks} blocks): " + " | ".join(
-        f"{group} {mib / 2**20:.3f} MiB" for group, mib in sent.items())
-        + f" (tp: {tp_ops} collectives of {stream / 2**20:.3f} MiB; FSDP's gathers aside)")
+        f"{dim} {n / 2**20:.3f} MiB" for dim, n in sent.items()) + f" ({ops}FSDP's gathers aside)")
 
 
 def split_by_tp(p):  # 4D 5: whether TP's plan split this parameter (FSDP aside)

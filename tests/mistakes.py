@@ -873,6 +873,43 @@ CATALOGUE = [
             "dropout_stream(): by rank where each rank holds its own tokens  # 4D 5",
             [T_4D + "test_with_sequence_parallelism_every_rank_drops_its_own_tokens_with_its_own_mask"],
             ["--dropout", "0.1"]),
+    Mistake("4d-tied-traffic-at-the-activations-width", 11, C11,
+            [("vocab_size * args.n_embd * 4 / (run.world_size // args.pp)",
+              "vocab_size * args.n_embd * width / (run.world_size // args.pp)")],
+            "the traffic line's tied shard at the activations' width: half its bytes under bf16",
+            "the tied gradient's shard in fp32 (4 bytes) whatever --amp  # 4D 6",
+            [T_4D + "test_under_bf16_the_traffic_line_counts_the_tied_shard_in_fp32"],
+            ["--amp", "bf16"]),
+    Mistake("4d-sample-seeded-by-rank", 11, C11,
+            [("torch.manual_seed(run.args.seed + run.dp_rank)  # 4D 10: a replica's ranks draw "
+              "alike", "torch.manual_seed(run.args.seed + run.rank)")],
+            "sampling seeded by rank: tp ranks draw different tokens from the same logits",
+            "seed + dp_rank: a replica's ranks draw alike  # 4D 10",
+            [T_4D + "test_the_export_is_one_process_model_and_samples_in_chapter_3"]),
+    Mistake("4d-traffic-blocks-rounded-up", 11, C11,
+            [("sum(len(stage_blocks(args.n_layer, args.pp * V, stage)) for stage in mine)",
+              "math.ceil(args.n_layer / args.pp)")],
+            "the traffic line's blocks as n_layer / pp rounded up: at an uneven cut, stage 0's "
+            "count and its tp and cp bytes too high",
+            "stage_blocks() of rank 0's stages: the blocks it holds",
+            [T_4D + "test_at_an_uneven_cut_the_traffic_line_counts_stage_0s_blocks"]),
+    Mistake("4d-validation-summed-in-bf16", 11, C11,
+            [('loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")',
+              'loss = F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction="sum")')],
+            "the validation cross-entropy taken and summed in the logits' bf16 under --amp bf16",
+            "logits.float() before the sum  # 4D 8",
+            [T_4D + "test_under_bf16_the_validation_loss_is_summed_in_fp32"], ["--amp", "bf16"]),
+    Mistake("4d-streams-restored-across-sp", 11, C11,
+            [('    if [saved.get(k) for k in ("pp", "cp", "tp", "sequence_parallel")] + '
+              '[len(state["rng"])] == [\n'
+              "            args.pp, args.cp, args.tp, args.sequence_parallel, run.world_size]:",
+              '    if [saved.get(k) for k in ("pp", "cp", "tp")] + [len(state["rng"])] == [\n'
+              "            args.pp, args.cp, args.tp, run.world_size]:")],
+            "random streams restored at the layout that saved them whatever --sequence-parallel: "
+            "saved with it, a tp pair without it draws its copies' masks apart",
+            "restored only at the same --sequence-parallel too  # 4D 7",
+            [T_4D + "test_random_streams_come_back_only_at_the_layout_and_sp_that_saved_them"],
+            ["--dropout", "0.1"]),
 ]
 
 
