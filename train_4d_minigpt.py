@@ -650,6 +650,7 @@ def train_step(run, schedule, model, optimizer, windows, step):
     # PP 1: K micro-batches in a row, (K x B, T), cut by the schedule; stage 0 reads x, the last y
     rows = torch.cat([windows.rows(step * args.grad_accum + i) for i in range(args.grad_accum)])
     x, y = run.context.share(*on_device(rows, run.device))  # 4D 3: this rank's tokens, targets
+    # Rank 0 of a pp group holds the first stage, rank pp - 1 the last, however many it holds.
     first, last, losses = run.stage == 0, run.stage == args.pp - 1, []
     inputs, target = ((x,) if first else ()), (y if last else None)
     with loss_parallel():  # 4D 8: the loss and its backward from logits split by vocabulary
@@ -1284,9 +1285,9 @@ def parse_args(argv=None):
                 f"--pp {args.pp}, --stages-per-rank {args.stages_per_rank}")
     rounds = max(1, args.grad_accum // args.pp)  # PP 1: torch's interleaved 1F1B runs in rounds
     if interleaved and args.grad_accum % rounds:
-        p.error(f"--schedule interleaved-1f1b runs --grad-accum {args.grad_accum} in {rounds} "
-                f"rounds of at least --pp {args.pp}, so it must divide into them: give a "
-                f"multiple of --pp")
+        p.error(f"--schedule interleaved-1f1b runs --grad-accum {args.grad_accum} in "
+                f"{rounds} rounds (--grad-accum // --pp, at least 1) of equal size: give a "
+                f"multiple of {rounds}, or of --pp")
     if args.schedule == "1f1b" and args.grad_accum < args.pp:  # PP 1: torch's 1F1B needs K >= pp
         p.error(f"--schedule 1f1b needs at least --pp {args.pp} micro-batches per step, got "
                 f"--grad-accum {args.grad_accum}: give more, or --schedule gpipe")
@@ -1690,7 +1691,9 @@ def memory_line(model, held):
     where, whole = next(model.parameters()).device.type, model.whole_params
     return (f"memory per rank ({where}): weights, gradients and AdamW state: {'; '.join(stages)} "
             f"(of {whole:,}; DDP: {16 * whole / 2**20:.2f} MiB); inside a step also the weights "
-            f"gathered and the gradients whole: {', '.join(inside)}, activations aside")
+            f"gathered and the gradients whole: {', '.join(inside)}, activations aside"
+            + " (at most: the interleaved schedule's order decides which stages overlap)"
+            * any("," in stage for _, stage, *_ in held))
 
 
 def traffic_line(run, vocab_size):  # what rank 0 sends in a step, group by group

@@ -648,6 +648,33 @@ CATALOGUE = [
             "gathered weights in the compute dtype, whole gradients in fp32  # PP 5",
             [T_PP + "test_inside_a_step_a_rank_holds_its_stage_gathered_and_its_gradients_whole"]),
 
+    Mistake("pp-interleaved-memory-of-one-stage", 9, C9,
+            [("    in_step = sum(p.numel() for p in model.parameters()) * (activation_dtype(run)"
+              ".itemsize + 4)", "    in_step = sum(p.numel() for p in model.parts[0].parameters()"
+              ") * (activation_dtype(run).itemsize + 4)")],
+            "the memory line counts a rank's first stage alone inside a step",
+            "every part the rank holds  # PP 5", [T_IL]),
+    Mistake("pp-interleaved-middle-stages-without-root", 9, C9,
+            [("        fully_shard(part, mesh=mesh, mp_policy=run.policy)  # the root: whole until "
+              "its backward", "        if part.tok_emb is not None or part.head is not None:\n"
+              "            fully_shard(part, mesh=mesh, mp_policy=run.policy)")],
+            "only the stages that hold an end made FSDP roots: a middle stage's blocks, roots of "
+            "their own, reduce-scatter every micro-batch", "fully_shard(part) for every stage  "
+            "# PP 5", [T_IL]),
+    Mistake("pp-interleaved-rounds-of-pp", 9, C9,
+            [("    rounds = max(1, args.grad_accum // args.pp)",
+              "    rounds = args.grad_accum // args.pp")],
+            "torch's rounds counted as --grad-accum // --pp without its floor of one: "
+            "--grad-accum 1 dies in a ZeroDivisionError", "max(1, K // pp)  # PP 1",
+            [T_PP + "test_bad_inputs_are_one_line_and_exit_code_2"]),
+    Mistake("pp-checkpointing-set-on-the-container", 9, C9,
+            [("    for part in raw_model.parts:\n        part.grad_checkpointing = "
+              "args.grad_checkpointing\n",
+              "    raw_model.grad_checkpointing = args.grad_checkpointing\n")],
+            "--grad-checkpointing set on the rank's container, which runs no forward: nothing "
+            "is recomputed", "each stage told  # PP 5",
+            [T_PP + "test_recomputation_keeps_a_micro_batch_to_its_blocks_inputs"]),
+
     # chapter 10: CP
     Mistake("cp-ring-peers-by-global-rank", 10, C10,
             [("        dist.P2POp(dist.isend, send, group=group, group_peer=(r + 1) % n),",
@@ -837,6 +864,13 @@ CATALOGUE = [
               "    grads = 4 * gathered * (run.args.pp > 1)")],
             "the memory line counts the embedding's whole gradient as TP's part: torch's "
             "vocabulary-split embedding gets it back whole", "emb - emb // tp more  # 4D 5",
+            [T_4D + "test_inside_a_step_a_rank_holds_its_stages_gathered_and_their_gradients_"
+             "whole"]),
+    Mistake("4d-gradients-counted-at-pp1", 11, C11,
+            [("    grads = 4 * (gathered + emb - emb // run.args.tp) * (run.args.pp > 1)",
+              "    grads = 4 * (gathered + emb - emb // run.args.tp)")],
+            "the memory line counts whole gradients at --pp 1, where each unit's are "
+            "reduce-scattered after its backward", "0 at --pp 1  # 4D 1",
             [T_4D + "test_inside_a_step_a_rank_holds_its_stages_gathered_and_their_gradients_"
              "whole"]),
     Mistake("4d-reshard-flag-as-a-truth-value", 11, C11,

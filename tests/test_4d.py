@@ -444,7 +444,8 @@ def test_inside_a_step_a_rank_holds_its_stages_gathered_and_their_gradients_whol
     whole until its last backward: measured just before each stage reduce-scatters
     (tests/probe_4d.py), the bytes the memory line gives at pp 2 x cp 2 x tp 2 (each stage's
     first rank) and with two interleaved stages per rank. At --pp 1 no schedule runs (the
-    control: none measured), and each unit's gradients are reduce-scattered after its backward."""
+    control: none measured), and each unit's gradients are reduce-scattered after its backward:
+    the line counts the gathered weights alone (fp32: 4 bytes a parameter of TP's part)."""
     for name, ranks, label in (("nodes", (0, 4), r"stage \d"), ("interleaved", (0, 2),
                                                                r"stages \d, \d")):
         line = re.search(r"inside a step also the weights gathered and the gradients whole: "
@@ -454,6 +455,10 @@ def test_inside_a_step_a_rank_holds_its_stages_gathered_and_their_gradients_whol
             assert seen["in_step_bytes"] / 2**20 == pytest.approx(float(line.group(1 + i)),
                                                                   abs=0.005), (name, rank)
     assert record(runs["dir"] / "square", 0)["in_step_bytes"] == 0
+    square = record(runs["dir"] / "square", 0)  # cp 2 x tp 2: FSDP halves TP's even parts
+    line = re.search(r"inside a step also the weights gathered and the gradients whole: stage 0 "
+                     r"([\d.]+) MiB", runs["square"])
+    assert float(line.group(1)) == pytest.approx(4 * 2 * square["params"] / 2**20, abs=0.005)
 
 
 def test_the_traffic_line_is_what_rank_0_sends_in_a_step(runs):
