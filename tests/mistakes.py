@@ -67,6 +67,8 @@ EIGHT_EQUAL = T_4D + "test_pp2_cp2_tp2_at_8_processes_computes_what_one_process_
 T_CLS = "tests/test_classifier.py::"
 T_GPT, T_FSDP, T_TP = "tests/test_minigpt.py::", "tests/test_fsdp.py::", "tests/test_tp.py::"
 T_PP, T_CP = "tests/test_pp.py::", "tests/test_cp.py::"
+T_IL = (T_PP  # chapter 9's interleaved run
+        + "test_interleaved_stages_compute_what_one_process_computes_from_chapter_7s_checkpoint")
 T_LAUNCH, T_FAULTS = "tests/test_launcher.py::", "tests/test_faults.py::"
 T_PATHS, T_BENCH = "tests/test_cluster_paths.py::", "tests/test_benchmark.py::"
 LAUNCHER, BENCH = "launch_multinode_ddp.sh", "benchmark_scaling.py"
