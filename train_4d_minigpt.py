@@ -1672,7 +1672,8 @@ def stage_holding(run, model):
     emb = model.tok_emb.weight.numel() if model.tok_emb is not None and run.args.tp > 1 else 0
     grads = 4 * (gathered + emb - emb // run.args.tp) * (run.args.pp > 1)  # 4D 1: 0 at --pp 1
     in_step = gathered * activation_dtype(run).itemsize + grads
-    stages = ", ".join(str(part.index) for part in model.parts)  # PP 5: r, r + pp, ...
+    stages = ("stage " if len(model.parts) == 1 else "stages ") + ", ".join(  # PP 5: r, r + pp
+        str(part.index) for part in model.parts)
     first = run.rank % (run.world_size // run.args.pp) == 0  # 4D 1: the stage's first rank
     return first, stages, ", ".join(parts), mine, in_step  # PP 5: for rank 0's memory line
 
@@ -1683,17 +1684,16 @@ def memory_line(model, held):
     in the line is what a rank would hold with the whole model on every rank, for comparison.
     Inside a step a rank holds more: its stage's weights gathered and, under a schedule, its
     gradients whole until the last backward (stage_holding's last number)."""
-    stages = [f"stage{'s' * (',' in stage)} {stage} ({parts}) {16 * n / 2**20:.2f} MiB, "
-              f"{n:,} parameters"
+    stages = [f"{stage} ({parts}) {16 * n / 2**20:.2f} MiB, {n:,} parameters"
               for first, stage, parts, n, _ in held if first]  # 4D 1
-    inside = [f"stage{'s' * (',' in stage)} {stage} {b / 2**20:.2f} MiB"
+    inside = [f"{stage} {b / 2**20:.2f} MiB"
               for first, stage, _, _, b in held if first]  # 4D 1: each stage's first rank
     where, whole = next(model.parameters()).device.type, model.whole_params
     return (f"memory per rank ({where}): weights, gradients and AdamW state: {'; '.join(stages)} "
             f"(of {whole:,}; DDP: {16 * whole / 2**20:.2f} MiB); inside a step also the weights "
             f"gathered and the gradients whole: {', '.join(inside)}, activations aside"
             + " (at most: the interleaved schedule's order decides which stages overlap)"
-            * any("," in stage for _, stage, *_ in held))
+            * (len(model.parts) > 1))
 
 
 def traffic_line(run, vocab_size):  # what rank 0 sends in a step, group by group
@@ -1705,8 +1705,8 @@ def traffic_line(run, vocab_size):  # what rank 0 sends in a step, group by grou
     reduce-scattered. pp: per micro-batch, the activations each of its V stages sends on, and
     the gradients each but stage 0 sends back; and the tied gradient's shard (fp32). At --tp 1
     there is no tp group, and the line counts no collectives."""
-    args, K, tp, cp, V = run.args, run.args.grad_accum, run.args.tp, run.args.cp, \
-        run.args.stages_per_rank
+    args, K, tp, cp = run.args, run.args.grad_accum, run.args.tp, run.args.cp
+    V = args.stages_per_rank  # PP 5: the stages a rank holds
     mine = range(0, args.pp * V, args.pp)  # PP 5: rank 0's stages, 0, pp, ...
     width = activation_dtype(run).itemsize
     blocks = sum(len(stage_blocks(args.n_layer, args.pp * V, stage)) for stage in mine)

@@ -44,11 +44,11 @@ the activations of at most pp - s micro-batches. The bubble is the time a stage 
 the pipeline fills and drains. Interleaved 1F1B gives each rank V = --stages-per-rank shorter
 stages, every pp-th of pp x V (rank r: stages r, r + pp, ...), so each micro-batch goes round the
 pp group V times: the pipeline fills V times faster, for about V times the sends (2V - 1 a
-micro-batch from rank 0, where 1F1B sends 1). The GPT embeds the
-tokens and computes the logits with one matrix (tied weights); with pp > 1 the first and the last
-stage each hold a copy of it. fully_shard makes each block a unit whose weights are gathered and
-freed together; the root is the unit of the rest (embeddings, final norm, head). DCP,
-torch.distributed.checkpoint, saves and loads every rank's shards, at any layout.
+micro-batch from rank 0, where 1F1B sends 1). The GPT embeds the tokens and computes the logits
+with one matrix (tied weights); with pp > 1 the first and the last stage each hold a copy of it.
+fully_shard makes each block a unit whose weights are gathered and freed together; the root is the
+unit of the rest (embeddings, final norm, head). DCP, torch.distributed.checkpoint, saves and loads
+every rank's shards, at any layout.
 
 Tags: each `# PP k` comment marks a line that PP adds or changes, numbered in reading order:
   PP 1   a PipelineStage per stage in a schedule (1f1b, gpipe, interleaved-1f1b) of --grad-accum
@@ -1413,7 +1413,8 @@ def stage_holding(run, model):
     # From the first micro-batch to the last the schedule keeps the stage's weights gathered (the
     # compute dtype) and its gradients whole (fp32, FSDP's reduce dtype, as they accumulate).
     in_step = sum(p.numel() for p in model.parameters()) * (activation_dtype(run).itemsize + 4)
-    stages = ", ".join(str(part.index) for part in model.parts)  # PP 5: r, r + pp, ...
+    stages = ("stage " if len(model.parts) == 1 else "stages ") + ", ".join(  # PP 5: r, r + pp
+        str(part.index) for part in model.parts)
     return run.dp_rank, stages, ", ".join(parts), mine, in_step  # PP 5: for rank 0's line
 
 
@@ -1423,17 +1424,15 @@ def memory_line(model, held):
     in the line is what a rank would hold with the whole model on every rank, for comparison.
     Inside a step a rank holds more: its stage's weights gathered and, under a schedule, its
     gradients whole until the last backward (stage_holding's last number)."""
-    stages = [f"stage{'s' * (',' in stage)} {stage} ({parts}) {16 * n / 2**20:.2f} MiB, "
-              f"{n:,} parameters"
+    stages = [f"{stage} ({parts}) {16 * n / 2**20:.2f} MiB, {n:,} parameters"
               for dp_rank, stage, parts, n, _ in held if dp_rank == 0]  # PP 5: replica 0's
-    inside = [f"stage{'s' * (',' in stage)} {stage} {b / 2**20:.2f} MiB"
-              for dp_rank, stage, _, _, b in held if dp_rank == 0]
+    inside = [f"{stage} {b / 2**20:.2f} MiB" for dp_rank, stage, _, _, b in held if dp_rank == 0]
     where, whole = next(model.parameters()).device.type, model.whole_params
     return (f"memory per rank ({where}): weights, gradients and AdamW state: {'; '.join(stages)} "
             f"(of {whole:,}; DDP: {16 * whole / 2**20:.2f} MiB); inside a step also the weights "
             f"gathered and the gradients whole: {', '.join(inside)}, activations aside"
             + " (at most: the interleaved schedule's order decides which stages overlap)"
-            * any("," in stage for _, stage, *_ in held))
+            * (len(model.parts) > 1))
 
 
 def traffic_line(run, vocab_size):

@@ -852,7 +852,7 @@ CATALOGUE = [
             "tokens_per_step(): x dp_size alone  # PP 3",
             [T_4D + "test_the_dropout_streams_and_the_tokens_per_step_go_by_the_right_ranks"]),
     Mistake("4d-memory-line-12-bytes", 11, C11,
-            [("({parts}) {16 * n / 2**20:.2f} MiB, \"", "({parts}) {12 * n / 2**20:.2f} MiB, \"")],
+            [("({parts}) {16 * n / 2**20:.2f} MiB, {n:,}", "({parts}) {12 * n / 2**20:.2f} MiB, {n:,}")],
             "the memory line counts 12 bytes a parameter: the gradients left out",
             "16 bytes: weights, gradients, two AdamW moments",
             [T_4D + "test_the_memory_line_counts_16_bytes_per_parameter_of_a_ranks_shards"]),

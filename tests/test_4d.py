@@ -454,8 +454,8 @@ def test_inside_a_step_a_rank_holds_its_stages_gathered_and_their_gradients_whol
             seen = record(runs["dir"] / name, rank)
             assert seen["in_step_bytes"] / 2**20 == pytest.approx(float(line.group(1 + i)),
                                                                   abs=0.005), (name, rank)
-    assert record(runs["dir"] / "square", 0)["in_step_bytes"] == 0
     square = record(runs["dir"] / "square", 0)  # cp 2 x tp 2: FSDP halves TP's even parts
+    assert square["in_step_bytes"] == 0
     line = re.search(r"inside a step also the weights gathered and the gradients whole: stage 0 "
                      r"([\d.]+) MiB", runs["square"])
     assert float(line.group(1)) == pytest.approx(4 * 2 * square["params"] / 2**20, abs=0.005)
@@ -582,8 +582,10 @@ def test_random_streams_come_back_only_at_the_layout_and_sp_that_saved_them(monk
 
 def test_the_memory_line_counts_16_bytes_per_parameter_of_a_ranks_shards():
     """Weights, gradients and AdamW's two moments, fp32: 16 bytes per parameter of the shards."""
-    model = types.SimpleNamespace(parameters=lambda: iter([torch.zeros(1)]), whole_params=4096)
-    line = trainer(FOURD).memory_line(model, [(True, "0", "embeddings, block 0", 65536, 2**20)])
+    model = types.SimpleNamespace(parameters=lambda: iter([torch.zeros(1)]), whole_params=4096,
+                                  parts=[None])  # one stage a rank
+    held = [(True, "stage 0", "embeddings, block 0", 65536, 2**20)]
+    line = trainer(FOURD).memory_line(model, held)
     assert "stage 0 (embeddings, block 0) 1.00 MiB, 65,536 parameters" in line, line
     assert "(of 4,096; DDP: 0.06 MiB)" in line, line
 
