@@ -650,6 +650,7 @@ def train_step(run, schedule, model, optimizer, windows, step):
     # PP 1: K micro-batches in a row, (K x B, T), cut by the schedule; stage 0 reads x, the last y
     rows = torch.cat([windows.rows(step * args.grad_accum + i) for i in range(args.grad_accum)])
     x, y = run.context.share(*on_device(rows, run.device))  # 4D 3: this rank's tokens, targets
+    # Rank 0 of a pp group holds the first stage, rank pp - 1 the last, however many it holds.
     first, last, losses = run.stage == 0, run.stage == args.pp - 1, []
     inputs, target = ((x,) if first else ()), (y if last else None)
     with loss_parallel():  # 4D 8: the loss and its backward from logits split by vocabulary
@@ -1284,9 +1285,9 @@ def parse_args(argv=None):
                 f"--pp {args.pp}, --stages-per-rank {args.stages_per_rank}")
     rounds = max(1, args.grad_accum // args.pp)  # PP 1: torch's interleaved 1F1B runs in rounds
     if interleaved and args.grad_accum % rounds:
-        p.error(f"--schedule interleaved-1f1b runs --grad-accum {args.grad_accum} in {rounds} "
-                f"rounds of at least --pp {args.pp}, so it must divide into them: give a "
-                f"multiple of --pp")
+        p.error(f"--schedule interleaved-1f1b runs --grad-accum {args.grad_accum} in "
+                f"{rounds} rounds (--grad-accum // --pp, at least 1) of equal size: give a "
+                f"multiple of {rounds}, or of --pp")
     if args.schedule == "1f1b" and args.grad_accum < args.pp:  # PP 1: torch's 1F1B needs K >= pp
         p.error(f"--schedule 1f1b needs at least --pp {args.pp} micro-batches per step, got "
                 f"--grad-accum {args.grad_accum}: give more, or --schedule gpipe")
@@ -1671,7 +1672,8 @@ def stage_holding(run, model):
     emb = model.tok_emb.weight.numel() if model.tok_emb is not None and run.args.tp > 1 else 0
     grads = 4 * (gathered + emb - emb // run.args.tp) * (run.args.pp > 1)  # 4D 1: 0 at --pp 1
     in_step = gathered * activation_dtype(run).itemsize + grads
-    stages = ", ".join(str(part.index) for part in model.parts)  # PP 5: r, r + pp, ...
+    stages = ("stage " if len(model.parts) == 1 else "stages ") + ", ".join(  # PP 5: r, r + pp
+        str(part.index) for part in model.parts)
     first = run.rank % (run.world_size // run.args.pp) == 0  # 4D 1: the stage's first rank
     return first, stages, ", ".join(parts), mine, in_step  # PP 5: for rank 0's memory line
 
@@ -1682,15 +1684,16 @@ def memory_line(model, held):
     in the line is what a rank would hold with the whole model on every rank, for comparison.
     Inside a step a rank holds more: its stage's weights gathered and, under a schedule, its
     gradients whole until the last backward (stage_holding's last number)."""
-    stages = [f"stage{'s' * (',' in stage)} {stage} ({parts}) {16 * n / 2**20:.2f} MiB, "
-              f"{n:,} parameters"
+    stages = [f"{stage} ({parts}) {16 * n / 2**20:.2f} MiB, {n:,} parameters"
               for first, stage, parts, n, _ in held if first]  # 4D 1
-    inside = [f"stage{'s' * (',' in stage)} {stage} {b / 2**20:.2f} MiB"
+    inside = [f"{stage} {b / 2**20:.2f} MiB"
               for first, stage, _, _, b in held if first]  # 4D 1: each stage's first rank
     where, whole = next(model.parameters()).device.type, model.whole_params
     return (f"memory per rank ({where}): weights, gradients and AdamW state: {'; '.join(stages)} "
             f"(of {whole:,}; DDP: {16 * whole / 2**20:.2f} MiB); inside a step also the weights "
-            f"gathered and the gradients whole: {', '.join(inside)}, activations aside")
+            f"gathered and the gradients whole: {', '.join(inside)}, activations aside"
+            + " (at most: the interleaved schedule's order decides which stages overlap)"
+            * (len(model.parts) > 1))
 
 
 def traffic_line(run, vocab_size):  # what rank 0 sends in a step, group by group
@@ -1700,9 +1703,10 @@ def traffic_line(run, vocab_size):  # what rank 0 sends in a step, group by grou
     of them twice (an all-reduce, or an all-gather and a reduce-scatter). cp: per block and
     micro-batch, K and V gathered twice (forward, and backward's recompute), their fp32 gradients
     reduce-scattered. pp: per micro-batch, the activations each of its V stages sends on, and
-    the gradients each but stage 0 sends back; and the tied gradient's shard (fp32)."""
-    args, K, tp, cp, V = run.args, run.args.grad_accum, run.args.tp, run.args.cp, \
-        run.args.stages_per_rank
+    the gradients each but stage 0 sends back; and the tied gradient's shard (fp32). At --tp 1
+    there is no tp group, and the line counts no collectives."""
+    args, K, tp, cp = run.args, run.args.grad_accum, run.args.tp, run.args.cp
+    V = args.stages_per_rank  # PP 5: the stages a rank holds
     mine = range(0, args.pp * V, args.pp)  # PP 5: rank 0's stages, 0, pp, ...
     width = activation_dtype(run).itemsize
     blocks = sum(len(stage_blocks(args.n_layer, args.pp * V, stage)) for stage in mine)
@@ -1716,9 +1720,9 @@ def traffic_line(run, vocab_size):  # what rank 0 sends in a step, group by grou
                    * width + vocab_size * args.n_embd * 4 / (run.world_size // args.pp))
             * (args.pp > 1)}
     stages = "stage 0" if V == 1 else "stages " + ", ".join(map(str, mine))
+    ops = f"tp: {tp_ops} collectives of {stream / 2**20:.3f} MiB; " * (tp > 1)  # none at tp 1
     return (f"traffic per step, rank 0 ({stages}, {blocks} blocks): " + " | ".join(
-        f"{group} {mib / 2**20:.3f} MiB" for group, mib in sent.items())
-        + f" (tp: {tp_ops} collectives of {stream / 2**20:.3f} MiB; FSDP's gathers aside)")
+        f"{dim} {n / 2**20:.3f} MiB" for dim, n in sent.items()) + f" ({ops}FSDP's gathers aside)")
 
 
 def split_by_tp(p):  # 4D 5: whether TP's plan split this parameter (FSDP aside)

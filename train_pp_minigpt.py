@@ -43,11 +43,12 @@ backwards; 1F1B alternates one forward and one backward once the pipeline is ful
 the activations of at most pp - s micro-batches. The bubble is the time a stage waits idle while
 the pipeline fills and drains. Interleaved 1F1B gives each rank V = --stages-per-rank shorter
 stages, every pp-th of pp x V (rank r: stages r, r + pp, ...), so each micro-batch goes round the
-pp group V times: the pipeline fills V times faster, for V times the sends. The GPT embeds the
-tokens and computes the logits with one matrix (tied weights); with pp > 1 the first and the last
-stage each hold a copy of it. fully_shard makes each block a unit whose weights are gathered and
-freed together; the root is the unit of the rest (embeddings, final norm, head). DCP,
-torch.distributed.checkpoint, saves and loads every rank's shards, at any layout.
+pp group V times: the pipeline fills V times faster, for about V times the sends (2V - 1 a
+micro-batch from rank 0, where 1F1B sends 1). The GPT embeds the tokens and computes the logits
+with one matrix (tied weights); with pp > 1 the first and the last stage each hold a copy of it.
+fully_shard makes each block a unit whose weights are gathered and freed together; the root is the
+unit of the rest (embeddings, final norm, head). DCP, torch.distributed.checkpoint, saves and loads
+every rank's shards, at any layout.
 
 Tags: each `# PP k` comment marks a line that PP adds or changes, numbered in reading order:
   PP 1   a PipelineStage per stage in a schedule (1f1b, gpipe, interleaved-1f1b) of --grad-accum
@@ -186,7 +187,7 @@ class Run:
     amp: str  # FSDP 1: the compute dtype's name ("bfloat16"), or "off"
     policy: MixedPrecisionPolicy  # FSDP 1: bf16 compute, fp32 reductions; no autocast, no scaler
     mesh: object  # PP 2: the (pp, dp) grid of ranks, a DeviceMesh
-    stage: int  # PP 2: this rank's stage, 0 to pp - 1: the blocks it holds
+    stage: int  # PP 2: this rank's place in the pp group, 0 to pp - 1, and its first stage
     dp_rank: int  # PP 3: this rank's replica, which sets the data it reads
     dp_size: int  # PP 3: how many replicas (world size / pp), and so the ranks of a stage
     tied: object  # PP 4: the group of this replica's first and last stage; None elsewhere
@@ -492,6 +493,7 @@ def train_step(run, schedule, model, optimizer, windows, step):
     # PP 1: K micro-batches in a row, (K x B, T), cut by the schedule; stage 0 reads x, the last y
     rows = torch.cat([windows.rows(step * args.grad_accum + i) for i in range(args.grad_accum)])
     x, y = on_device(rows, run.device)
+    # Rank 0 of a pp group holds the first stage, rank pp - 1 the last, however many it holds.
     first, last, losses = run.stage == 0, run.stage == args.pp - 1, []
     inputs, target = ((x,) if first else ()), (y if last else None)
     schedule.step(*inputs, target=target, losses=losses if last else None,
@@ -946,8 +948,8 @@ def parse_args(argv=None):
            "ones (default: 16)")
     a("--grad-accum", type=positive(int), default=4, metavar="K",  # PP 1
       help="micro-batches per optimizer step: the pipeline's; the more, the smaller its bubble "
-           "((pp - 1) / (K + pp - 1) of the step idle, for equal stages) and the larger the "
-           "global batch; 1f1b needs K >= --pp (default: 4)")
+           "((pp - 1) / (V x K + pp - 1) of the step idle, for equal stages, V stages per rank) "
+           "and the larger the global batch; 1f1b needs K >= --pp (default: 4)")
     a("--max-steps", type=positive(int), default=300, metavar="N",
       help="optimizer steps (default: 300)")
     a("--lr", type=positive(float), default=3e-3, help="peak learning rate (default: 0.003)")
@@ -1030,9 +1032,9 @@ def parse_args(argv=None):
                 f"--pp {args.pp}, --stages-per-rank {args.stages_per_rank}")
     rounds = max(1, args.grad_accum // args.pp)  # PP 1: torch's interleaved 1F1B runs in rounds
     if interleaved and args.grad_accum % rounds:
-        p.error(f"--schedule interleaved-1f1b runs --grad-accum {args.grad_accum} in {rounds} "
-                f"rounds of at least --pp {args.pp}, so it must divide into them: give a "
-                f"multiple of --pp")
+        p.error(f"--schedule interleaved-1f1b runs --grad-accum {args.grad_accum} in "
+                f"{rounds} rounds (--grad-accum // --pp, at least 1) of equal size: give a "
+                f"multiple of {rounds}, or of --pp")
     if args.schedule == "1f1b" and args.grad_accum < args.pp:  # PP 1: torch's 1F1B needs K >= pp
         p.error(f"--schedule 1f1b needs at least --pp {args.pp} micro-batches per step, got "
                 f"--grad-accum {args.grad_accum}: give more, or --schedule gpipe")
@@ -1411,7 +1413,8 @@ def stage_holding(run, model):
     # From the first micro-batch to the last the schedule keeps the stage's weights gathered (the
     # compute dtype) and its gradients whole (fp32, FSDP's reduce dtype, as they accumulate).
     in_step = sum(p.numel() for p in model.parameters()) * (activation_dtype(run).itemsize + 4)
-    stages = ", ".join(str(part.index) for part in model.parts)  # PP 5: r, r + pp, ...
+    stages = ("stage " if len(model.parts) == 1 else "stages ") + ", ".join(  # PP 5: r, r + pp
+        str(part.index) for part in model.parts)
     return run.dp_rank, stages, ", ".join(parts), mine, in_step  # PP 5: for rank 0's line
 
 
@@ -1421,22 +1424,23 @@ def memory_line(model, held):
     in the line is what a rank would hold with the whole model on every rank, for comparison.
     Inside a step a rank holds more: its stage's weights gathered and, under a schedule, its
     gradients whole until the last backward (stage_holding's last number)."""
-    stages = [f"stage{'s' * (',' in stage)} {stage} ({parts}) {16 * n / 2**20:.2f} MiB, "
-              f"{n:,} parameters"
+    stages = [f"{stage} ({parts}) {16 * n / 2**20:.2f} MiB, {n:,} parameters"
               for dp_rank, stage, parts, n, _ in held if dp_rank == 0]  # PP 5: replica 0's
-    inside = [f"stage{'s' * (',' in stage)} {stage} {b / 2**20:.2f} MiB"
-              for dp_rank, stage, _, _, b in held if dp_rank == 0]
+    inside = [f"{stage} {b / 2**20:.2f} MiB" for dp_rank, stage, _, _, b in held if dp_rank == 0]
     where, whole = next(model.parameters()).device.type, model.whole_params
     return (f"memory per rank ({where}): weights, gradients and AdamW state: {'; '.join(stages)} "
             f"(of {whole:,}; DDP: {16 * whole / 2**20:.2f} MiB); inside a step also the weights "
-            f"gathered and the gradients whole: {', '.join(inside)}, activations aside")
+            f"gathered and the gradients whole: {', '.join(inside)}, activations aside"
+            + " (at most: the interleaved schedule's order decides which stages overlap)"
+            * (len(model.parts) > 1))
 
 
 def traffic_line(run, vocab_size):
     """PP's sends and recvs: per micro-batch, each stage but the last sends its activations
     (B, T, C) in the compute dtype to the next, and each stage but the first sends their gradient
-    back (a rank with V stages, V times); per step, the first and last stage all-reduce the tied
-    matrix's gradient shard (fp32). FSDP's gathers and reduce-scatters are not counted here."""
+    back (a rank with V stages, V times, but the first rank's gradients and the last rank's
+    activations, V - 1); per step, the first and last stage all-reduce the tied matrix's gradient
+    shard (fp32). FSDP's gathers and reduce-scatters are not counted here."""
     args = run.args
     if args.pp == 1:
         return "PP traffic per rank: none (--pp 1: FSDP alone)"
@@ -1446,7 +1450,9 @@ def traffic_line(run, vocab_size):
     return (f"PP traffic per rank: {tensor / 2**20:.2f} MiB of activations to the next stage and "
             f"{tensor / 2**20:.2f} MiB of their gradients back, per micro-batch ({args.grad_accum}"
             f" per step); the tied matrix: an all-reduce of {tied / 2**20:.2f} MiB per step "
-            f"between stage 0 and stage {args.pp - 1}")
+            f"between stage 0 and stage {args.pp * args.stages_per_rank - 1}"
+            + "; rank 0 sends one gradient fewer, the last rank one activation fewer"
+            * (args.stages_per_rank > 1))
 
 
 def stage_shapes(run, part):

@@ -67,6 +67,8 @@ EIGHT_EQUAL = T_4D + "test_pp2_cp2_tp2_at_8_processes_computes_what_one_process_
 T_CLS = "tests/test_classifier.py::"
 T_GPT, T_FSDP, T_TP = "tests/test_minigpt.py::", "tests/test_fsdp.py::", "tests/test_tp.py::"
 T_PP, T_CP = "tests/test_pp.py::", "tests/test_cp.py::"
+T_IL = (T_PP  # chapter 9's interleaved run
+        + "test_interleaved_stages_compute_what_one_process_computes_from_chapter_7s_checkpoint")
 T_LAUNCH, T_FAULTS = "tests/test_launcher.py::", "tests/test_faults.py::"
 T_PATHS, T_BENCH = "tests/test_cluster_paths.py::", "tests/test_benchmark.py::"
 LAUNCHER, BENCH = "launch_multinode_ddp.sh", "benchmark_scaling.py"
@@ -648,6 +650,33 @@ CATALOGUE = [
             "gathered weights in the compute dtype, whole gradients in fp32  # PP 5",
             [T_PP + "test_inside_a_step_a_rank_holds_its_stage_gathered_and_its_gradients_whole"]),
 
+    Mistake("pp-interleaved-memory-of-one-stage", 9, C9,
+            [("    in_step = sum(p.numel() for p in model.parameters()) * (activation_dtype(run)"
+              ".itemsize + 4)", "    in_step = sum(p.numel() for p in model.parts[0].parameters()"
+              ") * (activation_dtype(run).itemsize + 4)")],
+            "the memory line counts a rank's first stage alone inside a step",
+            "every part the rank holds  # PP 5", [T_IL]),
+    Mistake("pp-interleaved-middle-stages-without-root", 9, C9,
+            [("        fully_shard(part, mesh=mesh, mp_policy=run.policy)  # the root: whole until "
+              "its backward", "        if part.tok_emb is not None or part.head is not None:\n"
+              "            fully_shard(part, mesh=mesh, mp_policy=run.policy)")],
+            "only the stages that hold an end made FSDP roots: a middle stage's blocks, roots of "
+            "their own, reduce-scatter every micro-batch", "fully_shard(part) for every stage  "
+            "# PP 5", [T_IL]),
+    Mistake("pp-interleaved-rounds-of-pp", 9, C9,
+            [("    rounds = max(1, args.grad_accum // args.pp)",
+              "    rounds = args.grad_accum // args.pp")],
+            "torch's rounds counted as --grad-accum // --pp without its floor of one: "
+            "--grad-accum 1 dies in a ZeroDivisionError", "max(1, K // pp)  # PP 1",
+            [T_PP + "test_bad_inputs_are_one_line_and_exit_code_2"]),
+    Mistake("pp-checkpointing-set-on-the-container", 9, C9,
+            [("    for part in raw_model.parts:\n        part.grad_checkpointing = "
+              "args.grad_checkpointing\n",
+              "    raw_model.grad_checkpointing = args.grad_checkpointing\n")],
+            "--grad-checkpointing set on the rank's container, which runs no forward: nothing "
+            "is recomputed", "each stage told  # PP 5",
+            [T_PP + "test_recomputation_keeps_a_micro_batch_to_its_blocks_inputs"]),
+
     # chapter 10: CP
     Mistake("cp-ring-peers-by-global-rank", 10, C10,
             [("        dist.P2POp(dist.isend, send, group=group, group_peer=(r + 1) % n),",
@@ -823,7 +852,7 @@ CATALOGUE = [
             "tokens_per_step(): x dp_size alone  # PP 3",
             [T_4D + "test_the_dropout_streams_and_the_tokens_per_step_go_by_the_right_ranks"]),
     Mistake("4d-memory-line-12-bytes", 11, C11,
-            [("({parts}) {16 * n / 2**20:.2f} MiB, \"", "({parts}) {12 * n / 2**20:.2f} MiB, \"")],
+            [("({parts}) {16 * n / 2**20:.2f} MiB, {n:,}", "({parts}) {12 * n / 2**20:.2f} MiB, {n:,}")],
             "the memory line counts 12 bytes a parameter: the gradients left out",
             "16 bytes: weights, gradients, two AdamW moments",
             [T_4D + "test_the_memory_line_counts_16_bytes_per_parameter_of_a_ranks_shards"]),
@@ -837,6 +866,13 @@ CATALOGUE = [
               "    grads = 4 * gathered * (run.args.pp > 1)")],
             "the memory line counts the embedding's whole gradient as TP's part: torch's "
             "vocabulary-split embedding gets it back whole", "emb - emb // tp more  # 4D 5",
+            [T_4D + "test_inside_a_step_a_rank_holds_its_stages_gathered_and_their_gradients_"
+             "whole"]),
+    Mistake("4d-gradients-counted-at-pp1", 11, C11,
+            [("    grads = 4 * (gathered + emb - emb // run.args.tp) * (run.args.pp > 1)",
+              "    grads = 4 * (gathered + emb - emb // run.args.tp)")],
+            "the memory line counts whole gradients at --pp 1, where each unit's are "
+            "reduce-scattered after its backward", "0 at --pp 1  # 4D 1",
             [T_4D + "test_inside_a_step_a_rank_holds_its_stages_gathered_and_their_gradients_"
              "whole"]),
     Mistake("4d-reshard-flag-as-a-truth-value", 11, C11,
@@ -872,6 +908,43 @@ CATALOGUE = [
             "units of different tokens",
             "dropout_stream(): by rank where each rank holds its own tokens  # 4D 5",
             [T_4D + "test_with_sequence_parallelism_every_rank_drops_its_own_tokens_with_its_own_mask"],
+            ["--dropout", "0.1"]),
+    Mistake("4d-tied-traffic-at-the-activations-width", 11, C11,
+            [("vocab_size * args.n_embd * 4 / (run.world_size // args.pp)",
+              "vocab_size * args.n_embd * width / (run.world_size // args.pp)")],
+            "the traffic line's tied shard at the activations' width: half its bytes under bf16",
+            "the tied gradient's shard in fp32 (4 bytes) whatever --amp  # 4D 6",
+            [T_4D + "test_under_bf16_the_traffic_line_counts_the_tied_shard_in_fp32"],
+            ["--amp", "bf16"]),
+    Mistake("4d-sample-seeded-by-rank", 11, C11,
+            [("torch.manual_seed(run.args.seed + run.dp_rank)  # 4D 10: a replica's ranks draw "
+              "alike", "torch.manual_seed(run.args.seed + run.rank)")],
+            "sampling seeded by rank: tp ranks draw different tokens from the same logits",
+            "seed + dp_rank: a replica's ranks draw alike  # 4D 10",
+            [T_4D + "test_the_export_is_one_process_model_and_samples_in_chapter_3"]),
+    Mistake("4d-traffic-blocks-rounded-up", 11, C11,
+            [("sum(len(stage_blocks(args.n_layer, args.pp * V, stage)) for stage in mine)",
+              "math.ceil(args.n_layer / args.pp)")],
+            "the traffic line's blocks as n_layer / pp rounded up: at an uneven cut, stage 0's "
+            "count and its tp and cp bytes too high",
+            "stage_blocks() of rank 0's stages: the blocks it holds",
+            [T_4D + "test_at_an_uneven_cut_the_traffic_line_counts_stage_0s_blocks"]),
+    Mistake("4d-validation-summed-in-bf16", 11, C11,
+            [('loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), reduction="sum")',
+              'loss = F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction="sum")')],
+            "the validation cross-entropy taken and summed in the logits' bf16 under --amp bf16",
+            "logits.float() before the sum  # 4D 8",
+            [T_4D + "test_under_bf16_the_validation_loss_is_summed_in_fp32"], ["--amp", "bf16"]),
+    Mistake("4d-streams-restored-across-sp", 11, C11,
+            [('    if [saved.get(k) for k in ("pp", "cp", "tp", "sequence_parallel")] + '
+              '[len(state["rng"])] == [\n'
+              "            args.pp, args.cp, args.tp, args.sequence_parallel, run.world_size]:",
+              '    if [saved.get(k) for k in ("pp", "cp", "tp")] + [len(state["rng"])] == [\n'
+              "            args.pp, args.cp, args.tp, run.world_size]:")],
+            "random streams restored at the layout that saved them whatever --sequence-parallel: "
+            "saved with it, a tp pair without it draws its copies' masks apart",
+            "restored only at the same --sequence-parallel too  # 4D 7",
+            [T_4D + "test_random_streams_come_back_only_at_the_layout_and_sp_that_saved_them"],
             ["--dropout", "0.1"]),
 ]
 

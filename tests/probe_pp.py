@@ -46,7 +46,8 @@ def record(out_dir, crash_at=None):
         if drops:  # stage 0's embedding dropout, or the first block's on a later stage
             drops[0].register_forward_hook(dropout_mask_hook(seen))
         schedule = pipeline_schedule(run, model)
-        step, forward = schedule.step, schedule._stage.forward_one_chunk
+        first_stage = getattr(schedule, "_stage", None) or schedule._stages[0]  # or its first
+        step, forward = schedule.step, first_stage.forward_one_chunk
 
         def first_forward(*args, **kwargs):  # what one micro-batch leaves saved, before backward
             out = forward(*args, **kwargs)
@@ -57,7 +58,7 @@ def record(out_dir, crash_at=None):
         def watched_step(*args, **kwargs):
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, unpack):
                 return step(*args, **kwargs)
-        schedule._stage.forward_one_chunk, schedule.step = first_forward, watched_step
+        first_stage.forward_one_chunk, schedule.step = first_forward, watched_step
         watch_reduce(schedule, model, seen)
         return schedule
 
@@ -69,8 +70,8 @@ def record(out_dir, crash_at=None):
             return train_step(*args)
         finally:
             seen["in_step"] = False
-            stage = args[1]._stage  # the schedule's stage: what it keeps once the step is over
-            seen["kept_outputs"] = max(seen["kept_outputs"], len(stage.output_chunks))
+            for stage in getattr(args[1], "_stages", None) or [args[1]._stage]:  # what each
+                seen["kept_outputs"] = max(seen["kept_outputs"], len(stage.output_chunks))  # keeps
 
     def watched_all_reduce(tensor, *args, group=None, **kwargs):  # the tied gradient's bytes
         if seen["in_step"] and group is not None and group is tied[0]:

@@ -18,17 +18,23 @@
    and 10 (one process) and here at pp 2 x cp 2 and at one process, with the uninterrupted run's
    next losses, the one process through a SIGKILL under `torchrun --max-restarts=1` (restarted,
    `--resume auto`); chapter 7's checkpoint resumes here at tp 2 x cp 2; the export holds one
-   process's weights at the same step and samples in chapter 3;
+   process's weights at the same step and samples in chapter 3, and the run's own sample, drawn at
+   random, is one process's at the same seed; random streams come back only at the pp, cp, tp,
+   sequence parallelism and world size that saved them;
 4. what a rank holds and sends: the parameters of its shards add up over the mesh to the model
    (the tied matrix twice: its two stages), as the memory line counts them; the bytes rank 0 sends
    in a step, by group, are the traffic line's (tests/probe_4d.py counts them), with sequence
    parallelism and without, and with blocks recomputed (CP's gathers: two per block, not three);
+   under bf16 the line's activations halve and the tied gradient's shard stays fp32; at an uneven
+   cut it counts stage 0's blocks, and at tp 1 no tp collectives;
 5. bad input is one line and exit code 2: sizes whose product does not divide the world size
    (one line from rank 0, before any group), tp not dividing the heads, more stages than blocks,
    a context that 2 x cp does not divide, a cp share that sequence parallelism cannot split by tp;
    a tp group across nodes is warned of, cp groups across nodes noted;
 6. each cp rank holds an early chunk and a late one (recorded), for equal attention work; pp 3
    over 4 blocks logs one process's losses, the tied gradient summed by the end stages alone;
+   under bf16 (cp 2 x tp 2 with dropout) the validation loss before training is one process's in
+   fp32: the logits' cross-entropy is summed in fp32;
 7. benchmark_scaling.py reads its summary: the global batch counts the dp replicas, not the ranks.
 """
 import json
@@ -42,7 +48,7 @@ from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
 from helpers import assert_bf16_policy_reduces_in_fp32
 from helpers import CLIPPED, assert_clipped_run_is_one_processs, one_process_clipped
-from helpers import assert_kv_gradients_summed_in_fp32
+from helpers import assert_kv_gradients_summed_in_fp32, streams_restored
 from helpers import (EVAL_6, GPT, NEEDS_CP, NOISY, REPO, SHARDED, as_script, command,
                      ddp_dropout_reference, ddp_reference, finish, in_process, needs_torch, ok,
                      one_process_reference, start, start_two_nodes, summary, trainer)
@@ -68,8 +74,10 @@ CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not he
                 "test_with_sequence_parallelism_every_rank_drops_its_own_tokens_with_its_own_mask"],
     "collectives": ["test_the_traffic_line_is_what_rank_0_sends_in_a_step",
                     "test_without_sequence_parallelism_tp_sends_what_the_traffic_line_says",
-                    "test_a_recomputed_block_gathers_keys_and_values_as_the_traffic_line_says"],
-    "policy": ["test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32"],
+                    "test_a_recomputed_block_gathers_keys_and_values_as_the_traffic_line_says",
+                    "test_under_bf16_the_traffic_line_counts_the_tied_shard_in_fp32"],
+    "policy": ["test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32",
+               "test_under_bf16_the_validation_loss_is_summed_in_fp32"],
     "resume": ["test_pp2_cp2_goes_on_from_the_8_process_checkpoint",
                "test_the_4d_checkpoint_resumes_in_chapters_7_to_10"],
 }
@@ -85,14 +93,16 @@ def runs(tmp_path_factory):
     pp 2 x cp 2 at 4 processes to step 16 (`pipes`), one process to step 12, killed as step 11
     begins and restarted by torchrun (`restarted`), and chapters 7-10 in this process to step 10.
     Once `grid` is done: dp 2 x tp 2 with NOISY's dropout and sequence parallelism off
-    (`dropout`), and cp 2 x tp 2 with dropout for one step (`sp dropout`), both recorded."""
+    (`dropout`), and cp 2 x tp 2 with dropout under bf16 for one step (`sp dropout`), both
+    recorded, and pp 3 over 4 blocks (`three`). `nodes` samples 4 tokens at random (top-k 40,
+    temperature 0.8: the defaults), the others 1."""
     d = tmp_path_factory.mktemp("fourd")
     for name in ("nodes", "restarted"):
         (d / name).mkdir()
     nodes = start_two_nodes("tests/probe_4d.py", [
         "record", d / "nodes", *ONE, "--pp", 2, "--cp", 2, "--tp", 2, "--max-steps", 8,
-        "--eval-every", 8, "--save", d / "ck", "--export", d / "4d.pt", "--top-k", 1,
-        "--max-new-tokens", 4], nproc=4)
+        "--eval-every", 8, "--save", d / "ck", "--export", d / "4d.pt", "--max-new-tokens", 4],
+        nproc=4)
     cmds = {"grid": command("tests/probe_4d.py", [
         "run", *CLIPPED, "--pp", 2, "--cp", 1, "--tp", 2, "--debug", "--export", ""], nproc=8)}
     for name in ("dropout", "sp dropout", "interleaved"):
@@ -107,7 +117,7 @@ def runs(tmp_path_factory):
                                                   "--export", ""], nproc=3)
     cmds["sp dropout"] = command("tests/probe_4d.py", [
         "record", d / "sp dropout", *SHARDED, "--dropout", 0.1, "--pp", 1, "--cp", 2, "--tp", 2,
-        "--max-steps", 1, "--save", "", "--export", ""], nproc=4)
+        "--max-steps", 1, "--save", "", "--export", "", "--amp", "bf16"], nproc=4)
     launched = {}
     r = {"ch7": in_process("train_fsdp_minigpt.py", ONE + [  # one process's step 8
         "--max-steps", 8, "--eval-every", 8, "--save", d / "ch7", "--export", d / "ch7.pt"])}
@@ -256,6 +266,33 @@ def test_interleaved_stages_under_tp_compute_what_one_process_computes(runs):
     assert sent["pp"] + sent["tied"] == pytest.approx(float(line.group(1)) * 2**20, abs=600)
 
 
+def test_at_an_uneven_cut_the_traffic_line_counts_stage_0s_blocks(runs):
+    """pp 3 over 4 blocks: stage 0 holds 1 block and stage 2 holds 2 (the memory line's parts);
+    the traffic line, rank 0's, counts stage 0's 1, not 4 / 3 rounded up nor the last stage's 2.
+    At --tp 1 the line names no tp collectives (there is no tp group); the control: at tp 2 (the
+    8-process run) it names 10, 4 per block and 1 for the embedding, for each of 2 micro-batches."""
+    out = runs["three"]
+    assert re.search(r"stage 0 \(embeddings, block 0\) [\d.]+ MiB, [\d,]+ parameters; stage 1 "
+                     r"\(block 1\) [\d.]+ MiB, [\d,]+ parameters; stage 2 \(blocks 2-3, final "
+                     r"norm and head\)", out), out
+    line = re.search(r"^traffic per step, .*$", out, re.M).group(0)
+    assert re.fullmatch(r"traffic per step, rank 0 \(stage 0, 1 blocks\): tp 0\.000 MiB \| cp "
+                        r"0\.000 MiB \| pp [\d.]+ MiB \(FSDP's gathers aside\)", line), line
+    assert re.search(r"\(stage 0, 1 blocks\): .* \(tp: 10 collectives of ", runs["nodes"])
+
+
+def test_under_bf16_the_validation_loss_is_summed_in_fp32(runs):
+    """Under --amp bf16 (the cp 2 x tp 2 run with dropout) the logits come out in bf16, split by
+    vocabulary, and evaluation sums their cross-entropy in fp32: before training, from one
+    process's initial weights, the validation loss is one process's in fp32 to 3e-4 (1e-4 apart
+    as measured, bf16's compute; summed in the logits' bf16, 1.1e-3). The control: one step of
+    training moves it by more than 0.1."""
+    out, one = runs["sp dropout"], runs["one"]
+    assert "| amp bfloat16 |" in out and sorted(val_losses(out)) == [0, 1]
+    assert val_losses(out)[0] == pytest.approx(val_losses(one)[0], abs=3e-4)
+    assert val_losses(out)[1] < val_losses(out)[0] - 0.1
+
+
 def test_the_layout_line_shows_one_ranks_place_and_groups(runs):
     assert ("mesh pp 2 x dp 1 x cp 2 x tp 2 | rank 7 at {'pp': 1, 'dp': 0, 'cp': 1, 'tp': 1}: "
             "groups pp [3, 7], dp [7], cp [5, 7], tp [6, 7], fsdp [5, 7]") in runs["nodes"]
@@ -308,8 +345,10 @@ def test_the_export_is_one_process_model_and_samples_in_chapter_3(runs):
     """The 8-process run's export (step 8) holds the weights one process holds at step 8 (chapter
     7 in one process: the tied matrix once, every tp and FSDP shard in place; the control, chapter
     9 two steps later, differs), and chapter 3 samples from both alike (greedy: no random draw);
-    the run's own sample after training, 4 tokens through both stages (the whole context padded,
-    split by sequence, the logits gathered over tp, each token broadcast), is chapter 3's text."""
+    the run's own sample after training, 4 tokens drawn at random through both stages (the whole
+    context padded, split by sequence, the logits gathered over tp, each token drawn alike by the
+    last stage's tp ranks and broadcast), is chapter 3's text at the run's seed (0). The control:
+    at seed 1 chapter 3 draws another text."""
     import torch
     mine, one, later = (torch.load(runs["dir"] / name, map_location="cpu", weights_only=True)
                         for name in ("4d.pt", "ch7.pt", "ch9.pt"))
@@ -322,8 +361,9 @@ def test_the_export_is_one_process_model_and_samples_in_chapter_3(runs):
                                 "--max-new-tokens", 12]) for name in ("4d.pt", "ch7.pt")]
     assert len(sampled[0]) > 8 and sampled[0] == sampled[1]
     own = runs["nodes"].split("sample:\n", 1)[1]
-    assert own == in_process(GPT, ["--sample", "--ckpt", runs["dir"] / "4d.pt", "--prompt", "\n",
-                                   "--top-k", 1, "--max-new-tokens", 4]), own
+    drawn = [in_process(GPT, ["--sample", "--ckpt", runs["dir"] / "4d.pt", "--prompt", "\n",
+                              "--max-new-tokens", 4, "--seed", seed]) for seed in (0, 1)]
+    assert own == drawn[0] != drawn[1], (own, drawn)
 
 
 def test_each_rank_holds_its_shards_and_the_memory_line_says_so(runs):
@@ -404,7 +444,8 @@ def test_inside_a_step_a_rank_holds_its_stages_gathered_and_their_gradients_whol
     whole until its last backward: measured just before each stage reduce-scatters
     (tests/probe_4d.py), the bytes the memory line gives at pp 2 x cp 2 x tp 2 (each stage's
     first rank) and with two interleaved stages per rank. At --pp 1 no schedule runs (the
-    control: none measured), and each unit's gradients are reduce-scattered after its backward."""
+    control: none measured), and each unit's gradients are reduce-scattered after its backward:
+    the line counts the gathered weights alone (fp32: 4 bytes a parameter of TP's part)."""
     for name, ranks, label in (("nodes", (0, 4), r"stage \d"), ("interleaved", (0, 2),
                                                                r"stages \d, \d")):
         line = re.search(r"inside a step also the weights gathered and the gradients whole: "
@@ -413,7 +454,11 @@ def test_inside_a_step_a_rank_holds_its_stages_gathered_and_their_gradients_whol
             seen = record(runs["dir"] / name, rank)
             assert seen["in_step_bytes"] / 2**20 == pytest.approx(float(line.group(1 + i)),
                                                                   abs=0.005), (name, rank)
-    assert record(runs["dir"] / "square", 0)["in_step_bytes"] == 0
+    square = record(runs["dir"] / "square", 0)  # cp 2 x tp 2: FSDP halves TP's even parts
+    assert square["in_step_bytes"] == 0
+    line = re.search(r"inside a step also the weights gathered and the gradients whole: stage 0 "
+                     r"([\d.]+) MiB", runs["square"])
+    assert float(line.group(1)) == pytest.approx(4 * 2 * square["params"] / 2**20, abs=0.005)
 
 
 def test_the_traffic_line_is_what_rank_0_sends_in_a_step(runs):
@@ -430,6 +475,30 @@ def test_the_traffic_line_is_what_rank_0_sends_in_a_step(runs):
     assert sent["pp"] + sent["tied"] == pytest.approx(pp, abs=0.0006 * 2**20)
     assert sent["pp"] > 0
     assert sent["tp"] == pytest.approx(tp + positions, abs=0.0012 * 2**20), (sent, tp)
+
+
+def test_under_bf16_the_traffic_line_counts_the_tied_shard_in_fp32(runs):
+    """The 8-process layout's traffic line, computed here: without --amp it is the run's own line,
+    its pp the bytes rank 0 sent (recorded: activations, and the tied gradient's shard); under
+    --amp bf16 the activations go in bf16, half, but the tied shard is FSDP's fp32 gradient
+    whatever the compute dtype, its bytes as recorded (measured once at pp 2 in bf16, 2
+    processes: 32,768, the whole matrix in fp32). The control: the activations and the tied
+    shard both halved would be 0.004 MiB less."""
+    module, sent = trainer(FOURD), record(runs["dir"] / "nodes", 0)["sent"]
+    lines = {}
+    for amp in ("off", "bf16"):
+        args = module.parse_args([*map(str, ONE), "--pp", "2", "--cp", "2", "--tp", "2",
+                                  "--amp", amp])
+        run = types.SimpleNamespace(args=args, world_size=8,
+                                    policy=module.mixed_precision(amp, torch.device("cpu"))[1])
+        lines[amp] = module.traffic_line(run, 256)
+    assert lines["off"] in runs["nodes"]
+    pp = {amp: float(re.search(r"\| pp ([\d.]+) MiB", line).group(1)) * 2**20
+          for amp, line in lines.items()}
+    assert sent["tied"] == 256 * 32 * 4 / 4  # vocab x C x fp32 / (dp x cp x tp): a shard
+    assert pp["off"] == pytest.approx(sent["pp"] + sent["tied"], abs=0.0006 * 2**20)
+    assert pp["bf16"] == pytest.approx(sent["pp"] / 2 + sent["tied"], abs=0.0006 * 2**20)
+    assert abs(pp["bf16"] - (sent["pp"] + sent["tied"]) / 2) > 0.003 * 2**20
 
 
 def test_bad_inputs_are_one_line_and_exit_code_2():
@@ -488,10 +557,35 @@ def test_the_dropout_streams_and_the_tokens_per_step_go_by_the_right_ranks():
     assert module.tokens_per_step(run) == 6 * 32 * 2 * 3
 
 
+def test_random_streams_come_back_only_at_the_layout_and_sp_that_saved_them(monkeypatch):
+    """A checkpoint's RNG states are restored rank by rank only at the pp, cp, tp, sequence
+    parallelism and world size that saved them. With sequence parallelism each rank draws its
+    own masks; without it a tp pair draws one (its fresh seed, by tp group): a switch either way
+    keeps the fresh seeds, as another tp or world size does. The control: the same layout, with
+    sequence parallelism or without, restores them."""
+    module = trainer(FOURD)
+    restored = streams_restored(module, monkeypatch)  # and, with no state to rename:
+    monkeypatch.setattr(module, "as_whole_model", lambda run, model, optim_state: [])
+    monkeypatch.setattr(module, "as_stage", lambda optim_state, own_names: optim_state)
+    layout = {"pp": 1, "cp": 1, "tp": 2}
+    for saved_sp, here_sp, here, world, expected in [
+            ("on", "on", {}, 2, ["rank 1's"]), ("off", "off", {}, 2, ["rank 1's"]),
+            ("on", "off", {}, 2, []), ("off", "on", {}, 2, []),
+            ("on", "on", {"tp": 1}, 2, []), ("on", "on", {}, 4, [])]:
+        args = types.SimpleNamespace(**{**layout, **here, "sequence_parallel": here_sp})
+        run = types.SimpleNamespace(rank=1, world_size=world, device=torch.device("cpu"), args=args)
+        state = {"args": {**layout, "sequence_parallel": saved_sp}, "rng": ["rank 0's", "rank 1's"]}
+        restored.clear()
+        module.load_shards("ck", state, run, None, None)
+        assert restored == expected, (saved_sp, here_sp, here, world)
+
+
 def test_the_memory_line_counts_16_bytes_per_parameter_of_a_ranks_shards():
     """Weights, gradients and AdamW's two moments, fp32: 16 bytes per parameter of the shards."""
-    model = types.SimpleNamespace(parameters=lambda: iter([torch.zeros(1)]), whole_params=4096)
-    line = trainer(FOURD).memory_line(model, [(True, "0", "embeddings, block 0", 65536, 2**20)])
+    model = types.SimpleNamespace(parameters=lambda: iter([torch.zeros(1)]), whole_params=4096,
+                                  parts=[None])  # one stage a rank
+    held = [(True, "stage 0", "embeddings, block 0", 65536, 2**20)]
+    line = trainer(FOURD).memory_line(model, held)
     assert "stage 0 (embeddings, block 0) 1.00 MiB, 65,536 parameters" in line, line
     assert "(of 4,096; DDP: 0.06 MiB)" in line, line
 

@@ -108,9 +108,11 @@ def runs(tmp_path_factory):
                                                    18, "--save", "", "--export", d / "pp.pt"])
     # chapter 7 to step 3 with FOUR, from which two ranks of interleaved stages go on to step 8
     in_process(FSDP, FOUR + ["--max-steps", 3, "--save", d / "ch7four", "--export", ""])
-    interleaved_cmd = command(PP, FOUR + INTERLEAVED + [
-        "--max-steps", 8, "--resume", d / "ch7four", "--save", d / "il", "--export", d / "il.pt",
-        "--top-k", 1, "--max-new-tokens", 16], nproc=2)
+    (d / "il").mkdir()
+    interleaved_cmd = command("tests/probe_pp.py", [
+        "record", d / "il", *FOUR, *INTERLEAVED, "--max-steps", 8, "--resume", d / "ch7four",
+        "--save", d / "il" / "ck", "--export", d / "il.pt", "--top-k", 1, "--max-new-tokens", 16],
+        nproc=2)
     interleaved = start(interleaved_cmd, REPO)
     # meanwhile, in this process: chapter 7 to step 5, then this trainer at --pp 1 to step 10
     ck = d / "restarted" / "ck"
@@ -171,15 +173,25 @@ def test_interleaved_stages_compute_what_one_process_computes_from_chapter_7s_ch
     """Two ranks of two interleaved stages each (rank 0: stages 0 and 2, blocks 0 and 2; rank 1:
     blocks 1 and 3 and the head) go on from chapter 7's step-3 checkpoint and log chapter 3's
     one-process steps 4-8 at the same global batch: losses, gradient norms where the clip binds,
-    and the validation loss over 13 windows (a short batch). Their checkpoint of step 8 and the
-    export carry the whole model's names; its greedy sample after training, each token a forward
-    that goes round the two ranks twice, is the text chapter 3 generates from the export."""
+    and the validation loss over 13 windows (a short last batch). Inside a step each rank holds
+    what the memory line says for its two stages (measured before each reduce-scatter; at pp 2
+    and 2 rounds of 2 micro-batches the two stages' gradients overlap). Their checkpoint of step
+    8 and the export carry the whole model's names; the greedy sample after training, each token
+    a forward that goes round the two ranks twice, is chapter 3's text from the export."""
     out, one = runs["interleaved"], runs["one of four"]
+    assert "world size 2 (2 pp x 1 dp) |" in out
     assert "| schedule interleaved-1f1b, 2 stages per rank" in out
     assert "stages 0, 2 (embeddings, blocks 0, 2)" in out  # not neighbours: interleaved
     assert "stages 1, 3 (blocks 1, 3, final norm and head)" in out
     mib = 2 * 3 * 32 * 32 * 4 / 2**20  # a micro-batch's activations (B, T, C), fp32, sent twice
     assert f"PP traffic per rank: {mib:.2f} MiB of activations to the next stage" in out
+    assert "between stage 0 and stage 3; rank 0 sends one gradient fewer" in out
+    line = re.search(r"inside a step also the weights gathered and the gradients whole: "
+                     r"stages 0, 2 ([\d.]+) MiB, stages 1, 3 ([\d.]+) MiB", out)
+    for rank in range(2):  # each rank's two stages, both gathered, both with whole gradients
+        seen = json.loads((runs["dir"] / "il" / f"rank{rank}.json").read_text())
+        assert seen["in_step_bytes"] / 2**20 == pytest.approx(float(line.group(1 + rank)),
+                                                              abs=0.005), rank
     assert f"resumed from {runs['dir'] / 'ch7four' / 'step-000003'} at step 3" in out
     assert sorted(losses(out)) == list(range(4, 9))
     for step, loss in losses(out).items():
@@ -190,7 +202,7 @@ def test_interleaved_stages_compute_what_one_process_computes_from_chapter_7s_ch
     for step in (4, 8):
         assert val_losses(out)[step] == pytest.approx(val_losses(one)[step], abs=2e-4), step
     assert val_losses(out)[8] != pytest.approx(val_losses(out)[4], abs=1e-3)  # a control
-    assert (runs["dir"] / "il" / "step-000008" / ".metadata").exists()
+    assert (runs["dir"] / "il" / "ck" / "step-000008" / ".metadata").exists()
     sampled = in_process(GPT, ["--sample", "--ckpt", runs["dir"] / "il.pt", "--prompt", "\n",
                                "--top-k", 1, "--max-new-tokens", 16])
     assert len(sampled) > 10 and out.split("sample:\n", 1)[1] == sampled, (out, sampled)
@@ -303,6 +315,15 @@ def test_inside_a_step_a_rank_holds_its_stage_gathered_and_its_gradients_whole(r
             assert seen["in_step_bytes"] / 2**20 == pytest.approx(mib, abs=0.005), (name, rank)
             held[name, seen["stage"]] = seen["in_step_bytes"]
     assert held["dropout", 0] * 8 == held["grid", 0] * 6 and held["grid", 0] > 0, held
+
+
+def test_recomputation_keeps_a_micro_batch_to_its_blocks_inputs(runs):
+    """--grad-checkpointing (the bf16 dropout run) leaves a micro-batch's forward holding its
+    blocks' inputs alone: stage 0 saves under a quarter of what it saves without (the fp32 dp 2 x
+    pp 2 run, same model and batch; bf16 alone would halve it)."""
+    held = [json.loads((runs["dir"] / name / "rank0.json").read_text())["micro_batch_saved_bytes"]
+            for name in ("dropout", "counted")]
+    assert 0 < 4 * held[0] < held[1], held
 
 
 def test_the_traffic_line_gives_the_tied_all_reduce_that_the_end_stages_send(runs):
@@ -423,10 +444,13 @@ def test_bad_inputs_are_one_line_and_exit_code_2(capsys):
                          (INTERLEAVED + ["--pp", 1], "got --schedule interleaved-1f1b, --pp 1, "
                           "--stages-per-rank 2"),
                          (INTERLEAVED + ["--grad-accum", 5], "--schedule interleaved-1f1b runs "
-                          "--grad-accum 5 in 2 rounds of at least --pp 2, so it must divide")):
+                          "--grad-accum 5 in 2 rounds (--grad-accum // --pp, at least 1) of equal "
+                          "size: give a multiple of 2, or of --pp")):
         result = as_script(PP, flags)
         assert result.returncode == 2 and result.stderr.count("\n") == 1, result
         assert words in result.stderr, result.stderr
+    for k in (1, 3):  # the control: torch runs these in one round, and so does the trainer
+        assert pp.parse_args([str(a) for a in INTERLEAVED + ["--grad-accum", k]]).grad_accum == k
 
 
 def test_benchmark_scaling_reads_the_pp_trainers_summary(runs):
