@@ -42,6 +42,7 @@ SYMPTOM_RUNS = {  # script: (processes, flags) of the tiny run that measures a s
     "train_pp_minigpt.py": (2, GPT_FLAGS + ["--pp", "2", "--export", ""]),
     "train_cp_minigpt.py": (2, GPT_FLAGS + ["--cp", "2", "--export", ""]),
     "train_4d_minigpt.py": (8, GPT_FLAGS + ["--pp", "2", "--cp", "2", "--tp", "2", "--export", ""]),
+    "train_moe_minigpt.py": (2, GPT_FLAGS + ["--ep", "2", "--export", ""]),
 }
 
 
@@ -63,6 +64,8 @@ C2, C3 = "train_ddp_basic.py", "train_ddp_minigpt.py"
 C7, C8, C9, C10 = ("train_fsdp_minigpt.py", "train_tp_minigpt.py", "train_pp_minigpt.py",
                    "train_cp_minigpt.py")
 C11, T_4D = "train_4d_minigpt.py", "tests/test_4d.py::"
+C12, T_MOE = "train_moe_minigpt.py", "tests/test_moe.py::"
+MOE_EQUAL = T_MOE + "test_expert_parallel_runs_compute_what_one_process_computes"
 EIGHT_EQUAL = T_4D + "test_pp2_cp2_tp2_at_8_processes_computes_what_one_process_computes"
 T_CLS = "tests/test_classifier.py::"
 T_GPT, T_FSDP, T_TP = "tests/test_minigpt.py::", "tests/test_fsdp.py::", "tests/test_tp.py::"
@@ -946,6 +949,81 @@ CATALOGUE = [
             "restored only at the same --sequence-parallel too  # 4D 7",
             [T_4D + "test_random_streams_come_back_only_at_the_layout_and_sp_that_saved_them"],
             ["--dropout", "0.1"]),
+    Mistake("moe-split-sizes-not-exchanged", 12, C12,
+            [("        got = torch.empty_like(counts)  # from each rank: its copies for each of my "
+              "experts\n        dist.all_to_all_single(got, counts, group=group)  # EP 4: E / ep "
+              "counts to each rank\n",
+              "        got = counts.clone()  # as many as I send\n")],
+            "the split sizes of the token all-to-all guessed from the rank's own counts, not "
+            "exchanged first", "the counts' all-to-all before the tokens'  # EP 4", [MOE_EQUAL]),
+    Mistake("moe-balance-of-one-rank", 12, C12,
+            [("        if self.groups:\n            counts = counts.clone()\n"
+              "            dist.all_reduce(counts, group=self.groups.world)  # EP 3: every rank's "
+              "copies\n            sums = SumOverRanks.apply(sums, self.groups.world)  # EP 3: "
+              "every rank's, with grad\n", "")],
+            "the balance loss from each rank's own token counts and probabilities",
+            "counts and probabilities all-reduced over every rank  # EP 3", [MOE_EQUAL]),
+    Mistake("moe-reverse-all-to-all-missing", 12, C12,
+            [("        rows = AllToAll.apply(copies, sent, received, group)  # EP 4: each copy to "
+              "its expert\n",
+              "        rows = copies.new_empty((sum(received), copies.shape[1]))\n"
+              "        dist.all_to_all_single(rows, copies, received, sent, group=group)\n")],
+            "the tokens sent to their experts by a plain all_to_all_single: no gradient goes "
+            "back to the tokens' ranks", "AllToAll, whose backward is the opposite all-to-all  "
+            "# EP 4", [MOE_EQUAL]),
+    Mistake("moe-gates-detached", 12, C12,
+            [("        gates = gates / gates.sum(dim=-1, keepdim=True)  # EP 7: rescaled to add up "
+              "to 1\n", "        gates = (gates / gates.sum(dim=-1, keepdim=True)).detach()\n")],
+            "the gates detached: the router learns from the balance loss alone",
+            "gates kept in the graph  # EP 7",
+            [T_MOE + "test_the_layer_sends_each_token_to_its_k_experts_and_the_router_learns_"
+             "through_the_gates"]),
+    Mistake("moe-gates-not-rescaled", 12, C12,
+            [("        gates = gates / gates.sum(dim=-1, keepdim=True)  # EP 7: rescaled to add up "
+              "to 1\n", "")],
+            "the K chosen probabilities used as gates as they are, not rescaled to add up to 1",
+            "gates / gates.sum(dim=-1, keepdim=True)  # EP 7",
+            [T_MOE + "test_the_layer_sends_each_token_to_its_k_experts_and_the_router_learns_"
+             "through_the_gates"]),
+    Mistake("moe-experts-numbered-per-rank", 12, C12,
+            [("nn.Linear(hidden, n_embd)) for e in held})",
+              "nn.Linear(hidden, n_embd)) for e, _ in enumerate(held)})")],
+            "each rank numbers its experts from 0: seeded alike, saved under one another's names",
+            "experts keyed by their number in the block  # EP 2", [MOE_EQUAL]),
+    Mistake("moe-shares-of-one-rank", 12, C12,
+            [("        sums = probs.sum(dim=0)  # differentiable, unlike the counts\n",
+              "        sums = probs.sum(dim=0)  # differentiable, unlike the counts\n"
+              "        if self.training:\n"
+              "            self.load = counts if self.load is None else self.load + counts\n"),
+             ("        if self.training:  # the log's shares: training micro-batches only\n"
+              "            self.load = counts if self.load is None else self.load + counts\n", "")],
+            "the log's expert shares counted from rank 0's tokens only",
+            "the shares counted after the all-reduce  # EP 3", [MOE_EQUAL]),
+    Mistake("moe-expert-gradients-not-divided-by-ep", 12, C12,
+            [("        p.grad.div_(args.ep)  # EP 5: each rank its shard, sending nothing\n",
+              "        pass\n")],
+            "the experts' gradients left as FSDP averaged them over the column: ep times too "
+            "large", "p.grad.div_(args.ep)  # EP 5", [MOE_EQUAL]),
+    Mistake("moe-norm-of-own-shards", 12, C12,
+            [("    dist.all_reduce(squares, op=dist.ReduceOp.SUM)  # EP 6: every rank's squares, "
+              "so the norm\n", "")],
+            "the gradient norm of each rank's own shards: ranks clip by different norms",
+            "every rank's squares all-reduced  # EP 6", [MOE_EQUAL]),
+    Mistake("moe-capacity-of-tokens-not-copies", 12, C12,
+            [("        capacity = math.ceil(self.capacity_factor * len(order) / "
+              "self.experts_total)\n",
+              "        capacity = math.ceil(self.capacity_factor * len(order) // self.top_k / "
+              "self.experts_total)\n")],
+            "an expert's capacity counted from the tokens, not their K copies: K times too few",
+            "c x copies / E  # EP 4",
+            [T_MOE + "test_a_capacity_drops_copies_and_the_run_then_depends_on_its_layout"],
+            ["--capacity-factor", "2.0"]),
+    Mistake("moe-balance-gradient-of-one-rank", 12, C12,
+            [("        dist.all_reduce(grad, group=ctx.group)  # EP 3: every rank's gradient of "
+              "it\n", "")],
+            "the balance loss's all-reduce passes each rank's own gradient back, not every "
+            "rank's", "SumOverRanks.backward all-reduces  # EP 3", [MOE_EQUAL],
+            ["--aux-weight", "1"]),
 ]
 
 
@@ -1098,7 +1176,8 @@ def selected(which):
 
 CHAPTERS = {2: "DDP", 3: "a GPT under DDP", 4: "many nodes", 5: "faults",
             6: "speed and debugging", 7: "FSDP", 8: "tensor parallelism",
-            9: "pipeline parallelism", 10: "context parallelism", 11: "every parallelism at once"}
+            9: "pipeline parallelism", 10: "context parallelism", 11: "every parallelism at once",
+            12: "mixture of experts"}
 
 
 def markdown(results, note):

@@ -31,6 +31,9 @@
 6. bad input is one line and exit code 2: --ep that divides neither the experts nor the world
    size, --experts-per-token of 0 or above the experts (or not dividing 4 x --n-embd), a capacity
    factor that is not positive and finite, or without experts.
+7. the layer itself, in one plain process: each token's output is the gate-weighted sum of its
+   K likeliest experts' outputs (gates rescaled to add up to 1; the control: unscaled, it
+   differs), and the router gets a gradient through the gates with no balance loss.
 The eight launches run side by side in one module fixture while the one-process references run in
 this process.
 """
@@ -200,6 +203,26 @@ def test_a_capacity_drops_copies_and_the_run_then_depends_on_its_layout(runs):
     assert "| dropped 0.0%" in roomy
     for step in (1, 2, 3):
         assert losses(roomy)[step] == pytest.approx(losses(runs["one"]["moe"])[step], rel=1e-6)
+
+
+def test_the_layer_sends_each_token_to_its_k_experts_and_the_router_learns_through_the_gates():
+    """In one plain process (no group: every expert here), the mixture's output is, token by
+    token, the gate-weighted sum of its K likeliest experts' outputs, the gates rescaled to add up
+    to 1 (the control: with the router's raw probabilities it differs); with no balance loss the
+    router still gets a gradient, through the gates."""
+    torch.manual_seed(0)
+    layer = moe.MixtureOfExperts(8, experts=4, top_k=2, held=range(4))
+    x = torch.randn(2, 5, 8)
+    out = layer(x)
+    probs = layer.router(x.view(10, 8)).softmax(dim=-1)
+    top, chosen = probs.topk(2, dim=-1)
+    for raw, differs in ((False, False), (True, True)):
+        gates = top if raw else top / top.sum(dim=-1, keepdim=True)
+        ref = torch.stack([sum(g * layer.experts[str(int(e))](t) for g, e in zip(gs, es))
+                           for t, gs, es in zip(x.view(10, 8), gates, chosen)])
+        assert torch.allclose(out.view(10, 8), ref, atol=1e-6) != differs
+    out.square().sum().backward()
+    assert layer.router.weight.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("flags,words", [
