@@ -176,14 +176,15 @@ def started(launches):
     return functools.cache(lambda: {name: finish(proc, cmd) for name, (proc, cmd) in procs.items()})
 
 
-def start_two_nodes(script, args, nproc=1):
+def start_two_nodes(script, args, nproc=1, restarts=0):
     """Two nodes of `nproc` processes each on this machine: the commands chapter 4's launcher
-    prints (meeting at 127.0.0.1), each run by its own torchrun agent, started now (the environment
-    is read now). Returns a function that waits for both and returns what each node printed."""
+    prints (meeting at 127.0.0.1, torchrun restarting the group up to `restarts` times), each run
+    by its own torchrun agent, started now (the environment is read now). Returns a function that
+    waits for both and returns what each node printed."""
     printed = subprocess.run(
         [str(REPO / "launch_multinode_ddp.sh"), "--nnodes", "2", "--nproc-per-node", str(nproc),
          "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--join-timeout", "60",
-         script, *map(str, args)],
+         "--max-restarts", str(restarts), script, *map(str, args)],
         cwd=REPO, capture_output=True, text=True, timeout=60,
         env={**environment(), "TORCHRUN": f"{sys.executable} -m torch.distributed.run"})
     nodes = [line for line in printed.stdout.splitlines() if line and not line.startswith("#")]

@@ -44,7 +44,8 @@ import torch
 from helpers import logged_grad_norms as norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
 from helpers import NOISY, SHARDED, as_script, command, finish, in_process, ok, start, trainer
-from helpers import REPO, ddp_dropout_reference
+from helpers import REPO, ddp_dropout_reference, start_two_nodes, summary
+import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
 from helpers import assert_bf16_policy_reduces_in_fp32
 
 MOE = "train_moe_minigpt.py"
@@ -64,7 +65,8 @@ CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not he
     "dropout": ["test_no_experts_is_the_dense_model_and_dropout_draws_ddps_masks"],
     "collectives": ["test_expert_parallel_runs_compute_what_one_process_computes"],
     "policy": ["test_the_policy_computes_in_bf16_and_reduces_gradients_in_fp32"],
-    "resume": ["test_a_checkpoint_saved_at_ep_2_resumes_at_ep_1"],
+    "resume": ["test_two_nodes_restarted_after_a_kill_and_resumed_at_ep_1_log_the_uninterrupted_"
+               "losses"],
 }
 
 
@@ -86,9 +88,14 @@ def runs(tmp_path_factory):
             "noisy ep1": command(MOE, [*NOISY, *EXPERTS, "--export", ""], nproc=2),
             "grid": command("tests/probe_moe.py", ["record", d / "grid", *FLAGS, *EXPERTS, "--ep",
                                                    2, "--batch-size", 3], nproc=4),
-            "saved": command(MOE, [*FLAGS, *EXPERTS, "--ep", 2, "--max-steps", 4, "--eval-every",
-                                   4, "--save", d / "ck"], nproc=2)}
+            }
     started = {name: start(cmd, REPO) for name, cmd in cmds.items()}
+    # two nodes of one process through chapter 4's launcher, rank 1 killed as step 3 begins and
+    # the group restarted (--max-restarts 1): it resumes from step 2 and saves step 4
+    (d / "restarted").mkdir()
+    restarted = start_two_nodes("tests/probe_moe.py", [
+        "crash", "3:1", d / "restarted", *FLAGS, *EXPERTS, "--ep", 2, "--max-steps", 4,
+        "--eval-every", 4, "--save-every", 2, "--save", d / "ck", "--resume", "auto"], restarts=1)
     one, recorded = {}, {"losses": [], "norms": []}
     step = moe.train_step
 
@@ -107,6 +114,7 @@ def runs(tmp_path_factory):
     one["roomy"] = in_process(MOE, [*FLAGS, *EXPERTS, *CAPACITY[:-1], 2.0, "--batch-size", 12])
     ddp = ddp_dropout_reference()[0]  # chapter 3 at 2 processes, with dropout
     r = {name: ok(finish(proc, cmds[name])) for name, proc in started.items()}
+    r["restarted"] = restarted()[0]
     r["resumed"] = in_process(MOE, [*FLAGS, *EXPERTS, "--batch-size", 12, "--resume", d / "ck"])
     return {**r, "one": one, "recorded": recorded, "dir": d, "ddp": ddp}
 
@@ -120,6 +128,12 @@ def test_expert_parallel_runs_compute_what_one_process_computes(runs):
     assert [n > 2.0 for n in one["norms"]] == [True, True] + [False] * 6  # the clip binds
     assert one["losses"][-1] < one["losses"][0] - 0.5  # it learns
     assert ep2["all_to_alls"] == [2 * 2 * (3 + 2)] * 8
+    # A block's micro-batch sends 2 of its 4 counts (int64) to the other rank, then in forward
+    # and again in backward the s copies for the other rank's experts and the r outputs it owes
+    # the other rank, rows of 32 fp32 values: 2 x (s + r) rows, each of s, r at most 384 copies.
+    for sent in ep2["sent"]:
+        rows = (sent - 2 * 2 * 2 * 8) / 128
+        assert rows % 2 == 0 and 0.25 < rows / (2 * 2 * 2 * 2 * 384) < 0.75, sent
     grid = json.loads((runs["dir"] / "grid" / "rank0.json").read_text())
     assert grid["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert grid["norms"] == pytest.approx(one["norms"], rel=1e-5)
@@ -166,7 +180,17 @@ def test_the_policy_computes_in_bf16_and_reduces_gradients_in_fp32():
     assert_bf16_policy_reduces_in_fp32(moe)
 
 
-def test_a_checkpoint_saved_at_ep_2_resumes_at_ep_1(runs):
+def test_two_nodes_restarted_after_a_kill_and_resumed_at_ep_1_log_the_uninterrupted_losses(runs):
+    """--ep 2 on two nodes of one process (the launcher), rank 1 SIGKILLed as step 3 begins,
+    torchrun restarting both (--max-restarts 1): --resume auto goes on from step 2, and steps 3
+    and 4 log one process's losses and norms; the step-4 checkpoint, resumed at --ep 1 in one
+    process, logs steps 5 to 8 of the uninterrupted run (DCP names each expert by its number in
+    the block, whichever rank holds it)."""
+    restarted, one = runs["restarted"], runs["recorded"]
+    assert "resumed from" in restarted and "step-000002 at step 2" in restarted
+    after = json.loads((runs["dir"] / "restarted" / "rank0.json").read_text())
+    assert after["losses"] == pytest.approx(one["losses"][2:4], rel=1e-5)
+    assert after["norms"] == pytest.approx(one["norms"][2:4], rel=1e-5)
     resumed, one = runs["resumed"], runs["one"]["moe"]
     assert "resumed from" in resumed and "step-000004 at step 4" in resumed
     assert sorted(losses(resumed)) == [5, 6, 7, 8]
@@ -203,6 +227,14 @@ def test_a_capacity_drops_copies_and_the_run_then_depends_on_its_layout(runs):
     assert "| dropped 0.0%" in roomy
     for step in (1, 2, 3):
         assert losses(roomy)[step] == pytest.approx(losses(runs["one"]["moe"])[step], rel=1e-6)
+
+
+def test_benchmark_scaling_reads_the_moe_trainers_summary(runs):
+    """benchmark_scaling.py runs any trainer the same way (its launches: test_benchmark.py); what
+    it needs of a trainer is its summary's pace keys: every rank's tokens per step."""
+    row = bench.pace_row(summary(runs["ep2"]), 2, 0.0)
+    assert row["per_step"] == 6 * 32 * 2 * 2 and row["unit"] == "tokens/s"  # batch x T x K x N
+    assert row["throughput"] == pytest.approx(768 / (row["step_ms"] / 1000), rel=0.01)
 
 
 def test_the_layer_sends_each_token_to_its_k_experts_and_the_router_learns_through_the_gates():
