@@ -77,7 +77,7 @@ Tags. `# EP k` marks each line that experts change in an FSDP trainer, numbered 
 Lines tagged DDP k and FSDP k mark what chapters 3 and 7 change, DDP and FSDP; their docstrings
 key them. FSDP 6 (the norm's full_tensor) gives way to EP 6.
 Lines tagged `# guard:` each avoid one known failure, all before the process group is joined.
-See also docs/fsdp.md (what FSDP holds and sends, measured) and docs/conventions.md.
+See also docs/moe.md (bytes, balance, capacity, DeepSeek-V3) and docs/moe_in_your_trainer.md.
 """
 import argparse
 import contextlib

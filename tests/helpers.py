@@ -650,3 +650,17 @@ def classifier_runs():
     r["d2"] = subprocess.CompletedProcess("two nodes", 0, next(
         out for out in r["d2_nodes"] if "world size 2 |" in out), "")
     return {**r, "dir": d, "ddp_flags": ddp + ["--epochs", "2"], "demo_dir": demo_dir}
+
+
+def run_single(path):
+    """What a page's single-process trainer prints, run here with one thread, as the launched
+    processes run (the same float sums)."""
+    import torch
+    printed, threads = io.StringIO(), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(str(path), run_name="__main__")
+    finally:
+        torch.set_num_threads(threads)
+    return printed.getvalue()

@@ -21,14 +21,13 @@ into a trainer of one's own as they stand. These tests prove that
 """
 import ast
 import builtins
-import contextlib
 import difflib
-import io
 import re
 import runpy
 
 import torch
-from helpers import GPT, NEEDS_CP, REPO, as_script, command, finish, needs_torch, ok, start
+from helpers import GPT, NEEDS_CP, REPO, as_script, command, finish, needs_torch, ok, run_single
+from helpers import start
 
 CORES = ["init_distributed", "refuse_a_bad_launch", "safe_debug_level", "accumulate_gradients",
          "mean_loss_over_ranks", "mean_over_ranks", "save_on_rank_0", "leave_distributed"]
@@ -67,19 +66,6 @@ def free_names(source):
     bound |= {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ExceptHandler))
               and n.name}
     return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} - bound
-
-
-def run_single(path):
-    """What a page's single-process trainer prints, run here with one thread, as the launched
-    processes run (the same float sums)."""
-    printed, threads = io.StringIO(), torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with contextlib.redirect_stdout(printed):
-            runpy.run_path(str(path), run_name="__main__")
-    finally:
-        torch.set_num_threads(threads)
-    return printed.getvalue()
 
 
 def test_each_core_is_one_tagged_function_of_torch_and_the_standard_library():

@@ -37,14 +37,17 @@
 The eight launches run side by side in one module fixture while the one-process references run in
 this process.
 """
+import ast
+import difflib
 import json
+import re
 
 import pytest
 import torch
 from helpers import logged_grad_norms as norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
 from helpers import NOISY, SHARDED, as_script, command, finish, in_process, ok, start, trainer
-from helpers import REPO, ddp_dropout_reference, start_two_nodes, summary
+from helpers import REPO, ddp_dropout_reference, start_two_nodes, summary, run_single
 import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
 from helpers import assert_bf16_policy_reduces_in_fp32
 
@@ -276,3 +279,57 @@ def test_an_ep_that_does_not_divide_the_world_size_is_bad_input():
     with pytest.raises(moe.InputError, match=r"^--ep 2 does not divide the world size 1: "):
         in_process(MOE, [*FLAGS, *EXPERTS, "--ep", 2])
     assert moe.InputError.code == 2  # __main__ prints the one line, exits with it
+
+
+PIECES = ["Groups", "MixtureOfExperts", "Experts", "AllToAll", "SumOverRanks"]
+PAGE = REPO / "docs" / "moe_in_your_trainer.md"
+
+
+def pieces():
+    """{name: source} of the mixture's pieces, cut out of the script from their first decorator
+    or their class line."""
+    source = (REPO / MOE).read_text()
+    lines = source.splitlines()
+    return {n.name: "\n".join(lines[min([n.lineno, *(d.lineno for d in n.decorator_list)]) - 1:
+                                    n.end_lineno])
+            for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name in PIECES}
+
+
+def page_blocks():
+    return re.findall(r"^```(?:python|diff)\n(.*?)^```", PAGE.read_text(), re.M | re.S)
+
+
+def test_the_ep_page_holds_the_scripts_pieces_as_they_stand():
+    single, mine, diff = page_blocks()
+    assert sorted(pieces()) == sorted(PIECES)
+    for name, source in pieces().items():
+        assert source in single and source in mine, f"{PAGE.name} lost {name} as the script has it"
+    real = difflib.unified_diff(single.splitlines(), mine.splitlines(), "my_moe_single.py",
+                                "my_moe_ep.py", n=1, lineterm="")
+    assert diff.rstrip("\n") == "\n".join(real)
+
+
+def test_the_ep_pieces_stand_alone_under_torchrun(tmp_path):
+    """The page's EP trainer, its pieces copied afresh out of the script, logs its one-process
+    trainer's losses and gradient norms at 2 processes (4 printed decimals; a clip of 0.7 binds
+    in steps 1 to 3). The control: with the experts' gradients averaged like the rest (not
+    divided by the world size), the norms differ."""
+    single, mine, _ = page_blocks()
+    first, last = mine.index("@dataclasses.dataclass\nclass Groups"), mine.index("def main(")
+    fresh = mine[:first] + "\n\n\n".join(pieces()[n] for n in PIECES) + "\n\n\n" + mine[last:]
+    divided = "            p.grad /= world  # an expert's holds every rank's tokens already\n"
+    mutant = fresh.replace(divided, "            if p not in experts:\n                p.grad /= world\n")
+    assert mutant != fresh
+    (tmp_path / "my_moe_ep.py").write_text(fresh)
+    (tmp_path / "mutant.py").write_text(mutant)
+    (tmp_path / "my_moe_single.py").write_text(single)
+    cmds = [command(tmp_path / name, nproc=2) for name in ("my_moe_ep.py", "mutant.py")]
+    launched = [start(cmd, tmp_path) for cmd in cmds]
+    printed = run_single(tmp_path / "my_moe_single.py")
+    found = r"loss (\d+\.\d+) \| norm (\d+\.\d+)"
+    ep, wrong = [re.findall(found, ok(finish(p, cmd))) for p, cmd in zip(launched, cmds)]
+    one = re.findall(found, printed)
+    assert len(ep) == 6 and ep == one, (ep, one)
+    assert [float(norm) > 0.7 for _, norm in one] == [True] * 3 + [False] * 3
+    assert float(one[-1][0]) < float(one[0][0]) - 0.5  # it learns
+    assert wrong[0][1] != one[0][1]  # the control: the experts' gradients twice too large
