@@ -27,23 +27,30 @@ DeviceMesh lays the ranks out in a grid; a DTensor is a tensor spread over a mes
 a module a unit whose weights are gathered and freed together; the root is the unit of the rest.
 DCP, torch.distributed.checkpoint, saves and loads every rank's shards at once. A window is
 block_size + 1 consecutive tokens; a micro-batch is --batch-size windows through one forward and
-backward; an optimizer step runs --grad-accum of them on every rank. An expert is an MLP; a
-mixture of experts is E of them in place of a block's one MLP, and a router, a linear map from a
-token to E scores, picks the K experts (top-k) that process it; their outputs, weighted by the
-gates (the router's probabilities of the chosen K, rescaled to add up to 1), are summed. Each
-expert is 4C / K wide (C: --n-embd), so a token's K experts hold the parameters and cost the FLOPs
-of the dense model's one MLP of width 4C: E experts hold E / K times its parameters. Dropless:
-every token reaches its K experts, however many pick the same one (the default; a capacity
-caps what an expert takes from a rank's micro-batch and drops the rest, so the run then depends
-on how the tokens are spread over the ranks). The load-balancing loss (Switch
-Transformer's) is E x sum over experts e of f_e x P_e, f_e the share of the token copies routed to
-e and P_e the mean router probability of e; it is 1 when both are even, larger when the router
-favours a few experts; --aux-weight times it is added to the loss, for every block.
+backward; an optimizer step runs --grad-accum of them on every rank.
 
-The mesh is a grid of world size / ep rows of ep ranks (dims "edp", "ep"). The ep ranks of a row
-hold every expert once, E / ep each, and exchange tokens by all-to-all; every rank still reads
-sequences of its own, as a data-parallel replica does. The ranks of a column hold the same experts,
-and FSDP shards each expert over them; the rest of the model is sharded over all the ranks.
+Experts. An expert is an MLP; a mixture of experts is E of them in place of a block's one MLP,
+and a router, a linear map from a token to E scores, picks the K experts (top-k) that process
+it. The token then travels as K copies, one to each chosen expert. Their outputs, weighted by the
+gates, are summed: the gates are the router's probabilities of the chosen K, rescaled to add up
+to 1 (at K = 1 the one probability as it is, so that the router still learns from the loss).
+Each expert is 4C / K wide (C: --n-embd), so a token's K experts hold about the parameters and
+cost about the FLOPs of the dense model's one MLP of width 4C (the biases differ, and the router
+is extra): E experts hold E / K times its parameters. Dropless, the default: every copy reaches
+its expert, however many pick the same one. A capacity (--capacity-factor) caps what an expert
+takes from a rank's micro-batch and drops the rest, so the run then depends on how the tokens are
+spread over the ranks. The load-balancing loss (Switch Transformer's) is E x sum over experts e
+of f_e x P_e, f_e the share of the copies routed to e and P_e the mean router probability of e.
+It is 1 when both are even and larger when the router favours a few experts; --aux-weight times
+it is added to the loss, for every block. The training loss logged includes it; the validation
+loss is the cross-entropy alone.
+
+The mesh is a grid of world size / ep rows of ep ranks. Its dim "ep" runs along a row; its dim
+"edp" (expert data parallel) runs down a column, so a rank's "edp" group is its column. The ep
+ranks of a row hold every expert once, E / ep each, and exchange tokens by all-to-all; every rank
+still reads sequences of its own, as a data-parallel replica does. The ranks of a column hold the
+same experts, and FSDP shards each expert over them; the rest of the model is sharded over all
+the ranks.
 
 One optimizer step, as each rank runs it:
   forward   as without experts, each unit's weights gathered before it runs. In each block the
@@ -54,7 +61,8 @@ One optimizer step, as each rank runs it:
             the experts run; a second all-to-all brings the results back to be weighted and summed.
   backward  the reverse: each all-to-all's gradient goes back by the opposite all-to-all, the
             probabilities' by an all-reduce. FSDP reduce-scatters each unit's gradients; an
-            expert's are divided by the world size, since they hold every rank of its row's tokens.
+            expert's are divided by ep more: the all-to-all summed its row's tokens into them, and
+            FSDP averaged over its column, so ep x column = world size ranks' tokens are counted.
   step      the gradient norm (an all-reduce of every rank's squared shards), the loss all-reduced
             for the log; AdamW updates each rank's shards and sends nothing.
 
@@ -459,7 +467,7 @@ def train_step(run, model, optimizer, windows, step):
     loss = accumulate_gradients(model, batches, args.grad_sync == "every")  # FSDP 1, 7
     # An expert's gradient holds the tokens of its row's ep ranks, sent to it by all-to-all, and
     # was averaged over its column by FSDP: divided by ep more, it is the mean over all tokens.
-    # (FSDP's set_gradient_divide_factor would, but torch 2.14 divides twice on a column of 1.)
+    # (FSDP's set_gradient_divide_factor would; on a column of one rank, torch 2.14 divided twice.)
     for p in (p for moe in mixtures(model) for p in moe.experts.parameters()):
         p.grad.div_(args.ep)  # EP 5: each rank its shard, sending nothing
     for group in optimizer.param_groups:
@@ -693,7 +701,7 @@ class Groups:
 
 class MixtureOfExperts(nn.Module):
     """E experts in place of a block's MLP, and a router that sends each token to K of them.
-    Every token reaches its K experts (dropless), wherever they live."""
+    Every token reaches its K experts, wherever they live, unless a capacity drops some."""
 
     def __init__(self, n_embd, experts, top_k, held):
         super().__init__()
@@ -702,21 +710,23 @@ class MixtureOfExperts(nn.Module):
         self.experts = Experts(n_embd, 4 * n_embd // top_k, held)  # K of them: one MLP's size
         self.capacity_factor = None  # None: dropless; c: at most c x copies / E an expert
         self.groups = None  # set once the process group exists; None: one plain process
-        self.aux, self.load = None, None  # the last balance loss; copies routed and sent, summed
+        self.aux, self.load = None, None  # the last balance loss; the log's counts of copies
 
     def forward(self, x):
         B, T, C = x.shape
         x = x.reshape(B * T, C)
-        probs = self.router(x).float().softmax(dim=-1)  # EP 7: (tokens, E), fp32
+        probs = self.router(x).float().softmax(dim=-1)  # EP 7: (tokens, E), the softmax in fp32
         gates, chosen = probs.topk(self.top_k, dim=-1)  # EP 7: the K likeliest experts
-        gates = gates / gates.sum(dim=-1, keepdim=True)  # EP 7: rescaled to add up to 1
+        if self.top_k > 1:  # EP 7: rescaled to add up to 1; one expert keeps its probability,
+            gates = gates / gates.sum(dim=-1, keepdim=True)  # else the router learns nothing
         # Each token's K copies, sorted by expert: the copies for expert e stand together.
         order = chosen.flatten().argsort(stable=True)
         counts = torch.bincount(chosen.flatten(), minlength=self.experts_total)
         kept, sent = self.within_capacity(order, counts)  # every copy, unless a capacity drops
         self.aux = self.balance_loss(probs, torch.stack([counts, sent]))  # EP 3: collectives
         out = self.dispatch(x[kept // self.top_k], sent)  # EP 4: collectives, all-to-all
-        # Back in token order. A dropped copy adds nothing: its token goes on by the residual.
+        # Back in token order: row t x K + k holds token t's k-th expert's output. A dropped
+        # copy's row stays zero: it adds nothing, and its token goes on by the residual.
         out = out.new_zeros(B * T * self.top_k, C).index_copy(0, kept, out).view(B * T, -1, C)
         return (out * gates.unsqueeze(-1).to(out.dtype)).sum(dim=1).view(B, T, C)
 
@@ -731,11 +741,12 @@ class MixtureOfExperts(nn.Module):
         place = torch.arange(len(order), device=order.device) - first.repeat_interleave(counts)
         return order[place < capacity], counts.clamp(max=capacity)
 
-    def balance_loss(self, probs, counts):  # EP 3
+    def balance_loss(self, probs, routed_and_sent):  # EP 3
         """A collective: E x sum_e f_e x P_e over the global micro-batch (every rank's tokens), f_e
-        the share of the token copies routed to e, P_e the mean router probability of e. counts:
-        the copies routed to each expert, and below them those sent (fewer if some were dropped)."""
-        sums = probs.sum(dim=0)  # differentiable, unlike the counts
+        the share of the token copies routed to e, P_e the mean router probability of e.
+        routed_and_sent: (2, E), the copies routed to each expert, then those sent to it (fewer
+        where a capacity dropped some)."""
+        counts, sums = routed_and_sent, probs.sum(dim=0)  # the sums are differentiable
         if self.groups:
             counts = counts.clone()
             dist.all_reduce(counts, group=self.groups.world)  # EP 3: every rank's copies
@@ -759,6 +770,8 @@ class MixtureOfExperts(nn.Module):
         received = got.sum(dim=1).tolist()  # copies from each rank
         rows = AllToAll.apply(copies, sent, received, group)  # EP 4: each copy to its expert
         # What arrived stands by source rank, then expert; each expert needs its rows together.
+        # At ep 2 with 2 experts here, got [[1, 2], [0, 1]]: rows labelled 0 1 1 1 regroup to
+        # expert 0's row, then expert 1's three; regroup.argsort() puts the outputs back.
         mine = torch.arange(got.shape[1], device=copies.device).repeat(ep)
         regroup = mine.repeat_interleave(got.flatten()).argsort(stable=True)
         out = self.experts(rows[regroup], got.sum(dim=0).tolist())[regroup.argsort()]
@@ -799,10 +812,12 @@ class AllToAll(torch.autograd.Function):  # EP 4
 
 
 class SumOverRanks(torch.autograd.Function):  # EP 3
-    """An all-reduce (sum) that autograd can go through. Every rank adds the same balance loss to
-    its loss, so the sum of all ranks' losses holds it world-size times: the gradient of a rank's
-    part is the sum of every rank's gradient, world size times one loss's. FSDP then divides by
-    the world size, which leaves one process's gradient for one balance loss."""
+    """y = x_0 + x_1 + ... (every rank's x): an all-reduce that autograd can go through. Its
+    backward is an all-reduce too, since each x_r feeds every rank's y. Every rank adds the same
+    balance loss to its loss, so the sum of all ranks' losses holds it world-size times: the
+    gradient of a rank's part is the sum of every rank's gradient, world size times one loss's.
+    FSDP then divides by the world size, which leaves one process's gradient for one balance
+    loss."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -1448,7 +1463,7 @@ def memory_line(model):  # FSDP 2: what each rank holds, against a whole copy
     return (f"memory per rank ({where}): weights, gradients and AdamW state "
             f"{16 * mine / 2**20:.2f} MiB "
             f"({mine:,} of {full:,} parameters; DDP: {16 * full / 2**20:.2f} MiB); every "
-            "parameter is sharded, the embeddings too")
+            "parameter is sharded, the embeddings too, and each expert over its column")
 
 
 def experts_line(args, held):  # EP 2: what a token uses, against the dense model
@@ -1580,12 +1595,12 @@ class Meter:
 
 
 def expert_shares(moes):  # EP 8
-    """` | aux A | expert share min X% max Y%`: the last balance loss summed over the blocks,
+    """` | aux A | expert share min X% max Y%`: the last balance loss, the mean over the blocks,
     and the smallest and largest share of the token copies any expert of any block got (every
     rank's, counted since the last line; even: 100 / E %); with a capacity, ` | dropped Z%` of
     the copies. Starts the count again."""
     shares = torch.stack([m.load[0] / m.load[0].sum() for m in moes])
-    aux = sum(float(m.aux.detach()) for m in moes)
+    aux = sum(float(m.aux.detach()) for m in moes) / len(moes)  # 1: even
     line = (f" | aux {aux:.4f} | expert share min {100 * float(shares.min()):.1f}% "
             f"max {100 * float(shares.max()):.1f}%")
     if moes[0].capacity_factor:  # the copies routed that their experts did not take

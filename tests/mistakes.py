@@ -66,6 +66,8 @@ C7, C8, C9, C10 = ("train_fsdp_minigpt.py", "train_tp_minigpt.py", "train_pp_min
 C11, T_4D = "train_4d_minigpt.py", "tests/test_4d.py::"
 C12, T_MOE = "train_moe_minigpt.py", "tests/test_moe.py::"
 MOE_EQUAL = T_MOE + "test_expert_parallel_runs_compute_what_one_process_computes"
+T_LAYER = (T_MOE  # chapter 12's layer against formulas written out in the test
+           + "test_the_layer_sends_each_token_to_its_k_experts_and_the_router_learns_through_the_gates")
 EIGHT_EQUAL = T_4D + "test_pp2_cp2_tp2_at_8_processes_computes_what_one_process_computes"
 T_CLS = "tests/test_classifier.py::"
 T_GPT, T_FSDP, T_TP = "tests/test_minigpt.py::", "tests/test_fsdp.py::", "tests/test_tp.py::"
@@ -672,6 +674,11 @@ CATALOGUE = [
             "torch's rounds counted as --grad-accum // --pp without its floor of one: "
             "--grad-accum 1 dies in a ZeroDivisionError", "max(1, K // pp)  # PP 1",
             [T_PP + "test_bad_inputs_are_one_line_and_exit_code_2"]),
+    Mistake("pp-interleaved-forward-from-the-wrong-rank", 9, C9,
+            [("group_src=(run.stage - 1) % pp)", "group_src=abs(run.stage - 1))")],
+            "the forward pipeline's stage before as abs(stage - 1): right at pp 2, but at pp 3 "
+            "rank 0 waits for rank 1, which waits for it", "(run.stage - 1) % pp  # PP 7",
+            [T_PP + "test_three_ranks_of_interleaved_stages_evaluate_and_sample_as_one_process"]),
     Mistake("pp-checkpointing-set-on-the-container", 9, C9,
             [("    for part in raw_model.parts:\n        part.grad_checkpointing = "
               "args.grad_checkpointing\n",
@@ -972,15 +979,17 @@ CATALOGUE = [
             "back to the tokens' ranks", "AllToAll, whose backward is the opposite all-to-all  "
             "# EP 4", [MOE_EQUAL]),
     Mistake("moe-gates-detached", 12, C12,
-            [("        gates = gates / gates.sum(dim=-1, keepdim=True)  # EP 7: rescaled to add up "
-              "to 1\n", "        gates = (gates / gates.sum(dim=-1, keepdim=True)).detach()\n")],
+            [("            gates = gates / gates.sum(dim=-1, keepdim=True)  # else the router "
+              "learns nothing\n",
+              "            gates = (gates / gates.sum(dim=-1, keepdim=True)).detach()\n")],
             "the gates detached: the router learns from the balance loss alone",
             "gates kept in the graph  # EP 7",
             [T_MOE + "test_the_layer_sends_each_token_to_its_k_experts_and_the_router_learns_"
              "through_the_gates"]),
     Mistake("moe-gates-not-rescaled", 12, C12,
-            [("        gates = gates / gates.sum(dim=-1, keepdim=True)  # EP 7: rescaled to add up "
-              "to 1\n", "")],
+            [("        if self.top_k > 1:  # EP 7: rescaled to add up to 1; one expert keeps its "
+              "probability,\n            gates = gates / gates.sum(dim=-1, keepdim=True)  # else "
+              "the router learns nothing\n", "")],
             "the K chosen probabilities used as gates as they are, not rescaled to add up to 1",
             "gates / gates.sum(dim=-1, keepdim=True)  # EP 7",
             [T_MOE + "test_the_layer_sends_each_token_to_its_k_experts_and_the_router_learns_"
@@ -991,8 +1000,9 @@ CATALOGUE = [
             "each rank numbers its experts from 0: seeded alike, saved under one another's names",
             "experts keyed by their number in the block  # EP 2", [MOE_EQUAL]),
     Mistake("moe-shares-of-one-rank", 12, C12,
-            [("        sums = probs.sum(dim=0)  # differentiable, unlike the counts\n",
-              "        sums = probs.sum(dim=0)  # differentiable, unlike the counts\n"
+            [("        counts, sums = routed_and_sent, probs.sum(dim=0)  # the sums are "
+              "differentiable\n",
+              "        counts, sums = routed_and_sent, probs.sum(dim=0)\n"
               "        if self.training:\n"
               "            self.load = counts if self.load is None else self.load + counts\n"),
              ("        if self.training:  # the log's shares: training micro-batches only\n"
@@ -1024,6 +1034,54 @@ CATALOGUE = [
             "the balance loss's all-reduce passes each rank's own gradient back, not every "
             "rank's", "SumOverRanks.backward all-reduces  # EP 3", [MOE_EQUAL],
             ["--aux-weight", "1"]),
+    Mistake("moe-export-of-local-shards", 12, C12,
+            [("            whole = p.full_tensor()  # EP 2: a collective over the column that holds the "
+              "expert", "            whole = p.to_local()")],
+            "the export takes each rank's shard of its experts, not the expert gathered over its "
+            "column: right only where a column is one rank", "p.full_tensor()  # EP 2",
+            [T_MOE + "test_the_export_at_ep_2_holds_every_expert_and_samples_in_one_process"]),
+    Mistake("moe-capacity-in-evaluation", 12, C12,
+            [("        if not (self.capacity_factor and self.training):",
+              "        if not self.capacity_factor:")],
+            "the capacity applied in evaluation too: the validation loss drops copies",
+            "dropless evaluation: capacity in training only  # EP 4",
+            [T_MOE + "test_a_capacity_drops_copies_and_the_run_then_depends_on_its_layout"],
+            ["--capacity-factor", "1.0"]),
+    Mistake("moe-router-softmax-in-bf16", 12, C12,
+            [(".float().softmax(dim=-1)  # EP 7", ".softmax(dim=-1)  # EP 7")],
+            "the router's softmax in the compute dtype: under bf16 the probabilities and the "
+            "balance loss round", "the softmax in fp32  # EP 7", [T_LAYER], ["--amp", "bf16"]),
+    Mistake("moe-gate-on-the-input", 12, C12,
+            [("        out = self.dispatch(x[kept // self.top_k], sent)",
+              "        out = self.dispatch(x[kept // self.top_k] * gates.flatten()[kept, None]"
+              ".to(x.dtype), sent)"),
+             ("        return (out * gates.unsqueeze(-1).to(out.dtype)).sum(dim=1).view(B, T, C)",
+              "        return out.sum(dim=1).view(B, T, C)")],
+            "the gate scales the token sent to the expert, not the expert's output",
+            "the outputs weighted by the gates  # EP 7", [T_LAYER]),
+    Mistake("moe-balance-of-the-gates", 12, C12,
+            [("        self.aux = self.balance_loss(probs, torch.stack([counts, sent]))",
+              "        self.aux = self.balance_loss(torch.zeros_like(probs).scatter(-1, chosen, "
+              "gates), torch.stack([counts, sent]))")],
+            "P_e taken from the chosen experts' gates, not every expert's probability",
+            "P_e: the mean router probability  # EP 3", [T_LAYER]),
+    Mistake("moe-balance-per-layer-averaged", 12, C12,
+            [("            loss = loss + self.aux_weight * sum(moe.aux for moe in mixtures(self))",
+              "            loss = loss + self.aux_weight * sum(moe.aux for moe in mixtures(self)) / "
+              "len(self.blocks)")],
+            "the blocks' balance losses averaged, not added: --aux-weight per block no longer",
+            "--aux-weight times every block's  # EP 3", [T_LAYER]),
+    Mistake("moe-balance-without-e", 12, C12,
+            [("        return self.experts_total * (routed / routed.sum() * sums / tokens).sum()",
+              "        return (routed / routed.sum() * sums / tokens).sum()")],
+            "the balance loss without its factor E: 1 / E when even, and E times weaker",
+            "E x sum_e f_e P_e  # EP 3", [T_LAYER]),
+    Mistake("moe-one-gate-rescaled", 12, C12,
+            [("        if self.top_k > 1:  # EP 7: rescaled to add up to 1; one expert keeps its "
+              "probability,\n", "        if True:\n")],
+            "the gates rescaled at K = 1 too: the one gate is always 1 and the router learns "
+            "nothing from the loss", "one expert keeps its probability  # EP 7", [T_LAYER],
+            ["--experts-per-token", "1"]),
 ]
 
 

@@ -90,7 +90,8 @@ def runs(tmp_path_factory):
             "noisy": command(MOE, [*NOISY, *EXPERTS, "--ep", 2, "--export", ""], nproc=2),
             "noisy ep1": command(MOE, [*NOISY, *EXPERTS, "--export", ""], nproc=2),
             "grid": command("tests/probe_moe.py", ["record", d / "grid", *FLAGS, *EXPERTS, "--ep",
-                                                   2, "--batch-size", 3], nproc=4),
+                                                   2, "--batch-size", 3, "--export",
+                                                   d / "grid.pt"], nproc=4),
             }
     started = {name: start(cmd, REPO) for name, cmd in cmds.items()}
     # two nodes of one process through chapter 4's launcher, rank 1 killed as step 3 begins and
@@ -117,7 +118,7 @@ def runs(tmp_path_factory):
     one["roomy"] = in_process(MOE, [*FLAGS, *EXPERTS, *CAPACITY[:-1], 2.0, "--batch-size", 12])
     ddp = ddp_dropout_reference()[0]  # chapter 3 at 2 processes, with dropout
     r = {name: ok(finish(proc, cmds[name])) for name, proc in started.items()}
-    r["restarted"] = restarted()[0]
+    r["restarted"] = next(out for out in restarted() if "world size 2 " in out)  # rank 0's node
     r["resumed"] = in_process(MOE, [*FLAGS, *EXPERTS, "--batch-size", 12, "--resume", d / "ck"])
     return {**r, "one": one, "recorded": recorded, "dir": d, "ddp": ddp}
 
@@ -203,11 +204,14 @@ def test_two_nodes_restarted_after_a_kill_and_resumed_at_ep_1_log_the_uninterrup
 
 
 def test_the_export_at_ep_2_holds_every_expert_and_samples_in_one_process(runs):
-    ep2 = torch.load(runs["dir"] / "ep2.pt", weights_only=True)["model"]
+    """At --ep 2 on 2 processes (each expert whole on one rank) and on 4 (2 x 2: each expert
+    sharded over a column), the export holds one process's weights, every expert's."""
     one = torch.load(runs["dir"] / "one.pt", weights_only=True)["model"]
-    assert ep2.keys() == one.keys() and "blocks.1.mlp.experts.3.2.weight" in ep2
-    for name, w in one.items():  # 8 AdamW steps of 3e-3 move a weight by up to 0.024
-        assert torch.allclose(ep2[name], w, rtol=0, atol=1e-5), name
+    for name in ("grid", "ep2"):
+        ep2 = torch.load(runs["dir"] / f"{name}.pt", weights_only=True)["model"]
+        assert ep2.keys() == one.keys() and "blocks.1.mlp.experts.3.2.weight" in ep2
+        for key, w in one.items():  # 8 AdamW steps of 3e-3 move a weight by up to 0.024
+            assert torch.allclose(ep2[key], w, rtol=0, atol=1e-5), (name, key)
     a, b = ep2["blocks.0.mlp.experts.2.0.weight"], ep2["blocks.0.mlp.experts.0.0.weight"]
     assert not torch.allclose(a, b, atol=1e-3)  # the control: each expert its own weights
     texts = [in_process(MOE, ["--sample", "--ckpt", runs["dir"] / f"{name}.pt", "--prompt",
@@ -228,6 +232,8 @@ def test_a_capacity_drops_copies_and_the_run_then_depends_on_its_layout(runs):
     assert sorted(losses(ep2)) == sorted(losses(one)) == [1, 2, 3]
     assert abs(losses(ep2)[3] - losses(one)[3]) > 1e-4
     assert "| dropped 0.0%" in roomy
+    for out in (ep2, one):  # evaluation is dropless: before any step, the dropless run's loss
+        assert val_losses(out)[0] == pytest.approx(val_losses(runs["one"]["moe"])[0], abs=1e-4)
     for step in (1, 2, 3):
         assert losses(roomy)[step] == pytest.approx(losses(runs["one"]["moe"])[step], rel=1e-6)
 
@@ -241,23 +247,40 @@ def test_benchmark_scaling_reads_the_moe_trainers_summary(runs):
 
 
 def test_the_layer_sends_each_token_to_its_k_experts_and_the_router_learns_through_the_gates():
-    """In one plain process (no group: every expert here), the mixture's output is, token by
-    token, the gate-weighted sum of its K likeliest experts' outputs, the gates rescaled to add up
-    to 1 (the control: with the router's raw probabilities it differs); with no balance loss the
-    router still gets a gradient, through the gates."""
+    """In one plain process (no group: every expert here), checked against formulas written out
+    here: the mixture's output is, token by token, the gate-weighted sum of its K likeliest
+    experts' outputs, the gates rescaled to add up to 1 (the control: with the raw probabilities
+    it differs; at K = 1 the raw probability is the gate); its balance loss is E x sum_e f_e P_e;
+    the model's loss is the cross-entropy plus --aux-weight times every block's; with no balance
+    loss the router still gets a gradient, through the gates, at K = 2 and at K = 1; in bf16 the
+    router's softmax, and so the balance loss, is fp32."""
     torch.manual_seed(0)
-    layer = moe.MixtureOfExperts(8, experts=4, top_k=2, held=range(4))
-    x = torch.randn(2, 5, 8)
-    out = layer(x)
-    probs = layer.router(x.view(10, 8)).softmax(dim=-1)
-    top, chosen = probs.topk(2, dim=-1)
-    for raw, differs in ((False, False), (True, True)):
-        gates = top if raw else top / top.sum(dim=-1, keepdim=True)
-        ref = torch.stack([sum(g * layer.experts[str(int(e))](t) for g, e in zip(gs, es))
-                           for t, gs, es in zip(x.view(10, 8), gates, chosen)])
-        assert torch.allclose(out.view(10, 8), ref, atol=1e-6) != differs
-    out.square().sum().backward()
-    assert layer.router.weight.grad.abs().sum() > 0
+    for k in (2, 1):
+        layer = moe.MixtureOfExperts(8, experts=4, top_k=k, held=range(4))
+        x = torch.randn(2, 5, 8)
+        out = layer(x)
+        probs = layer.router(x.view(10, 8)).softmax(dim=-1)
+        top, chosen = probs.topk(k, dim=-1)
+        for raw in (False, True):
+            gates = top if raw or k == 1 else top / top.sum(dim=-1, keepdim=True)
+            ref = torch.stack([sum(g * layer.experts[str(int(e))](t) for g, e in zip(gs, es))
+                               for t, gs, es in zip(x.view(10, 8), gates, chosen)])
+            close = torch.allclose(out.view(10, 8), ref, atol=1e-6)
+            assert close == (not raw or k == 1), (k, raw)
+        f = torch.bincount(chosen.flatten(), minlength=4) / chosen.numel()
+        assert layer.aux.item() == pytest.approx(4 * (f * probs.mean(dim=0)).sum().item(), rel=1e-6)
+        out.square().sum().backward()
+        assert layer.router.weight.grad.abs().sum() > 1e-4, k
+    model = moe.mixture_gpt({"vocab_size": 16, "block_size": 8, "n_layer": 2, "n_head": 2,
+                             "n_embd": 8, "dropout": 0.0, "experts": 4, "top_k": 2})
+    model.aux_weight = 0.5
+    idx = torch.randint(0, 16, (2, 8))
+    logits, loss = model(idx, idx)
+    plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten())
+    aux = [m.aux for m in moe.mixtures(model)]
+    assert len(aux) == 2 and loss.item() == pytest.approx((plain + 0.5 * sum(aux)).item())
+    model.to(torch.bfloat16)(idx, idx)
+    assert {m.aux.dtype for m in moe.mixtures(model)} == {torch.float32}
 
 
 @pytest.mark.parametrize("flags,words", [

@@ -9,6 +9,8 @@ real torchrun launches on CPU/gloo. These tests prove:
    dp 2 x pp 2 at 4 processes logs the losses and gradient norms of 2 DDP processes; the gradient
    norm is the global one (across the stages and the shards: each stage alone has a smaller one);
    with dropout, --pp 1 draws one process's masks, and at dp 2 x pp 2 every rank draws its own;
+   three ranks of two interleaved stages each (6 blocks) evaluate and sample as one process, each
+   forward going round the ranks twice;
 2. the stages: the blocks are cut into contiguous runs that cover them once (any --n-layer and
    --pp); a column's stages read the same windows, the columns different ones, and column j reads
    what DDP's rank j reads; each stage holds its part of the model (the parameters add up to the
@@ -63,6 +65,10 @@ THREE = SHARDED + ["--n-layer", 3, "--batch-size", 3, "--grad-accum", 4, "--clip
 FOUR = SHARDED + ["--n-layer", 4, "--batch-size", 3, "--grad-accum", 4, "--eval-windows", 13,
                   "--eval-every", 4]
 INTERLEAVED = ["--pp", 2, "--schedule", "interleaved-1f1b", "--stages-per-rank", 2]
+# six blocks, 3 micro-batches of 2 a step, one step, 7 validation windows, a greedy sample
+SIX = SHARDED + ["--n-layer", 6, "--batch-size", 2, "--grad-accum", 3, "--max-steps", 1,
+                 "--eval-every", 1, "--eval-windows", 7, "--save", "", "--top-k", 1,
+                 "--max-new-tokens", 16]
 
 
 
@@ -139,8 +145,14 @@ def runs(tmp_path_factory):
     r["nodes"] = outs[0]
     cmd = command(PP, CLIPPED + ["--pp", 2, "--export", ""], nproc=4)
     proc = start(cmd, REPO)
+    # three ranks of two interleaved stages each: 6 blocks, a step, evaluated and sampled
+    six_cmd = command(PP, SIX + ["--pp", 3, "--schedule", "interleaved-1f1b",
+                                 "--stages-per-rank", 2, "--export", ""], nproc=3)
+    six = start(six_cmd, REPO)
     one_process_clipped()  # meanwhile: the same global batch in this process
+    r["one of six"] = in_process(GPT, SIX)  # chapter 3
     r["clipped"] = ok(finish(proc, cmd))
+    r["six"] = ok(finish(six, six_cmd))
     return r
 
 
@@ -206,6 +218,21 @@ def test_interleaved_stages_compute_what_one_process_computes_from_chapter_7s_ch
     sampled = in_process(GPT, ["--sample", "--ckpt", runs["dir"] / "il.pt", "--prompt", "\n",
                                "--top-k", 1, "--max-new-tokens", 16])
     assert len(sampled) > 10 and out.split("sample:\n", 1)[1] == sampled, (out, sampled)
+
+
+def test_three_ranks_of_interleaved_stages_evaluate_and_sample_as_one_process(runs):
+    """At --pp 3 with two stages a rank (6 blocks), each forward of evaluation and sampling goes
+    round the three ranks twice, each rank receiving from the one before it in the ring (rank 0
+    from rank 2): the step's loss, the validation losses before and after it, and the greedy
+    sample (16 tokens, each a forward round the ranks) are chapter 3's in one process at the same
+    global batch."""
+    out, one = runs["six"], runs["one of six"]
+    assert "world size 3 (3 pp x 1 dp) |" in out and "stages 0, 3 (embeddings, blocks 0, 3)" in out
+    assert losses(out)[1] == pytest.approx(losses(one)[1], rel=1e-5)
+    assert sorted(val_losses(out)) == [0, 1]
+    assert val_losses(out) == pytest.approx(val_losses(one), abs=2e-4)
+    assert val_losses(out)[1] != pytest.approx(val_losses(out)[0], abs=1e-3)  # a control
+    assert out.split("sample:\n", 1)[1] == one.split("sample:\n", 1)[1], (out, one)
 
 
 def test_gpipe_at_three_stages_computes_what_one_process_computes_and_resumes_anywhere(runs):
