@@ -1332,6 +1332,11 @@ def read_checkpoint(path):
         raise InputError(f"cannot read checkpoint {path}: {reason}") from None
     if not all_finite(state["model"]):
         raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
+    unknown = set(state["config"]) - {"vocab_size", "block_size", "n_layer", "n_head", "n_embd",
+                                      "dropout"}
+    if unknown:  # a model with parts that this script's GPT has not
+        raise InputError(f"{path} holds a model with {', '.join(sorted(unknown))}, which this "
+                         "script's GPT has not: sample it with the script that trained it")
     return state
 
 

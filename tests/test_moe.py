@@ -14,7 +14,7 @@
    sharded by FSDP over a column of 2 ranks) and at --ep 4 (one expert a rank), the losses and
    gradient norms are one process's too (1e-5); the export at --ep 2 holds every expert, with one
    process's weights (1e-5, each expert its own: the control), and samples its text in one
-   plain process;
+   plain process; chapter 3's --sample refuses it in one line (exit code 2);
 2. --experts 0 is the dense model, and dropout draws DDP's masks: with dropout, a clip that binds
    and a padded validation, --experts 0 at 2 processes logs chapter 3's losses, gradient norms and
    validation losses at 2 processes (DDP), and with experts --ep 2 logs --ep 1's at 2 processes;
@@ -218,6 +218,9 @@ def test_the_export_at_ep_2_holds_every_expert_and_samples_in_one_process(runs):
                               "def ", "--top-k", 0, "--max-new-tokens", 24])  # drawn, seed 0
              for name in ("ep2", "one")]
     assert texts[0] == texts[1] and len(set(texts[0])) > 8
+    refused = as_script("train_ddp_minigpt.py", ["--sample", "--ckpt", runs["dir"] / "ep2.pt"])
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "holds a model with experts, top_k, which this script's GPT has not" in refused.stderr
 
 
 def test_a_capacity_drops_copies_and_the_run_then_depends_on_its_layout(runs):
@@ -279,8 +282,19 @@ def test_the_layer_sends_each_token_to_its_k_experts_and_the_router_learns_throu
     plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten())
     aux = [m.aux for m in moe.mixtures(model)]
     assert len(aux) == 2 and loss.item() == pytest.approx((plain + 0.5 * sum(aux)).item())
-    model.to(torch.bfloat16)(idx, idx)
-    assert {m.aux.dtype for m in moe.mixtures(model)} == {torch.float32}
+    layer = moe.MixtureOfExperts(8, experts=4, top_k=2, held=range(4))
+    x = torch.randn(2, 5, 8)
+    out = layer(x)
+    layer.capacity_factor = 0.5  # at most 5 of the 20 copies an expert: some must drop
+    assert not torch.allclose(layer(x), out)  # the control: in training, copies dropped
+    layer.eval()
+    assert torch.equal(layer(x), out)  # evaluation stays dropless
+    layer.to(torch.bfloat16)(x.bfloat16())  # the router's logits in bf16, its softmax in fp32
+    logits = layer.router(x.view(10, 8).bfloat16())
+    for probs, same in ((logits.float().softmax(dim=-1), True), (logits.softmax(dim=-1), False)):
+        f = torch.bincount(probs.topk(2, dim=-1).indices.flatten(), minlength=4) / 20
+        ref = 4 * (f * probs.float().mean(dim=0)).sum()
+        assert (layer.aux.item() == pytest.approx(ref.item(), rel=1e-6)) == same
 
 
 @pytest.mark.parametrize("flags,words", [
