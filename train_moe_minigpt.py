@@ -680,10 +680,12 @@ def mixture_gpt(config, held=None):  # EP 2
     """The GPT of config; with config["experts"] E, each block's MLP becomes a mixture of E
     experts, of which this rank builds those in `held` (all of them by default)."""
     experts, top_k = config.get("experts", 0), config.get("top_k", 1)
-    dense = {k: v for k, v in config.items() if k not in ("experts", "top_k")}
+    shared = config.get("shared_expert", False)
+    dense = {k: v for k, v in config.items() if k not in ("experts", "top_k", "shared_expert")}
     model = GPT(**dense)
     for block in model.blocks if experts else []:
-        block.mlp = MixtureOfExperts(config["n_embd"], experts, top_k, held or range(experts))
+        block.mlp = MixtureOfExperts(config["n_embd"], experts, top_k, held or range(experts),
+                                     shared)
     return model
 
 
@@ -703,11 +705,13 @@ class MixtureOfExperts(nn.Module):
     """E experts in place of a block's MLP, and a router that sends each token to K of them.
     Every token reaches its K experts, wherever they live, unless a capacity drops some."""
 
-    def __init__(self, n_embd, experts, top_k, held):
+    def __init__(self, n_embd, experts, top_k, held, shared=False):
         super().__init__()
         self.experts_total, self.top_k = experts, top_k
         self.router = nn.Linear(n_embd, experts, bias=False)  # EP 7: a score per expert
         self.experts = Experts(n_embd, 4 * n_embd // top_k, held)  # K of them: one MLP's size
+        # A shared expert, as wide as a routed one, runs on every token (--shared-expert).
+        self.shared = Experts(n_embd, 4 * n_embd // top_k, [0]) if shared else None
         self.capacity_factor = None  # None: dropless; c: at most c x copies / E an expert
         self.groups = None  # set once the process group exists; None: one plain process
         self.aux, self.load = None, None  # the last balance loss; the log's counts of copies
@@ -728,7 +732,10 @@ class MixtureOfExperts(nn.Module):
         # Back in token order: row t x K + k holds token t's k-th expert's output. A dropped
         # copy's row stays zero: it adds nothing, and its token goes on by the residual.
         out = out.new_zeros(B * T * self.top_k, C).index_copy(0, kept, out).view(B * T, -1, C)
-        return (out * gates.unsqueeze(-1).to(out.dtype)).sum(dim=1).view(B, T, C)
+        out = (out * gates.unsqueeze(-1).to(out.dtype)).sum(dim=1)
+        if self.shared is not None:  # every token's own expert, beside the K routed ones
+            out = out + self.shared(x, [B * T])
+        return out.view(B, T, C)
 
     def within_capacity(self, order, counts):  # EP 4
         """The sorted copies that reach their experts, and how many each expert gets. Dropless:
@@ -1008,6 +1015,8 @@ def parse_args(argv=None):
       help="experts per block, each 4 x --n-embd / K wide; 0 = the dense model (default: 4)")
     a("--experts-per-token", type=int, default=2, metavar="K",  # EP 7
       help="K: the experts each token goes to (top-k routing), 1 to E (default: 2)")
+    a("--shared-expert", action="store_true",  # EP 2
+      help="one more expert in each block, on every token, beside the K routed ones")
     a("--aux-weight", type=positive(float, zero_ok=True), default=0.01, metavar="W",  # EP 3
       help="weight of each block's load-balancing loss in the loss (default: 0.01)")
     a("--capacity-factor", type=positive(float), default=None, metavar="C",  # EP 4
@@ -1109,6 +1118,8 @@ def bad_experts(args):  # EP 7
                 "4 x --n-embd / K wide")
     if ep > 1 and (not e or e % ep):
         return f"--ep {ep} must divide --experts {e}: each rank of a row holds as many experts"
+    if args.shared_expert and not e:
+        return "--shared-expert needs --experts"
     c = args.capacity_factor
     if c is not None and (not e or not math.isfinite(c)):
         return f"--capacity-factor {c} needs --experts and a finite value"
@@ -1255,6 +1266,8 @@ def model_config(args, vocab_size):
               "n_head": args.n_head, "n_embd": args.n_embd, "dropout": args.dropout}
     if args.experts:  # EP 2: without experts, the dense model's config, checkpoints alike
         config.update(experts=args.experts, top_k=args.experts_per_token)
+        if args.shared_expert:
+            config["shared_expert"] = True
     return config
 
 
@@ -1433,7 +1446,7 @@ def read_checkpoint(path):
     if not all_finite(state["model"]):
         raise InputError(f"{path} holds weights that are not finite: use an earlier checkpoint")
     unknown = set(state["config"]) - {"vocab_size", "block_size", "n_layer", "n_head", "n_embd",
-                                      "dropout", "experts", "top_k"}  # EP 2: experts known here
+                                      "dropout", "experts", "top_k", "shared_expert"}  # EP 2
     if unknown:  # a model with parts that this script's GPT has not
         raise InputError(f"{path} holds a model with {', '.join(sorted(unknown))}, which this "
                          "script's GPT has not: sample it with the script that trained it")
@@ -1483,6 +1496,8 @@ def experts_line(args, held):  # EP 2: what a token uses, against the dense mode
         line += (f" | capacity {args.capacity_factor}: at most "
                  f"{math.ceil(args.capacity_factor * copies / e)} of a rank's {copies} copies "
                  "per expert, the rest dropped")
+    if args.shared_expert:  # EP 2: one more expert, on every token
+        line += f" | a shared expert too: {(k + 1) * expert:,} parameters a token"
     return line
 
 

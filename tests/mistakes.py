@@ -1054,8 +1054,8 @@ CATALOGUE = [
             [("        out = self.dispatch(x[kept // self.top_k], sent)",
               "        out = self.dispatch(x[kept // self.top_k] * gates.flatten()[kept, None]"
               ".to(x.dtype), sent)"),
-             ("        return (out * gates.unsqueeze(-1).to(out.dtype)).sum(dim=1).view(B, T, C)",
-              "        return out.sum(dim=1).view(B, T, C)")],
+             ("        out = (out * gates.unsqueeze(-1).to(out.dtype)).sum(dim=1)",
+              "        out = out.sum(dim=1)")],
             "the gate scales the token sent to the expert, not the expert's output",
             "the outputs weighted by the gates  # EP 7", [T_LAYER]),
     Mistake("moe-balance-of-the-gates", 12, C12,

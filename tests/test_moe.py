@@ -17,7 +17,8 @@
    plain process; chapter 3's --sample refuses it in one line (exit code 2);
 2. --experts 0 is the dense model, and dropout draws DDP's masks: with dropout, a clip that binds
    and a padded validation, --experts 0 at 2 processes logs chapter 3's losses, gradient norms and
-   validation losses at 2 processes (DDP), and with experts --ep 2 logs --ep 1's at 2 processes;
+   validation losses at 2 processes (DDP), and with experts and a shared expert --ep 2 logs
+   --ep 1's at 2 processes;
    the experts change the losses, and so does dropout (the controls);
 3. checkpoints resume at another --ep: saved at --ep 2 on 2 processes (step 4), resumed at --ep 1
    in one process with the same global batch, steps 5 to 8 log the uninterrupted one-process
@@ -58,6 +59,7 @@ moe = trainer(MOE)
 FLAGS = SHARDED + ["--clip", "2.0", "--eval-windows", 13, "--max-steps", 8, "--eval-every", 8,
                    "--save", "", "--export", ""]
 EXPERTS = ["--experts", 4, "--experts-per-token", 2, "--aux-weight", 0.01]
+SHARED = EXPERTS + ["--shared-expert"]  # one more expert, on every token
 CAPACITY = ["--max-steps", 3, "--eval-every", 3, "--capacity-factor", 1.0]
 
 CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not held yet
@@ -87,8 +89,8 @@ def runs(tmp_path_factory):
                                                   4, "--batch-size", 3], nproc=4),
             "capacity": command(MOE, [*FLAGS, *EXPERTS, *CAPACITY, "--ep", 2], nproc=2),
             "dense": command(MOE, [*NOISY, "--experts", 0, "--export", ""], nproc=2),
-            "noisy": command(MOE, [*NOISY, *EXPERTS, "--ep", 2, "--export", ""], nproc=2),
-            "noisy ep1": command(MOE, [*NOISY, *EXPERTS, "--export", ""], nproc=2),
+            "noisy": command(MOE, [*NOISY, *SHARED, "--ep", 2, "--export", ""], nproc=2),
+            "noisy ep1": command(MOE, [*NOISY, *SHARED, "--export", ""], nproc=2),
             "grid": command("tests/probe_moe.py", ["record", d / "grid", *FLAGS, *EXPERTS, "--ep",
                                                    2, "--batch-size", 3, "--export",
                                                    d / "grid.pt"], nproc=4),
@@ -116,6 +118,8 @@ def runs(tmp_path_factory):
         moe.train_step = step
     one["capacity"] = in_process(MOE, [*FLAGS, *EXPERTS, *CAPACITY, "--batch-size", 12])
     one["roomy"] = in_process(MOE, [*FLAGS, *EXPERTS, *CAPACITY[:-1], 2.0, "--batch-size", 12])
+    one["still"] = in_process(MOE, [*FLAGS, "--experts", 0, "--batch-size", 12,
+                                    "--max-steps", 1])  # no dropout
     ddp = ddp_dropout_reference()[0]  # chapter 3 at 2 processes, with dropout
     r = {name: ok(finish(proc, cmds[name])) for name, proc in started.items()}
     r["restarted"] = next(out for out in restarted() if "world size 2 " in out)  # rank 0's node
@@ -175,7 +179,7 @@ def test_no_experts_is_the_dense_model_and_dropout_draws_ddps_masks(runs):
     assert norms(noisy) == pytest.approx(norms(ep1), rel=1e-5)
     assert val_losses(noisy) == pytest.approx(val_losses(ep1), abs=1e-4)
     assert abs(losses(noisy)[4] - losses(dense)[4]) > 1e-3  # the control: experts differ
-    assert abs(losses(noisy)[1] - losses(runs["ep2"])[1]) > 1e-3  # dropout was on
+    assert abs(losses(dense)[1] - losses(runs["one"]["still"])[1]) > 1e-3  # dropout was on
 
 
 def test_the_policy_computes_in_bf16_and_reduces_gradients_in_fp32():
@@ -274,6 +278,12 @@ def test_the_layer_sends_each_token_to_its_k_experts_and_the_router_learns_throu
         assert layer.aux.item() == pytest.approx(4 * (f * probs.mean(dim=0)).sum().item(), rel=1e-6)
         out.square().sum().backward()
         assert layer.router.weight.grad.abs().sum() > 1e-4, k
+    shared = moe.MixtureOfExperts(8, experts=4, top_k=2, held=range(4), shared=True)
+    x = torch.randn(2, 5, 8)
+    routed = shared.state_dict()
+    alone = moe.MixtureOfExperts(8, experts=4, top_k=2, held=range(4))
+    alone.load_state_dict({k: v for k, v in routed.items() if not k.startswith("shared.")})
+    assert torch.allclose(shared(x), alone(x) + shared.shared(x.view(10, 8), [10]).view(2, 5, 8))
     model = moe.mixture_gpt({"vocab_size": 16, "block_size": 8, "n_layer": 2, "n_head": 2,
                              "n_embd": 8, "dropout": 0.0, "experts": 4, "top_k": 2})
     model.aux_weight = 0.5
@@ -305,7 +315,8 @@ def test_the_layer_sends_each_token_to_its_k_experts_and_the_router_learns_throu
     (["--experts", 4, "--experts-per-token", 3], "--experts-per-token 3 must divide 4 x"),
     (["--capacity-factor", 0], "argument --capacity-factor: must be positive, got 0"),
     (["--capacity-factor", "nan"], "--capacity-factor nan needs --experts and a finite value"),
-    (["--experts", 0, "--capacity-factor", 1], "--capacity-factor 1.0 needs --experts")])
+    (["--experts", 0, "--capacity-factor", 1], "--capacity-factor 1.0 needs --experts"),
+    (["--experts", 0, "--shared-expert"], "--shared-expert needs --experts")])
 def test_bad_experts_are_one_line_and_exit_code_2(flags, words):
     result = as_script(MOE, flags)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
@@ -355,7 +366,8 @@ def test_the_ep_pieces_stand_alone_under_torchrun(tmp_path):
     first, last = mine.index("@dataclasses.dataclass\nclass Groups"), mine.index("def main(")
     fresh = mine[:first] + "\n\n\n".join(pieces()[n] for n in PIECES) + "\n\n\n" + mine[last:]
     divided = "            p.grad /= world  # an expert's holds every rank's tokens already\n"
-    mutant = fresh.replace(divided, "            if p not in experts:\n                p.grad /= world\n")
+    mutant = fresh.replace(divided, "            if p not in experts:\n"
+                                    "                p.grad /= world\n")
     assert mutant != fresh
     (tmp_path / "my_moe_ep.py").write_text(fresh)
     (tmp_path / "mutant.py").write_text(mutant)
