@@ -898,11 +898,12 @@ def export(run, raw_model, data):  # FSDP 8: one plain file, as one process save
 def experts_of_the_row(run, raw_model):  # EP 2
     """A collective: on rank 0, every expert's weights whole, on the CPU; elsewhere nothing. Each
     expert is gathered over its column, and the first row's ranks send theirs to rank 0."""
-    mine = {}
+    first_row, mine = run.mesh.get_local_rank("edp") == 0, {}  # one copy of each expert
     for name, p in raw_model.named_parameters():
         if ".experts." in name:
             whole = p.full_tensor()  # EP 2: a collective over the column that holds the expert
-            mine.update({name: whole.cpu()} if run.mesh.get_local_rank("edp") == 0 else {})
+            if first_row:
+                mine[name] = whole.cpu()
     parts = [None] * run.world_size if run.is_main else None
     dist.gather_object(mine, parts, dst=0)  # EP 2: every rank's dict, to rank 0 alone
     return {name: w for part in parts or [] for name, w in part.items()}

@@ -561,6 +561,21 @@ def assert_clipped_run_is_one_processs(out, val_abs=1e-4):
     assert logged_val_losses(out) == pytest.approx(logged_val_losses(one), abs=val_abs)
 
 
+def assert_dropout_run_is_ddps(out):
+    """A NOISY run at 2 replicas logs ddp_dropout_reference()'s losses (1e-5 relative), its
+    gradient norms before clipping (3 decimals) where the clip binds (steps 1 and 2) and where it
+    does not (3 and 4, the control), and its validation losses, the padded evaluation's too."""
+    ddp = ddp_dropout_reference()[0]
+    assert sorted(logged_losses(out)) == sorted(logged_grad_norms(out)) == [1, 2, 3, 4], out
+    for step in range(1, 5):
+        assert logged_losses(out)[step] == pytest.approx(logged_losses(ddp)[step], rel=1e-5), step
+        assert logged_grad_norms(out)[step] == pytest.approx(logged_grad_norms(ddp)[step],
+                                                             abs=2e-3), step
+    norms = logged_grad_norms(ddp)
+    assert [norms[step] > 2.0 for step in range(1, 5)] == [True, True, False, False], norms
+    assert logged_val_losses(out) == pytest.approx(logged_val_losses(ddp), abs=1e-4)
+
+
 def assert_kv_gradients_summed_in_fp32(module, monkeypatch):
     """A chapter's GatherContext.backward under bf16: the reduce-scatter of dK and dV adds in fp32
     and rounds once, at the end (the control: the gradient that comes in is bf16)."""
