@@ -1,0 +1,162 @@
+"""The copy pages of chapters 7-11 hold their chapter's pieces as they stand and train what one
+process trains. For each of docs/fsdp_in_your_trainer.md, docs/tp_in_your_trainer.md,
+docs/pp_in_your_trainer.md and docs/4d_in_your_trainer.md these tests prove that
+
+1. the page holds each piece it names as the chapter's script holds it (a piece that names the
+   script's block insides, "attn.qkv" say, with those names alone replaced by the page model's),
+   its diff block is the real diff between its one-process trainer and its parallel trainer,
+   every page's one-process trainer is the same file, and the parallel trainer is at most 250
+   lines (both together at most 500);
+2. copied afresh out of the script into the page's parallel trainer, the pieces run under
+   torchrun at the page's layouts, and each layout logs the one-process trainer's losses, gradient
+   norms and validation loss (every printed digit; the clip of 1.0 binds in every step, so the
+   norms' scale matters), and rank 0 saves the one-process trainer's final weights, gathered whole
+   (to 1e-5; the control: they moved by more than 0.1 from their start, so a run that does not
+   train, or trains another model, fails);
+3. FSDP's checkpoint of step 8, written by 2 processes, resumes at 1 process (with the gradients
+   reduce-scattered once a step, `last`) with the uninterrupted run's losses and weights.
+
+The pages' launches all start at once in one module fixture, side by side, while the one-process
+trainer runs in this process.
+"""
+import ast
+import difflib
+import re
+import runpy
+
+import pytest
+import torch
+from helpers import REPO, command, finish, ok, run_single, start
+
+PAGES = {  # name: (the chapter's script, the pieces the page copies as they stand)
+    "fsdp": ("train_fsdp_minigpt.py",
+             ["init_distributed", "accumulate_gradients", "mean_over_ranks",
+              "mean_loss_over_ranks", "free_gathered_weights", "save_on_rank_0",
+              "leave_distributed"]),
+}
+LAYOUTS = {  # a launch's name: (its page, processes, arguments)
+    "fsdp": ("fsdp", 2, []),
+}
+# The course's names inside a block, and the page model's, for the pieces that name them.
+RENAMED = {"ln1": "norm1", "ln2": "norm2", "attn.qkv": "attention.to_qkv",
+           "attn.proj": "attention.to_out", "attn": "attention", "mlp.0": "feed_forward.up",
+           "mlp.2": "feed_forward.down", "mlp": "feed_forward"}
+FOUND = r"step (\d+)/\d+ \| loss (\d+\.\d+) \| norm (\d+\.\d+)"
+
+
+def page(name):
+    return REPO / "docs" / f"{name}_in_your_trainer.md"
+
+
+def blocks(name):
+    """The page's one-process trainer, its parallel trainer and its diff block, as text."""
+    found = re.findall(r"^```(?:python|diff)\n(.*?)^```", page(name).read_text(), re.M | re.S)
+    assert len(found) == 3, (name, len(found))
+    return found
+
+
+def pieces(name):
+    """{piece: source} cut out of the page's script from the first decorator or the def or class
+    line, with the course's quoted block names replaced by the page model's."""
+    script, names = PAGES[name]
+    source = (REPO / script).read_text()
+    lines, found = source.splitlines(), {}
+    for n in ast.parse(source).body:
+        if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in names:
+            first = min([n.lineno, *(d.lineno for d in n.decorator_list)]) - 1
+            found[n.name] = renamed("\n".join(lines[first:n.end_lineno]))
+    return found
+
+
+def renamed(text):
+    """The quoted module names of the course's block ("attn.qkv") as the page model names them."""
+    return re.sub(r'"(ln1|ln2|attn\.qkv|attn\.proj|attn|mlp\.0|mlp\.2|mlp)"',
+                  lambda m: f'"{RENAMED[m.group(1)]}"', text)
+
+
+def fresh(name):
+    """The page's parallel trainer with each piece copied afresh out of the script in its place."""
+    parallel = blocks(name)[1]
+    for piece, source in pieces(name).items():
+        start_, end = piece_span(parallel, piece)
+        parallel = parallel[:start_] + source + parallel[end:]
+    return parallel
+
+
+def piece_span(text, piece):
+    """Where the page's copy of a piece starts and ends: from its def or class line (or the
+    decorator above it) to the next top-level line that is not blank."""
+    match = re.search(rf"^(@.*\n)*(def|class) {piece}\b", text, re.M)
+    assert match, piece
+    end = re.compile(r"^\S", re.M).search(text, match.end())
+    stop = end.start() if end else len(text)
+    return match.start(), match.start() + len(text[match.start():stop].rstrip("\n"))
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_the_page_holds_the_scripts_pieces_as_they_stand(name):
+    single, parallel, diff = blocks(name)
+    assert sorted(pieces(name)) == sorted(PAGES[name][1])
+    for piece, source in pieces(name).items():
+        assert source in parallel, f"{page(name).name} lost {piece} as the script has it"
+    real = difflib.unified_diff(single.splitlines(), parallel.splitlines(), "my_gpt_single.py",
+                                f"my_gpt_{name}.py", n=1, lineterm="")
+    assert diff.rstrip("\n") == "\n".join(real)
+    assert len(parallel.splitlines()) <= 250 and len((single + parallel).splitlines()) <= 500
+    assert single == blocks("fsdp")[0]  # one trainer of one's own, for every page
+
+
+def test_a_piece_that_differs_from_the_script_is_found():
+    """The control of the test above: a piece changed by one character is not found."""
+    parallel, source = blocks("fsdp")[1], pieces("fsdp")["mean_over_ranks"]
+    assert source in parallel and source.replace("SUM", "MAX") not in parallel
+    assert renamed('{"attn.qkv": 1, "mlp.2": 2, "ln1": 3}') == (
+        '{"attention.to_qkv": 1, "feed_forward.down": 2, "norm1": 3}')
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every page's layouts, started side by side (each in a folder of its own, where its trainer
+    writes parallel.pt and FSDP its checkpoint), and the one-process trainer's output and weights,
+    run here meanwhile. Returns {launch: (folder, command, process)} and (output, weights)."""
+    launched = {}
+    for launch, (name, nproc, args) in LAYOUTS.items():
+        folder = tmp_path_factory.mktemp(launch)
+        (folder / f"my_gpt_{name}.py").write_text(fresh(name))
+        cmd = command(folder / f"my_gpt_{name}.py", args, nproc=nproc)
+        launched[launch] = (folder, cmd, start(cmd, folder))
+    alone = tmp_path_factory.mktemp("single")
+    (alone / "my_gpt_single.py").write_text(blocks("fsdp")[0])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(alone)  # it saves single.pt where it runs
+        printed = run_single(alone / "my_gpt_single.py")
+    torch.manual_seed(0)  # as the trainer seeds its model: the weights before the first step
+    initial = runpy.run_path(str(alone / "my_gpt_single.py"))["TinyGPT"]().state_dict()
+    weights = torch.load(alone / "single.pt", weights_only=True)
+    assert max((weights[k] - v).abs().max() for k, v in initial.items()) > 0.1  # the control
+    return launched, (printed, weights)
+
+
+def assert_trains_one_processs_model(out, folder, single):
+    """The launch logged the one-process losses, norms and validation loss and saved its weights."""
+    printed, weights = single
+    one, logged = re.findall(FOUND, printed), re.findall(FOUND, out)
+    assert len(one) == 16 and logged == one[-len(logged):], (logged, one)
+    assert re.findall(r"val loss (\d+\.\d+)", out) == re.findall(r"val loss (\d+\.\d+)", printed)
+    assert all(float(norm) > 1.0 for _, _, norm in one)  # the clip binds: the scale matters
+    mine = torch.load(folder / "parallel.pt", weights_only=True)
+    assert sorted(mine) == sorted(weights)
+    for key, value in weights.items():
+        torch.testing.assert_close(mine[key], value, atol=1e-5, rtol=1e-4, msg=key)
+
+
+def test_the_fsdp_page_trains_one_processs_model(runs):
+    launched, single = runs
+    folder, cmd, proc = launched["fsdp"]
+    out = ok(finish(proc, cmd))
+    assert len(re.findall(FOUND, out)) == 16
+    assert_trains_one_processs_model(out, folder, single)
+    resume = command(folder / "my_gpt_fsdp.py", ["resume", "last"], nproc=1)
+    out = ok(finish(start(resume, folder), resume))  # one process, from the 2 processes' step 8
+    assert [step for step, _, _ in re.findall(FOUND, out)] == [str(s) for s in range(9, 17)]
+    assert_trains_one_processs_model(out, folder, single)
