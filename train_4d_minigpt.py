@@ -84,7 +84,7 @@ cp group in fp32. FSDP all-gathers a block's weights over dp x cp before their f
 step, and reduce-scatters the gradients after the step's last backward; then the two end stages
 sum the tied matrix's gradient, and the stages sum their squared gradient norms.
 
-See also: docs/4d.md (the layout, what each group sends, measurements) and docs/performance.md.
+See also: docs/4d.md (the layout, what each group sends, measured), docs/4d_in_your_trainer.md.
 """
 import argparse
 import contextlib

@@ -53,7 +53,7 @@ Tags: `# CP k` marks each line that context parallelism adds or changes, in read
   CP 7   the default --save and --export paths; the files keep the formats of --cp 1
 Lines tagged DDP k or FSDP k mark what chapters 3 and 7 changed; the key of each is in its
 chapter, and most say on the line what it does.
-See also docs/cp.md: the split, the gather and the ring explained and measured.
+See also docs/cp.md (the split, the gather and the ring, measured) and docs/cp_in_your_trainer.md.
 """
 import argparse
 import contextlib

@@ -68,7 +68,7 @@ Lines tagged DDP k mark what chapter 3 changes for DDP; its docstring keys them.
 wrapper), DDP 10 (no_sync) and DDP 15 (the replica check) are not used here; FSDP 7 does no_sync's
 job.
 Lines tagged `# guard:` each avoid one known failure, all before the process group is joined.
-See also docs/fsdp.md (what FSDP holds and sends, measured) and docs/conventions.md.
+See also docs/fsdp.md (what FSDP holds and sends, measured) and docs/fsdp_in_your_trainer.md.
 """
 import argparse
 import contextlib

@@ -76,7 +76,7 @@ micro-batches' activations where 1F1B holds at most two. FSDP reduce-scatters ea
 once, during the last backward (B3); then come the tied gradient's sum, the norm and the step.
 For equal stages the bubble is (pp - 1) / (V x K + pp - 1) of the step: 1/5 here, 1/9 at V = 2.
 
-See also: docs/pp.md (the schedules, the bubble and FSDP's gathers, measured) and docs/mistakes.md.
+See also: docs/pp.md (the schedules, the bubble, FSDP's gathers) and docs/pp_in_your_trainer.md.
 """
 import argparse
 import contextlib

@@ -86,7 +86,7 @@ Tags: each `# TP k` comment marks a line that TP adds or changes, numbered in re
 Lines tagged DDP k or FSDP k mark what chapters 3 and 7 changed; the key of each is in its
 chapter, and most say on the line what it does.
 
-See also: docs/tp.md (why TP stays inside one node, and measurements) and docs/mistakes.md.
+See also: docs/tp.md (why TP stays inside one node, measured) and docs/tp_in_your_trainer.md.
 """
 import argparse
 import contextlib
