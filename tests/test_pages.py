@@ -26,16 +26,21 @@ import runpy
 
 import pytest
 import torch
-from helpers import REPO, command, finish, ok, run_single, start
+from helpers import NEEDS_PP, REPO, command, finish, needs_torch, ok, run_single, start
 
 PAGES = {  # name: (the chapter's script, the pieces the page copies as they stand)
     "fsdp": ("train_fsdp_minigpt.py",
              ["init_distributed", "accumulate_gradients", "mean_over_ranks",
               "mean_loss_over_ranks", "free_gathered_weights", "save_on_rank_0",
               "leave_distributed"]),
+    "pp": ("train_pp_minigpt.py",
+           ["Stage", "stage_blocks", "mean_token_loss", "ends_group", "sum_tied_gradients",
+            "clip_gradients"]),
 }
 LAYOUTS = {  # a launch's name: (its page, processes, arguments)
     "fsdp": ("fsdp", 2, []),
+    "pp": ("pp", 2, []),  # pp 2
+    "dp_pp": ("pp", 4, []),  # dp 2 x pp 2
 }
 # The course's names inside a block, and the page model's, for the pieces that name them.
 RENAMED = {"ln1": "norm1", "ln2": "norm2", "attn.qkv": "attention.to_qkv",
@@ -160,3 +165,13 @@ def test_the_fsdp_page_trains_one_processs_model(runs):
     out = ok(finish(start(resume, folder), resume))  # one process, from the 2 processes' step 8
     assert [step for step, _, _ in re.findall(FOUND, out)] == [str(s) for s in range(9, 17)]
     assert_trains_one_processs_model(out, folder, single)
+
+
+@needs_torch(*NEEDS_PP)
+def test_the_pp_page_trains_one_processs_model(runs):
+    launched, single = runs
+    for launch in ("pp", "dp_pp"):
+        folder, cmd, proc = launched[launch]
+        out = ok(finish(proc, cmd))
+        assert len(re.findall(FOUND, out)) == 16, out
+        assert_trains_one_processs_model(out, folder, single)
