@@ -343,7 +343,7 @@ def block_plan(sp):
                 "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
     whole = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return {"ln1": SequenceParallel(), "attn": whole, "attn.qkv": ColwiseParallel(),  # TP 4
-            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),  # summed, then split by position
+            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),  # reduce-scattered
             "ln2": SequenceParallel(), "mlp": whole, "mlp.0": ColwiseParallel(),
             "mlp.2": RowwiseParallel(output_layouts=Shard(1))}
 
