@@ -447,7 +447,7 @@ def block_plan(sp):
     with_context = PrepareModuleInput(input_layouts=(Shard(1), None),  # attn(x, context): gathers x
                                       desired_input_layouts=(Replicate(), None))
     return {"ln1": SequenceParallel(), "attn": with_context, "attn.qkv": ColwiseParallel(),
-            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),  # 4D 5: reduce-scatter by token
+            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),  # 4D 5: reduce-scattered
             "ln2": SequenceParallel(), "mlp": whole, "mlp.0": ColwiseParallel(),
             "mlp.2": RowwiseParallel(output_layouts=Shard(1))}
 

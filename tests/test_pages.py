@@ -28,7 +28,7 @@ import tokenize
 
 import pytest
 import torch
-from helpers import NEEDS_PP, REPO, command, finish, needs_torch, ok, run_single, start
+from helpers import NEEDS_CP, NEEDS_PP, REPO, command, finish, needs_torch, ok, run_single, start
 
 PAGES = {  # name: (the chapter's script, the pieces the page copies as they stand)
     "fsdp": ("train_fsdp_minigpt.py",
@@ -41,13 +41,19 @@ PAGES = {  # name: (the chapter's script, the pieces the page copies as they sta
     "pp": ("train_pp_minigpt.py",
            ["Stage", "stage_blocks", "mean_token_loss", "ends_group", "sum_tied_gradients",
             "clip_gradients"]),
+    "4d": ("train_4d_minigpt.py",
+           ["Context", "chunk_positions", "GatherContext", "causal_attention", "block_plan",
+            "ends_plan", "Stage", "stage_blocks", "ends_group", "sum_tied_gradients",
+            "clip_gradients", "local"]),
 }
+MODULES = {"4d": "pieces_4d.py"}  # a page whose pieces are a file of their own, which it imports
 LAYOUTS = {  # a launch's name: (its page, processes, arguments)
     "fsdp": ("fsdp", 2, []),
     "tp": ("tp", 2, []),  # dp 1 x tp 2
     "dp_tp": ("tp", 4, []),  # dp 2 x tp 2
     "pp": ("pp", 2, []),  # pp 2
     "dp_pp": ("pp", 4, []),  # dp 2 x pp 2
+    "4d": ("4d", 8, []),  # pp 2 x dp 1 x cp 2 x tp 2
 }
 # The course's names inside a block, and the page model's, for the pieces that name them.
 RENAMED = {"ln1": "norm1", "ln2": "norm2", "attn.qkv": "attention.to_qkv",
@@ -61,10 +67,14 @@ def page(name):
 
 
 def blocks(name):
-    """The page's one-process trainer, its parallel trainer and its diff block, as text."""
+    """The page's one-process trainer, its parallel trainer, its diff block and the file of the
+    pieces (None where the trainer holds them), as text."""
     found = re.findall(r"^```(?:python|diff)\n(.*?)^```", page(name).read_text(), re.M | re.S)
+    if name in MODULES:  # the one-process trainer, the pieces' file, the trainer, the diff
+        assert len(found) == 4, (name, len(found))
+        return found[0], found[2], found[3], found[1]
     assert len(found) == 3, (name, len(found))
-    return found
+    return (*found, None)
 
 
 def pieces(name, rename=True):
@@ -95,12 +105,16 @@ def tokens(source):
 
 
 def fresh(name):
-    """The page's parallel trainer with each piece copied afresh out of the script in its place."""
-    parallel = blocks(name)[1]
+    """{file name: text}: the page's parallel trainer, and the file of its pieces if it has one,
+    with each piece copied afresh out of the script in its place."""
+    _, parallel, _, module = blocks(name)
+    text = module or parallel
     for piece, source in pieces(name).items():
-        start_, end = piece_span(parallel, piece)
-        parallel = parallel[:start_] + source + parallel[end:]
-    return parallel
+        start_, end = piece_span(text, piece)
+        text = text[:start_] + source + text[end:]
+    if module is None:
+        return {f"my_gpt_{name}.py": text}
+    return {f"my_gpt_{name}.py": parallel, MODULES[name]: text}
 
 
 def piece_span(text, piece):
@@ -115,19 +129,20 @@ def piece_span(text, piece):
 
 @pytest.mark.parametrize("name", PAGES)
 def test_the_page_holds_the_scripts_pieces_as_they_stand(name):
-    single, parallel, diff = blocks(name)
+    single, parallel, diff, module = blocks(name)
     assert sorted(pieces(name)) == sorted(PAGES[name][1])
     raw = pieces(name, rename=False)
     for piece, source in pieces(name).items():
-        start_, end = piece_span(parallel, piece)
-        mine = parallel[start_:end]
+        start_, end = piece_span(module or parallel, piece)
+        mine = (module or parallel)[start_:end]
         # A piece whose names the page changed may also rewrap its lines to fit 100 characters.
         rewrapped = source != raw[piece] and tokens(mine) == tokens(source)
         assert mine == source or rewrapped, f"{page(name).name} lost {piece} as the script has it"
     real = difflib.unified_diff(single.splitlines(), parallel.splitlines(), "my_gpt_single.py",
                                 f"my_gpt_{name}.py", n=1, lineterm="")
     assert diff.rstrip("\n") == "\n".join(real)
-    assert len(parallel.splitlines()) <= 250 and len((single + parallel).splitlines()) <= 500
+    assert len(parallel.splitlines()) <= 250
+    assert len((single + (module or "") + parallel).splitlines()) <= 500
     assert single == blocks("fsdp")[0]  # one trainer of one's own, for every page
 
 
@@ -150,7 +165,8 @@ def runs(tmp_path_factory):
     launched = {}
     for launch, (name, nproc, args) in LAYOUTS.items():
         folder = tmp_path_factory.mktemp(launch)
-        (folder / f"my_gpt_{name}.py").write_text(fresh(name))
+        for file, text in fresh(name).items():
+            (folder / file).write_text(text)
         cmd = command(folder / f"my_gpt_{name}.py", args, nproc=nproc)
         launched[launch] = (folder, cmd, start(cmd, folder))
     alone = tmp_path_factory.mktemp("single")
@@ -207,3 +223,12 @@ def test_the_tp_page_trains_one_processs_model(runs):
         out = ok(finish(proc, cmd))
         assert len(re.findall(FOUND, out)) == 16, out
         assert_trains_one_processs_model(out, folder, single)
+
+
+@needs_torch(*NEEDS_CP)
+def test_the_4d_page_trains_one_processs_model(runs):
+    launched, single = runs
+    folder, cmd, proc = launched["4d"]
+    out = ok(finish(proc, cmd))
+    assert len(re.findall(FOUND, out)) == 16, out
+    assert_trains_one_processs_model(out, folder, single)
