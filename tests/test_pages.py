@@ -158,12 +158,15 @@ def test_a_piece_that_differs_from_the_script_is_found():
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every page's layouts, started side by side (each in a folder of its own, where its trainer
-    writes parallel.pt and FSDP its checkpoint), and the one-process trainer's output and weights,
-    run here meanwhile. Returns {launch: (folder, command, process)} and (output, weights)."""
-    launched = {}
+def runs(request, tmp_path_factory):
+    """The layouts of every page whose test runs (`-k tp` starts only TP's), started side by side
+    (each in a folder of its own, where its trainer writes parallel.pt and FSDP its checkpoint),
+    and the one-process trainer's output and weights, run here meanwhile. Returns {launch:
+    (folder, command, process)} and (output, weights)."""
+    selected, launched = {item.name for item in request.session.items}, {}
     for launch, (name, nproc, args) in LAYOUTS.items():
+        if f"test_the_{name}_page_trains_one_processs_model" not in selected:
+            continue
         folder = tmp_path_factory.mktemp(launch)
         for file, text in fresh(name).items():
             (folder / file).write_text(text)
