@@ -48,7 +48,7 @@ PAGES = {  # name: (the chapter's script, the pieces the page copies as they sta
 }
 MODULES = {"4d": "pieces_4d.py"}  # a page whose pieces are a file of their own, which it imports
 LAYOUTS = {  # a launch's name: (its page, processes, arguments)
-    "fsdp": ("fsdp", 2, []),
+    "fsdp": ("fsdp", 2, []),  # through WATCH_FSDP
     "tp": ("tp", 2, []),  # dp 1 x tp 2
     "dp_tp": ("tp", 4, []),  # dp 2 x tp 2
     "pp": ("pp", 2, []),  # pp 2
@@ -60,6 +60,29 @@ RENAMED = {"ln1": "norm1", "ln2": "norm2", "attn.qkv": "attention.to_qkv",
            "attn.proj": "attention.to_out", "attn": "attention", "mlp.0": "feed_forward.up",
            "mlp.2": "feed_forward.down", "mlp": "feed_forward"}
 FOUND = r"step (\d+)/\d+ \| loss (\d+\.\d+) \| norm (\d+\.\d+)"
+# Runs the FSDP page's main() with three of its calls watched, each rank telling stderr what it saw:
+# the rows each step's micro-batches hold, the FSDP units built, the entries the export gathered.
+WATCH_FSDP = """import runpy
+import sys
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+g = runpy.run_path("my_gpt_fsdp.py")["main"].__globals__
+def watch(name, said):
+    real = g[name]
+    def watched(*args, **kwargs):
+        out = real(*args, **kwargs)
+        sys.stderr.write(f"rank {dist.get_rank()} {said(args, out)}\\n")  # one write: whole lines
+        return out
+    g[name] = watched
+watch("accumulate_gradients", lambda args, out: f"rows {sum(len(x) for x, _ in args[1])}")
+watch("build_sharded", lambda args, out: "units %d" % sum(
+    isinstance(m, FSDPModule) for m in out.modules()))
+watch("get_model_state_dict", lambda args, out: f"gathered {len(out)}")
+try:
+    g["main"]()
+finally:
+    g["leave_distributed"]()
+"""
 
 
 def page(name):
@@ -170,7 +193,9 @@ def runs(request, tmp_path_factory):
         folder = tmp_path_factory.mktemp(launch)
         for file, text in fresh(name).items():
             (folder / file).write_text(text)
-        cmd = command(folder / f"my_gpt_{name}.py", args, nproc=nproc)
+        (folder / "watch.py").write_text(WATCH_FSDP)
+        script = "watch.py" if name == "fsdp" else f"my_gpt_{name}.py"
+        cmd = command(folder / script, args, nproc=nproc)
         launched[launch] = (folder, cmd, start(cmd, folder))
     alone = tmp_path_factory.mktemp("single")
     (alone / "my_gpt_single.py").write_text(blocks("fsdp")[0])
@@ -200,13 +225,21 @@ def assert_trains_one_processs_model(out, folder, single):
 def test_the_fsdp_page_trains_one_processs_model(runs):
     launched, single = runs
     folder, cmd, proc = launched["fsdp"]
-    out = ok(finish(proc, cmd))
+    result = finish(proc, cmd)
+    out, seen = ok(result), result.stderr
     assert len(re.findall(FOUND, out)) == 16
     assert_trains_one_processs_model(out, folder, single)
-    resume = command(folder / "my_gpt_fsdp.py", ["resume", "last"], nproc=1)
-    out = ok(finish(start(resume, folder), resume))  # one process, from the 2 processes' step 8
+    keys = len(single[1])
+    for rank in (0, 1):  # its share, 4 of the 8 rows; 2 blocks and the root; rank 0 gets the file
+        assert re.findall(rf"^rank {rank} rows (\d+)$", seen, re.M) == ["4"] * 16, seen
+        assert re.findall(rf"^rank {rank} units (\d+)$", seen, re.M) == ["3"]
+        assert re.findall(rf"^rank {rank} gathered (\d+)$", seen, re.M) == [str(keys * (1 - rank))]
+    resume = command(folder / "watch.py", ["resume", "last"], nproc=1)
+    result = finish(start(resume, folder), resume)  # one process, from the 2 processes' step 8
+    out, seen = ok(result), result.stderr
     assert [step for step, _, _ in re.findall(FOUND, out)] == [str(s) for s in range(9, 17)]
     assert_trains_one_processs_model(out, folder, single)
+    assert re.findall(r"^rank 0 rows (\d+)$", seen, re.M) == ["8"] * 8  # the control: all rows
 
 
 @needs_torch(*NEEDS_PP)
