@@ -42,7 +42,7 @@ PAGES = {  # name: (the chapter's script, the pieces the page copies as they sta
            ["Stage", "stage_blocks", "mean_token_loss", "ends_group", "sum_tied_gradients",
             "clip_gradients"]),
     "4d": ("train_4d_minigpt.py",
-           ["Context", "chunk_positions", "GatherContext", "causal_attention", "block_plan",
+           ["init_distributed", "Context", "chunk_positions", "GatherContext", "causal_attention", "block_plan",
             "ends_plan", "Stage", "stage_blocks", "ends_group", "sum_tied_gradients",
             "clip_gradients", "local"]),
 }
@@ -54,7 +54,9 @@ LAYOUTS = {  # a launch's name: (its page, processes, arguments)
     "pp": ("pp", 2, []),  # pp 2
     "dp_pp": ("pp", 4, []),  # dp 2 x pp 2
     "4d": ("4d", 8, []),  # pp 2 x dp 1 x cp 2 x tp 2
+    "4d_dp": ("4d", 4, []),  # pp 2 x dp 2 x cp 1 x tp 1: its sizes line as RESIZED says
 }
+RESIZED = {"4d_dp": ("PP, CP, TP, MICRO = 2, 2, 2, 2", "PP, CP, TP, MICRO = 2, 1, 1, 2")}
 # The course's names inside a block, and the page model's, for the pieces that name them.
 RENAMED = {"ln1": "norm1", "ln2": "norm2", "attn.qkv": "attention.to_qkv",
            "attn.proj": "attention.to_out", "attn": "attention", "mlp.0": "feed_forward.up",
@@ -192,7 +194,9 @@ def runs(request, tmp_path_factory):
             continue
         folder = tmp_path_factory.mktemp(launch)
         for file, text in fresh(name).items():
-            (folder / file).write_text(text)
+            sizes = RESIZED.get(launch)
+            assert sizes is None or sizes[0] in text or file != f"my_gpt_{name}.py"
+            (folder / file).write_text(text.replace(*sizes) if sizes else text)
         (folder / "watch.py").write_text(WATCH_FSDP)
         script = "watch.py" if name == "fsdp" else f"my_gpt_{name}.py"
         cmd = command(folder / script, args, nproc=nproc)
@@ -264,7 +268,8 @@ def test_the_tp_page_trains_one_processs_model(runs):
 @needs_torch(*NEEDS_CP)
 def test_the_4d_page_trains_one_processs_model(runs):
     launched, single = runs
-    folder, cmd, proc = launched["4d"]
-    out = ok(finish(proc, cmd))
-    assert len(re.findall(FOUND, out)) == 16, out
-    assert_trains_one_processs_model(out, folder, single)
+    for launch in ("4d", "4d_dp"):  # the page's layout, and 2 replicas (its loss times dp x cp)
+        folder, cmd, proc = launched[launch]
+        out = ok(finish(proc, cmd))
+        assert len(re.findall(FOUND, out)) == 16, out
+        assert_trains_one_processs_model(out, folder, single)
