@@ -19,6 +19,7 @@ import mistakes  # noqa: E402  (tests/ is on sys.path under pytest)
 
 @pytest.mark.parametrize("mistake", mistakes.CATALOGUE, ids=lambda m: m.name)
 def test_each_mistake_applies_to_its_script_as_it_stands(mistake, tmp_path):
+    (tmp_path / mistake.script).parent.mkdir(exist_ok=True)  # docs/ for a copy page's
     (tmp_path / mistake.script).write_text((REPO / mistake.script).read_text())
     mistakes.apply(mistake, tmp_path)
     assert (tmp_path / mistake.script).read_text() != (REPO / mistake.script).read_text()
