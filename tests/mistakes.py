@@ -70,13 +70,11 @@ PAGE_7, PAGE_11 = "docs/fsdp_in_your_trainer.md", "docs/4d_in_your_trainer.md"  
 
 
 def page_run(name):
-    """(the page's launch test, a command that runs it): a copy page's mistake is measured by its
-    test, whose first assertion line is the symptom shown."""
+    """A copy page's mistake is measured by the page's launch test, which catches it: the symptom
+    shown is the test's first assertion line."""
     test = f"tests/test_pages.py::test_the_{name}_page_trains_one_processs_model"
-    return [test], [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test]
-
-
-PAGE_PICK = r"^E +(?:AssertionError: )?(.{1,100})"
+    return {"catches": [test], "pick": r"^E +(?:AssertionError: )?(.{1,100})",
+            "command": [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test]}
 T_LAYER = (T_MOE  # chapter 12's layer against formulas written out in the test
            + "test_the_layer_sends_each_token_to_its_k_experts_and_the_router_learns_through_the_gates")
 EIGHT_EQUAL = T_4D + "test_pp2_cp2_tp2_at_8_processes_computes_what_one_process_computes"
@@ -1097,23 +1095,21 @@ CATALOGUE = [
             [("\n        mine = [t.chunk(world_size)[rank].to(device) for t in batch(step)]",
               "\n        mine = [t.to(device) for t in batch(step)]")],
             "every rank trains on the whole batch: one process's numbers, each rank doing all the "
-            "work", "each rank's share, chunk(world_size)[rank]", *page_run("fsdp"),
-            pick=PAGE_PICK),
+            "work", "each rank's share, chunk(world_size)[rank]", **page_run("fsdp")),
     Mistake("fsdp-page-only-the-root-sharded", 7, PAGE_7,
             [("\n    for block in model.blocks:\n        fully_shard(block, mesh=mesh)", "\n")],
             "only the root made an FSDP unit: the whole model gathered at once, one process's "
-            "numbers", "each block a unit of its own", *page_run("fsdp"), pick=PAGE_PICK),
+            "numbers", "each block a unit of its own", **page_run("fsdp")),
     Mistake("fsdp-page-export-gathered-on-every-rank", 7, PAGE_7,
             [("\n    options = StateDictOptions(full_state_dict=True, cpu_offload=True)",
               "\n    options = StateDictOptions(full_state_dict=True)")],
             "the export without cpu_offload: every rank receives the whole model",
-            "cpu_offload=True: rank 0 alone", *page_run("fsdp"), pick=PAGE_PICK),
+            "cpu_offload=True: rank 0 alone", **page_run("fsdp")),
     Mistake("4d-page-loss-times-cp-only", 11, PAGE_11,
             [("\n    loss_fn = functools.partial(share_of_loss, averaged_over=dp * CP)",
               "\n    loss_fn = functools.partial(share_of_loss, averaged_over=CP)")],
             "the loss multiplied by cp alone: FSDP averages over dp x cp, so at dp 2 every gradient "
-            "is half", "times dp x cp, the ranks FSDP averages over", *page_run("4d"),
-            pick=PAGE_PICK),
+            "is half", "times dp x cp, the ranks FSDP averages over", **page_run("4d")),
 ]
 
 
