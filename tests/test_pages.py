@@ -235,9 +235,12 @@ def test_the_fsdp_page_trains_one_processs_model(runs):
     assert_trains_one_processs_model(out, folder, single)
     keys = len(single[1])
     for rank in (0, 1):  # its share, 4 of the 8 rows; 2 blocks and the root; rank 0 gets the file
-        assert re.findall(rf"^rank {rank} rows (\d+)$", seen, re.M) == ["4"] * 16, seen
-        assert re.findall(rf"^rank {rank} units (\d+)$", seen, re.M) == ["3"]
-        assert re.findall(rf"^rank {rank} gathered (\d+)$", seen, re.M) == [str(keys * (1 - rank))]
+        rows = re.findall(rf"^rank {rank} rows (\d+)$", seen, re.M)
+        assert rows == ["4"] * 16, f"rank {rank}'s micro-batches held {sorted(set(rows))} rows"
+        units = re.findall(rf"^rank {rank} units (\d+)$", seen, re.M)
+        assert units == ["3"], f"rank {rank} built {units} FSDP units"
+        gathered = re.findall(rf"^rank {rank} gathered (\d+)$", seen, re.M)
+        assert gathered == [str(keys * (1 - rank))], f"rank {rank} received {gathered} weights"
     resume = command(folder / "watch.py", ["resume", "last"], nproc=1)
     result = finish(start(resume, folder), resume)  # one process, from the 2 processes' step 8
     out, seen = ok(result), result.stderr
