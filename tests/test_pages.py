@@ -42,8 +42,8 @@ PAGES = {  # name: (the chapter's script, the pieces the page copies as they sta
            ["Stage", "stage_blocks", "mean_token_loss", "ends_group", "sum_tied_gradients",
             "clip_gradients"]),
     "4d": ("train_4d_minigpt.py",
-           ["init_distributed", "Context", "chunk_positions", "GatherContext", "causal_attention", "block_plan",
-            "ends_plan", "Stage", "stage_blocks", "ends_group", "sum_tied_gradients",
+           ["init_distributed", "Context", "chunk_positions", "GatherContext", "causal_attention",
+            "block_plan", "ends_plan", "Stage", "stage_blocks", "ends_group", "sum_tied_gradients",
             "clip_gradients", "local"]),
 }
 MODULES = {"4d": "pieces_4d.py"}  # a page whose pieces are a file of their own, which it imports
