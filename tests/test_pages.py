@@ -6,7 +6,8 @@ docs/pp_in_your_trainer.md and docs/4d_in_your_trainer.md these tests prove that
    script's block insides, "attn.qkv" say, with those names alone replaced by the page model's),
    its diff block is the real diff between its one-process trainer and its parallel trainer,
    every page's one-process trainer is the same file, and the parallel trainer is at most 250
-   lines (both together at most 500);
+   lines (the page's Python at most 500; the 4-D page keeps its pieces in a file of their own,
+   which its trainer imports);
 2. copied afresh out of the script into the page's parallel trainer, the pieces run under
    torchrun at the page's layouts, and each layout logs the one-process trainer's losses, gradient
    norms and validation loss (every printed digit; the clip of 1.0 binds in every step, so the
@@ -14,10 +15,14 @@ docs/pp_in_your_trainer.md and docs/4d_in_your_trainer.md these tests prove that
    (to 1e-5; the control: they moved by more than 0.1 from their start, so a run that does not
    train, or trains another model, fails);
 3. FSDP's checkpoint of step 8, written by 2 processes, resumes at 1 process (with the gradients
-   reduce-scattered once a step, `last`) with the uninterrupted run's losses and weights.
+   reduce-scattered once a step, `last`) with the uninterrupted run's losses and weights; watched
+   from outside the trainer, each of the 2 ranks trains on its own 4 of the 8 rows (the control:
+   one process, all 8), each block is an FSDP unit, and only rank 0 receives the exported weights;
+4. the 4-D page's trainer, its sizes line changed to pp 2 x dp 2, also trains one process's model
+   (its loss scaled by dp x cp, the ranks FSDP averages over).
 
-The pages' launches all start at once in one module fixture, side by side, while the one-process
-trainer runs in this process.
+The launches of the pages whose tests run start at once in one module fixture, side by side, while
+the one-process trainer runs in this process.
 """
 import ast
 import difflib
@@ -47,14 +52,14 @@ PAGES = {  # name: (the chapter's script, the pieces the page copies as they sta
             "clip_gradients", "local"]),
 }
 MODULES = {"4d": "pieces_4d.py"}  # a page whose pieces are a file of their own, which it imports
-LAYOUTS = {  # a launch's name: (its page, processes, arguments)
-    "fsdp": ("fsdp", 2, []),  # through WATCH_FSDP
-    "tp": ("tp", 2, []),  # dp 1 x tp 2
-    "dp_tp": ("tp", 4, []),  # dp 2 x tp 2
-    "pp": ("pp", 2, []),  # pp 2
-    "dp_pp": ("pp", 4, []),  # dp 2 x pp 2
-    "4d": ("4d", 8, []),  # pp 2 x dp 1 x cp 2 x tp 2
-    "4d_dp": ("4d", 4, []),  # pp 2 x dp 2 x cp 1 x tp 1: its sizes line as RESIZED says
+LAYOUTS = {  # a launch's name: (its page, processes)
+    "fsdp": ("fsdp", 2),  # through WATCH_FSDP
+    "tp": ("tp", 2),  # dp 1 x tp 2
+    "dp_tp": ("tp", 4),  # dp 2 x tp 2
+    "pp": ("pp", 2),  # pp 2
+    "dp_pp": ("pp", 4),  # dp 2 x pp 2
+    "4d": ("4d", 8),  # pp 2 x dp 1 x cp 2 x tp 2
+    "4d_dp": ("4d", 4),  # pp 2 x dp 2 x cp 1 x tp 1: its sizes line as RESIZED says
 }
 RESIZED = {"4d_dp": ("PP, CP, TP, MICRO = 2, 2, 2, 2", "PP, CP, TP, MICRO = 2, 1, 1, 2")}
 # The course's names inside a block, and the page model's, for the pieces that name them.
@@ -189,7 +194,7 @@ def runs(request, tmp_path_factory):
     and the one-process trainer's output and weights, run here meanwhile. Returns {launch:
     (folder, command, process)} and (output, weights)."""
     selected, launched = {item.name for item in request.session.items}, {}
-    for launch, (name, nproc, args) in LAYOUTS.items():
+    for launch, (name, nproc) in LAYOUTS.items():
         if f"test_the_{name}_page_trains_one_processs_model" not in selected:
             continue
         folder = tmp_path_factory.mktemp(launch)
@@ -199,7 +204,7 @@ def runs(request, tmp_path_factory):
             (folder / file).write_text(text.replace(*sizes) if sizes else text)
         (folder / "watch.py").write_text(WATCH_FSDP)
         script = "watch.py" if name == "fsdp" else f"my_gpt_{name}.py"
-        cmd = command(folder / script, args, nproc=nproc)
+        cmd = command(folder / script, nproc=nproc)
         launched[launch] = (folder, cmd, start(cmd, folder))
     alone = tmp_path_factory.mktemp("single")
     (alone / "my_gpt_single.py").write_text(blocks("fsdp")[0])
