@@ -234,6 +234,16 @@ def assert_trains_one_processs_model(out, folder, single):
         torch.testing.assert_close(mine[key], value, atol=1e-5, rtol=1e-4, msg=key)
 
 
+def assert_launches_train_one_processs_model(runs, launches):
+    """Each launch ended well, logged all 16 steps and trained the one-process trainer's model."""
+    launched, single = runs
+    for launch in launches:
+        folder, cmd, proc = launched[launch]
+        out = ok(finish(proc, cmd))
+        assert len(re.findall(FOUND, out)) == 16, out
+        assert_trains_one_processs_model(out, folder, single)
+
+
 def test_the_fsdp_page_trains_one_processs_model(runs):
     launched, single = runs
     folder, cmd, proc = launched["fsdp"]
@@ -259,28 +269,14 @@ def test_the_fsdp_page_trains_one_processs_model(runs):
 
 @needs_torch(*NEEDS_PP)
 def test_the_pp_page_trains_one_processs_model(runs):
-    launched, single = runs
-    for launch in ("pp", "dp_pp"):
-        folder, cmd, proc = launched[launch]
-        out = ok(finish(proc, cmd))
-        assert len(re.findall(FOUND, out)) == 16, out
-        assert_trains_one_processs_model(out, folder, single)
+    assert_launches_train_one_processs_model(runs, ["pp", "dp_pp"])
 
 
 def test_the_tp_page_trains_one_processs_model(runs):
-    launched, single = runs
-    for launch in ("tp", "dp_tp"):
-        folder, cmd, proc = launched[launch]
-        out = ok(finish(proc, cmd))
-        assert len(re.findall(FOUND, out)) == 16, out
-        assert_trains_one_processs_model(out, folder, single)
+    assert_launches_train_one_processs_model(runs, ["tp", "dp_tp"])
 
 
 @needs_torch(*NEEDS_CP)
 def test_the_4d_page_trains_one_processs_model(runs):
-    launched, single = runs
-    for launch in ("4d", "4d_dp"):  # the page's layout, and 2 replicas (its loss times dp x cp)
-        folder, cmd, proc = launched[launch]
-        out = ok(finish(proc, cmd))
-        assert len(re.findall(FOUND, out)) == 16, out
-        assert_trains_one_processs_model(out, folder, single)
+    # The page's layout, and 2 replicas (its loss times dp x cp).
+    assert_launches_train_one_processs_model(runs, ["4d", "4d_dp"])
