@@ -197,13 +197,15 @@ def runs(request, tmp_path_factory):
     for launch, (name, nproc) in LAYOUTS.items():
         if f"test_the_{name}_page_trains_one_processs_model" not in selected:
             continue
-        folder = tmp_path_factory.mktemp(launch)
-        for file, text in fresh(name).items():
-            sizes = RESIZED.get(launch)
-            assert sizes is None or sizes[0] in text or file != f"my_gpt_{name}.py"
-            (folder / file).write_text(text.replace(*sizes) if sizes else text)
-        (folder / "watch.py").write_text(WATCH_FSDP)
-        script = "watch.py" if name == "fsdp" else f"my_gpt_{name}.py"
+        folder, files, script = tmp_path_factory.mktemp(launch), fresh(name), f"my_gpt_{name}.py"
+        if launch in RESIZED:  # the trainer's sizes line, changed
+            old, new = RESIZED[launch]
+            assert old in files[script]
+            files[script] = files[script].replace(old, new)
+        if name == "fsdp":  # run through the wrapper that watches it
+            files["watch.py"], script = WATCH_FSDP, "watch.py"
+        for file, text in files.items():
+            (folder / file).write_text(text)
         cmd = command(folder / script, nproc=nproc)
         launched[launch] = (folder, cmd, start(cmd, folder))
     alone = tmp_path_factory.mktemp("single")
