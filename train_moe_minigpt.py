@@ -104,6 +104,7 @@ import shutil
 import statistics
 import sys
 import sysconfig
+import tempfile  # FSDP 3
 import time
 import zlib
 
@@ -345,6 +346,7 @@ def resumed_step(run, raw_model, optimizer, data):
     path, state, problem = resume_path(run), None, None  # FSDP 3: run.json first
     try:  # every rank reads it; the shards load only once all agree
         state = read_run_state(path, run, data) if path else None
+        check_save_folder(run, path, state)  # FSDP 3: a folder of this run's steps alone
     except InputError as err:  # told to every rank below, so that none waits for this one
         problem = str(err)
     step = agree_on_start(state["step"] if state else 0, problem, path)  # FSDP 3: a collective
@@ -522,22 +524,26 @@ def mean_over_ranks(value):
 
 
 def save_checkpoint(run, raw_model, optimizer, data, step):  # FSDP 3: every rank its shards
-    """A collective: rank 0 writes DIR/step-N/run.json (step, flags, vocabulary, every rank's RNG),
-    every rank its shards of weights and AdamW state (DCP: no gather; .metadata last marks it
-    complete). Failed: SaveFailed on every rank, the folder removed, the previous step intact."""
+    """A collective: every rank writes its shards of weights and AdamW state (DCP: no gather), rank
+    0 then run.json (step, flags, vocabulary, every rank's RNG), all into DIR/partial-step-N, which
+    takes its name DIR/step-N only once complete. Failed: SaveFailed on every rank, the partial
+    folder removed, every complete step intact."""
     rng_states = [None] * run.world_size  # DDP 11: each rank's RNG draws its own dropout masks
     dist.all_gather_object(rng_states, rng_state(run.device))  # so rank 0 can save them all
     folder = os.path.join(run.args.save, f"step-{step:06d}")  # FSDP 3: a folder per step
+    partial = os.path.join(run.args.save, f"partial-{os.path.basename(folder)}")  # FSDP 3
     if not shards_finite(raw_model):  # a collective: every rank gets the same answer
         raise SaveFailed(f"not saving {folder}: the weights are not finite")
     state = dict(zip(("model", "optimizer"), get_state_dict(raw_model, optimizer)))  # shards
-    try:  # rank 0 writes run.json, then every rank its shards
-        save_on_rank_0(lambda: write_file(os.path.join(folder, "run.json"),  # a collective
+    try:  # a killed save leaves a partial folder, which no resume reads
+        save_on_rank_0(lambda: remove_step(partial), run.is_main)  # a collective: a stale one
+        dcp.save(state, checkpoint_id=partial)  # every rank its shards; .metadata last, by rank 0
+        save_on_rank_0(lambda: write_file(os.path.join(partial, "run.json"),  # a collective
                                           run_state(run, data, step, rng_states)), run.is_main)
-        dcp.save(state, checkpoint_id=folder)  # every rank its shards; .metadata last, by rank 0
+        save_on_rank_0(lambda: rename_step(partial, folder), run.is_main)  # FSDP 3: now complete
     except (SaveFailed, OSError, RuntimeError, CheckpointException) as err:  # DCP: on every rank
-        save_on_rank_0(lambda: shutil.rmtree(folder, ignore_errors=True), run.is_main)  # collective
-        failed = SaveFailed(f"cannot save {folder}: {first_reason(err, folder, state)}")
+        save_on_rank_0(lambda: remove_step(partial), run.is_main)  # a collective
+        failed = SaveFailed(f"cannot save {folder}: {first_reason(err, partial, state)}")
         raise (err if isinstance(err, SaveFailed) else failed) from None
     save_on_rank_0(lambda: drop_older_steps(run.args.save, folder), run.is_main)  # a collective
     print0(run.is_main, f"step {step}/{run.args.max_steps} | saved {folder}")
@@ -1072,7 +1078,7 @@ def parse_args(argv=None):
     a("--log-every", type=positive(int), default=10, metavar="N",
       help="steps between log lines (default: 10)")
     a("--save", default="checkpoints/minigpt_moe", metavar="DIR",  # FSDP 3
-      help="checkpoint folder of step-N folders, '' for none (default: %(default)s)")
+      help="a folder of step-N folders, new or resumed from; '' for none (default: %(default)s)")
     a("--export", default="checkpoints/minigpt_moe.pt", metavar="PATH",  # FSDP 8
       help="the final weights in one file that --sample reads, '' for none (default: %(default)s)")
     a("--save-every", type=positive(int, zero_ok=True), default=0, metavar="N",
@@ -1412,25 +1418,50 @@ def first_reason(err, folder=None, state=None):  # FSDP 3
     return getattr(err, "strerror", None) or (str(err).strip().splitlines() or [repr(err)])[0]
 
 
+def complete(step):  # FSDP 3: the one rule, for the finder and the reader alike
+    """True if a step folder holds all a resume reads: DCP's .metadata and run.json."""
+    return all(os.path.isfile(os.path.join(step, name)) for name in (".metadata", "run.json"))
+
+
 def newest_complete_step(folder, is_main):  # FSDP 3
-    """The newest step folder in `folder` that DCP finished (.metadata is written last), or
-    None; newer unfinished ones are named in one line and ignored."""
-    steps = sorted(glob.glob(os.path.join(glob.escape(folder), "step-*")))
-    done = [s for s in steps if os.path.isfile(os.path.join(s, ".metadata"))]
-    unfinished = [s for s in steps if not done or s > done[-1]]
-    print0(is_main and unfinished, f"ignoring unfinished checkpoint steps (no .metadata): "
-                                   f"{', '.join(unfinished)}")
+    """The newest complete step folder in `folder`, or None; the unfinished ones newer than it (a
+    save cut short, or its partial folder) are named in one line and ignored."""
+    steps = glob.glob(os.path.join(glob.escape(folder), "step-*"))
+    done = sorted(s for s in steps if complete(s))
+    partial = glob.glob(os.path.join(glob.escape(folder), "partial-step-*"))
+    unfinished = sorted((s for s in steps + partial if s not in done and
+                         (not done or step_name(s) > step_name(done[-1]))), key=step_name)
+    print0(is_main and unfinished, f"ignoring unfinished checkpoint steps: {', '.join(unfinished)}")
     return done[-1] if done else None
 
 
+def step_name(path):
+    return os.path.basename(path).removeprefix("partial-")
+
+
+def rename_step(partial, folder):  # FSDP 3: rank 0, once the step is complete
+    """Give a complete step its final name; an older folder of that name (an earlier save of the
+    same step, by a run that went back) is removed first, its .metadata before the rest."""
+    remove_step(folder)
+    os.replace(partial, folder)
+
+
+def remove_step(folder):  # FSDP 3
+    """Remove a step folder: first its .metadata, so that a removal cut short leaves a folder that
+    no resume takes for complete, then the rest."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(folder, ".metadata"))
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def drop_older_steps(folder, newest):  # FSDP 3
-    """Remove every complete step in `folder` older than `newest`: first its .metadata (no longer
-    complete), then the rest. A step left behind costs only disk."""
-    for old in sorted(glob.glob(os.path.join(glob.escape(folder), "step-*"))):
-        if old < newest:
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(old, ".metadata"))
-            shutil.rmtree(old, ignore_errors=True)
+    """Remove every step in `folder` older than `newest`, and the partial folders of saves cut
+    short. Only this run's steps are here: a run saves only into a folder it resumed from or an
+    empty one. A step left behind costs only disk."""
+    partial = glob.glob(os.path.join(glob.escape(folder), "partial-step-*"))
+    for old in glob.glob(os.path.join(glob.escape(folder), "step-*")) + partial:
+        if step_name(old) < step_name(newest) or old in partial:
+            remove_step(old)
 
 
 def read_checkpoint(path):
@@ -1460,7 +1491,7 @@ def read_run_state(path, run, data):  # FSDP 3
         raise InputError(f"{path} is one file, as train_ddp_minigpt.py saves; this trainer "
                          "resumes from a checkpoint folder of its own (--save DIR)")
     file = os.path.join(path, "run.json")
-    if not os.path.isfile(os.path.join(path, ".metadata")) or not os.path.isfile(file):
+    if not complete(path):  # FSDP 3: the finder's rule
         raise InputError(f"no complete checkpoint at {path} (it needs .metadata and run.json)")
     try:
         with open(file, "rb") as f:  # FSDP 3
@@ -1472,6 +1503,36 @@ def read_run_state(path, run, data):  # FSDP 3
         raise InputError(f"{path} was trained with {config}, this run builds "
                          f"{model_config(run.args, data.vocab_size)}")
     return state
+
+
+def check_save_folder(run, path, state):  # FSDP 3
+    """An InputError unless this run may write where it saves: --resume auto goes on only with
+    the seed that saved the step, and a run that resumed from no step of --save wants a folder
+    without complete steps. So no run continues, or deletes, a step another run wrote."""
+    save, seed = run.args.save, (state or {}).get("args", {}).get("seed")
+    if path and run.args.resume == "auto" and seed != run.args.seed:
+        raise InputError(f"{path} is another run's step (--seed {seed}, this run --seed "
+                         f"{run.args.seed}): --save into another folder")
+    newest = newest_complete_step(save, False) if save and os.path.isdir(save) else None
+    if newest and not (path and os.path.samefile(os.path.dirname(path), save)):
+        raise InputError(f"--save {save} holds another run's steps ({newest}): go on with that "
+                         "run by --resume auto, or --save into another folder")
+    for flag, where in (("--save", save), ("--export", run.args.export)):
+        if where:  # checked now, so that a run does not train for nothing
+            writable(flag, where, folder=flag == "--save")
+
+
+def writable(flag, path, folder):
+    """An InputError unless files can be written at `path`: a folder, or one file's place."""
+    place = path if folder else os.path.dirname(path) or "."
+    try:
+        os.makedirs(place, exist_ok=True)
+        if not folder and os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+        with tempfile.TemporaryFile(dir=place):
+            pass
+    except OSError as err:
+        raise InputError(f"{flag} {path} cannot be written: {err.strerror or err}") from None
 
 
 def memory_line(model):  # FSDP 2: what each rank holds, against a whole copy

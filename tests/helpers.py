@@ -6,6 +6,7 @@ chapter 2 runs that several test modules compare against (run once per test sess
 Tests import what they use from here by name; there is no conftest.py.
 """
 import contextlib
+import errno
 import functools
 import importlib
 import io
@@ -408,6 +409,82 @@ def run_as_script(module):
             module.dist.destroy_process_group()
     sys.exit(code)
 
+
+
+KILL_MOMENTS = ("shards", "metadata", "renamed", "cleanup")  # what kill_in_save can aim at
+
+
+def kill_in_save(module, specs):
+    """For a probe: SIGKILL one rank of a sharded trainer while it saves a step, at one of
+    KILL_MOMENTS, a spec "MOMENT@STEP:RANK" per attempt (the k-th for TORCHELASTIC_RESTART_COUNT
+    k; none past the last). shards: the rank's first file write of the save (its peers may have
+    written theirs); metadata: once DCP's save returned (.metadata written, no run.json);
+    renamed: once the step has its final name, before older steps are dropped; cleanup: the
+    rank's disk full in the save, then rank 0 killed while removing the failed step (run.json and
+    a shard gone first, .metadata last, as shutil.rmtree may order them). Before dying, the rank
+    appends what the --save folder held to SAVE.kills.jsonl."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt >= len(specs):
+        return
+    moment, at = specs[attempt].split("@")
+    step_at, rank = map(int, at.split(":"))
+    assert moment in KILL_MOMENTS, moment
+    mine, saving = int(os.environ["RANK"]) == rank, [None]
+    save_folder = sys.argv[sys.argv.index("--save") + 1]
+
+    def die():
+        held = {d.name: sorted(os.listdir(d)) for d in sorted(Path(save_folder).glob("*step-*"))}
+        with open(f"{save_folder}.kills.jsonl", "a") as f:
+            f.write(json.dumps({"attempt": attempt, "moment": moment, "step": step_at,
+                                "held": held}) + "\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def wrap(owner, name, before=None, after=None):
+        original = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            if before and saving[0] == step_at:
+                before(*args)
+            result = original(*args, **kwargs)
+            if after and saving[0] == step_at:
+                after(*args)
+            return result
+        setattr(owner, name, wrapped)
+    save = module.save_checkpoint
+
+    def saving_step(run, raw_model, optimizer, data, step):
+        saving[0] = step
+        try:
+            return save(run, raw_model, optimizer, data, step)
+        finally:
+            saving[0] = None
+    module.save_checkpoint = saving_step
+    if moment in ("shards", "cleanup") and mine:
+        def no_room(fd):
+            if moment == "shards":
+                die()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        wrap(os, "fsync", before=no_room)
+    if moment == "metadata" and mine:
+        wrap(module.dcp, "save", after=lambda *args: die())
+    if moment == "renamed" and mine:
+        wrap(module, "drop_older_steps", before=lambda *args: die())
+    if moment == "cleanup" and int(os.environ["RANK"]) == 0:
+        def cut_short(folder):
+            for name in sorted(os.listdir(folder)):
+                if name != ".metadata":
+                    os.remove(os.path.join(folder, name))
+                    if name.endswith(".distcp"):
+                        break
+            die()
+        wrap(module, "remove_step", before=lambda folder: cut_short(folder)
+             if os.path.isdir(folder) and "partial" in folder else None)
+
+
+def kills(save_folder):
+    """What kill_in_save recorded: per kill, its attempt, moment, step and what --save held."""
+    lines = Path(f"{save_folder}.kills.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
 
 
 @contextlib.contextmanager

@@ -18,9 +18,9 @@ course never imports it:
         training, hashed}
     torchrun ... tests/probe_4d.py run [trainer flags]
         the trainer as it is, nothing watched (the test launches that need no records)
-    torchrun ... tests/probe_4d.py crash STEP:RANK OUT_DIR [trainer flags]
-        as record, and that rank SIGKILLs itself when step STEP begins, on the first attempt only
-        (TORCHELASTIC_RESTART_COUNT 0), so a restarted job gets past it
+    torchrun ... tests/probe_4d.py killsave MOMENT@STEP:RANK,... OUT_DIR [trainer flags]
+        as record, and a rank SIGKILLed while it saves a step, one spec per attempt
+        (helpers.kill_in_save), so that a restarted job gets past it
 
 Errors end the probe as they end the script (helpers.run_as_script), and then the process ends
 without Python's teardown (os._exit, once its files are written and its output flushed).
@@ -28,12 +28,12 @@ without Python's teardown (os._exit, once its files are written and its output f
 import inspect
 import json
 import os
-import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_4d_minigpt as trainer  # noqa: E402
 from helpers import Saved, dropout_mask_hook, run_as_script, unpack, watch_reduce  # noqa: E402
+from helpers import kill_in_save  # noqa: E402
 
 RING = {"all_gather": lambda g: g - 1, "reduce_scatter": lambda g: (g - 1) / g,
         "all_reduce": lambda g: 2 * (g - 1) / g}  # the share of its input a rank sends
@@ -43,14 +43,11 @@ def kind(name):
     return next((k for k in RING if name.startswith(k)), None)
 
 
-def record(out_dir, crash_at=None):
+def record(out_dir):
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     dist = trainer.dist
     saved, seen, groups = Saved(), {"steps": 0, "sent": {}, "calls": {}}, {}  # the second step's
-    kill_step, kill_rank = crash_at or (None, None)
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    kill = first_attempt and int(os.environ["RANK"]) == kill_rank
     pipeline_schedule, train_step, counting = trainer.pipeline_schedule, trainer.train_step, [0]
 
     def add(group_name, nbytes, what):
@@ -119,8 +116,6 @@ def record(out_dir, crash_at=None):
         return schedule
 
     def counted_step(*args):
-        if kill and args[-1] + 1 == kill_step:
-            os.kill(os.getpid(), signal.SIGKILL)  # a real kill: no cleanup, no goodbye
         seen["steps"] += 1
         if seen["steps"] != 2:  # counted in the second step alone: each op is watched, slowly
             return train_step(*args)
@@ -166,6 +161,8 @@ if __name__ == "__main__":
     if mode == "record":
         out, crash, rest = sys.argv[2], None, sys.argv[3:]
     else:
-        crash, out, rest = tuple(map(int, sys.argv[2].split(":"))), sys.argv[3], sys.argv[4:]
+        crash, out, rest = sys.argv[2].split(","), sys.argv[3], sys.argv[4:]
     sys.argv = [trainer.__file__] + rest
-    record(out, crash)
+    if crash:
+        kill_in_save(trainer, crash)
+    record(out)

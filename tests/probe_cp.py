@@ -13,32 +13,28 @@ of docs/cp.md. Launched under torchrun in place of the script; the course never 
         hash of its first dropout mask (the embeddings'), "fsdp": FSDP's {"reduce_scatters",
         "all_gathers"} in the first step (c10d's calls over FSDP's group, not the cp group's)};
         PROBE_RING_WAITS=1 makes each ring pass complete before the step's attention runs
-    torchrun ... tests/probe_cp.py crash STEP:RANK OUT_DIR [trainer flags]
-        as record, and that rank SIGKILLs itself when step STEP begins, on the first attempt only
-        (TORCHELASTIC_RESTART_COUNT 0), so a restarted job gets past it
+    torchrun ... tests/probe_cp.py killsave MOMENT@STEP:RANK,... OUT_DIR [trainer flags]
+        as record, and a rank SIGKILLed while it saves a step, one spec per attempt
+        (helpers.kill_in_save), so that a restarted job gets past it
 
 Errors end the probe as they end the script (helpers.run_as_script).
 """
 import json
 import os
-import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_cp_minigpt as trainer  # noqa: E402
 from helpers import (FSDP_CALLS, Saved, count_calls, dropout_mask_hook,  # noqa: E402
-                     run_as_script, unpack)
+                     kill_in_save, run_as_script, unpack)
 
 
-def record(out_dir, crash_at=None):
+def record(out_dir):
     import torch
     import resource
     saved, seen = Saved(), {"steps": 0, "gathered_bytes": 0, "all_gathers": 0,
                             "passed_bytes": 0, "passes": 0,
                             "fsdp": {"reduce_scatters": 0, "all_gathers": 0}}
-    kill_step, kill_rank = crash_at or (None, None)
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    kill = first_attempt and int(os.environ["RANK"]) == kill_rank
     at_once = os.environ.get("PROBE_RING_WAITS") == "1"
     train_step, gather, pass_on = (trainer.train_step, trainer.GatherContext.forward,
                                    trainer.pass_on)
@@ -52,8 +48,6 @@ def record(out_dir, crash_at=None):
     mask_hash = dropout_mask_hook(seen)
 
     def watched_step(run, model, optimizer, windows, step):
-        if kill and step + 1 == kill_step:
-            os.kill(os.getpid(), signal.SIGKILL)  # a real kill: no cleanup, no goodbye
         fsdp = next(model.parameters()).device_mesh  # what FSDP shards over
         seen.update(dp_rank=run.dp_rank, cp_rank=run.mesh.get_local_rank("cp"),
                     positions=run.context.positions.tolist(),
@@ -99,6 +93,8 @@ if __name__ == "__main__":
     if mode == "record":
         out, crash, rest = sys.argv[2], None, sys.argv[3:]
     else:
-        crash, out, rest = tuple(map(int, sys.argv[2].split(":"))), sys.argv[3], sys.argv[4:]
+        crash, out, rest = sys.argv[2].split(","), sys.argv[3], sys.argv[4:]
     sys.argv = [trainer.__file__] + rest
-    record(out, crash)
+    if crash:
+        kill_in_save(trainer, crash)
+    record(out)

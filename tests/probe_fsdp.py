@@ -15,6 +15,8 @@ never imports it:
     torchrun ... tests/probe_fsdp.py crash STEP:RANK [trainer flags]
         that rank dies as if killed (os._exit, no cleanup) when step STEP begins, on the first
         attempt only (TORCHELASTIC_RESTART_COUNT 0), so a restarted job gets past it
+    torchrun ... tests/probe_fsdp.py killsave MOMENT@STEP:RANK,... [trainer flags]
+        a rank SIGKILLed while it saves a step, one spec per attempt (helpers.kill_in_save)
     torchrun ... tests/probe_fsdp.py nospace N:RANK [trainer flags]
         that rank's disk is full from its N-th fsync on (its shard files: it writes no run.json)
 
@@ -27,7 +29,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_fsdp_minigpt as trainer  # noqa: E402
-from helpers import FSDP_CALLS, count_calls, run_as_script  # noqa: E402
+from helpers import FSDP_CALLS, count_calls, kill_in_save, run_as_script  # noqa: E402
 
 def count(out_dir):
     seen = {"reduce_scatters": 0, "all_gathers": 0, "steps": 0, "in_step": False,
@@ -173,4 +175,7 @@ def no_space(at):
 if __name__ == "__main__":
     mode, arg = sys.argv[1], sys.argv[2]
     sys.argv = [trainer.__file__] + sys.argv[3:]
+    if mode == "killsave":
+        kill_in_save(trainer, arg.split(","))
+        run_as_script(trainer)
     {"count": count, "crash": crash, "nospace": no_space}[mode](arg)

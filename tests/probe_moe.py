@@ -6,28 +6,24 @@ Launched under torchrun in place of the script; the course never imports it:
         gradient norm before clipping (both as train_step returns them, every digit), "all_to_alls":
         how many all_to_all_single calls each step made (forward and backward), "sent": the bytes
         this rank's all-to-alls sent to other ranks in each step (its own rows aside)}
-    torchrun ... tests/probe_moe.py crash STEP:RANK OUT_DIR [trainer flags]
-        as record, and that rank SIGKILLs itself when step STEP begins, on the first attempt only
-        (TORCHELASTIC_RESTART_COUNT 0), so a restarted job gets past it
+    torchrun ... tests/probe_moe.py killsave MOMENT@STEP:RANK,... OUT_DIR [trainer flags]
+        as record, and a rank SIGKILLed while it saves a step, one spec per attempt
+        (helpers.kill_in_save), so that a restarted job gets past it
 
 Errors end the probe as they end the script (helpers.run_as_script).
 """
 import json
 import os
-import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_moe_minigpt as trainer  # noqa: E402
-from helpers import run_as_script  # noqa: E402
+from helpers import kill_in_save, run_as_script  # noqa: E402
 
 
-def record(out_dir, crash_at=None):
+def record(out_dir):
     seen = {"losses": [], "norms": [], "all_to_alls": [], "sent": [], "calls": 0, "bytes": 0}
     all_to_all, train_step = trainer.dist.all_to_all_single, trainer.train_step
-    kill_step, kill_rank = crash_at or (None, None)
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    kill = first_attempt and int(os.environ["RANK"]) == kill_rank
 
     def counted(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
                 **kwargs):
@@ -40,8 +36,6 @@ def record(out_dir, crash_at=None):
                           **kwargs)
 
     def recorded_step(run, model, optimizer, windows, step):
-        if kill and step + 1 == kill_step:
-            os.kill(os.getpid(), signal.SIGKILL)
         calls, sent = seen["calls"], seen["bytes"]
         loss, norm = train_step(run, model, optimizer, windows, step)
         seen["losses"].append(loss.item())
@@ -62,7 +56,9 @@ if __name__ == "__main__":
     if sys.argv[1] == "record":
         out, crash, rest = sys.argv[2], None, sys.argv[3:]
     else:
-        crash, out, rest = tuple(map(int, sys.argv[2].split(":"))), sys.argv[3], sys.argv[4:]
-    assert sys.argv[1] in ("record", "crash"), sys.argv[1]
+        crash, out, rest = sys.argv[2].split(","), sys.argv[3], sys.argv[4:]
+    assert sys.argv[1] in ("record", "killsave"), sys.argv[1]
     sys.argv = [trainer.__file__] + rest
-    record(out, crash)
+    if crash:
+        kill_in_save(trainer, crash)
+    record(out)

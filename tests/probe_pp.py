@@ -13,31 +13,27 @@ course never imports it:
         "in_step_bytes": the most bytes of gathered weights and whole gradients it held, just
         before its stage reduce-scattered (helpers.fsdp_bytes_held), and with --dropout
         "dropout_mask": the first mask the stage's first dropout drew, hashed}
-    torchrun ... tests/probe_pp.py crash STEP:RANK OUT_DIR [trainer flags]
-        as record, and that rank SIGKILLs itself when step STEP begins, on the first attempt only
-        (TORCHELASTIC_RESTART_COUNT 0), so a restarted job gets past it
+    torchrun ... tests/probe_pp.py killsave MOMENT@STEP:RANK,... OUT_DIR [trainer flags]
+        as record, and a rank SIGKILLed while it saves a step, one spec per attempt
+        (helpers.kill_in_save), so that a restarted job gets past it
 
 Errors end the probe as they end the script (helpers.run_as_script).
 """
 import json
 import os
-import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_pp_minigpt as trainer  # noqa: E402
 from helpers import Saved, count_calls, dropout_mask_hook, run_as_script, unpack  # noqa: E402
-from helpers import watch_reduce  # noqa: E402
+from helpers import kill_in_save, watch_reduce  # noqa: E402
 
 
-def record(out_dir, crash_at=None):
+def record(out_dir):
     import torch
     saved, seen = Saved(), {"steps": 0, "kept_outputs": 0, "reduce_scatters": 0, "all_gathers": 0,
                             "tied_bytes": 0}
     tied, all_reduce = [None], trainer.dist.all_reduce
-    kill_step, kill_rank = crash_at or (None, None)
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    kill = first_attempt and int(os.environ["RANK"]) == kill_rank
     pipeline_schedule, train_step = trainer.pipeline_schedule, trainer.train_step
 
     def watched_schedule(run, model):
@@ -63,8 +59,6 @@ def record(out_dir, crash_at=None):
         return schedule
 
     def counted_step(*args):
-        if kill and args[-1] + 1 == kill_step:
-            os.kill(os.getpid(), signal.SIGKILL)  # a real kill: no cleanup, no goodbye
         seen["steps"], seen["in_step"] = seen["steps"] + 1, True
         try:
             return train_step(*args)
@@ -99,6 +93,8 @@ if __name__ == "__main__":
     if mode == "record":
         out, crash, rest = sys.argv[2], None, sys.argv[3:]
     else:
-        crash, out, rest = tuple(map(int, sys.argv[2].split(":"))), sys.argv[3], sys.argv[4:]
+        crash, out, rest = sys.argv[2].split(","), sys.argv[3], sys.argv[4:]
     sys.argv = [trainer.__file__] + rest
-    record(out, crash)
+    if crash:
+        kill_in_save(trainer, crash)
+    record(out)

@@ -15,6 +15,9 @@ Launched under torchrun in place of the script; the course never imports it:
         as record, and before step STEP that rank adds 1e-3 to its shard of the final norm's
         weight (a parameter TP does not split: every rank of a tp row holds a copy), as a wrong
         dropout seed or random stream would make it drift
+    torchrun ... tests/probe_tp.py killsave MOMENT@STEP:RANK,... OUT_DIR [trainer flags]
+        as record, and a rank SIGKILLed while it saves a step, one spec per attempt
+        (helpers.kill_in_save), so that a restarted job gets past it
 
 Errors end the probe as they end the script (helpers.run_as_script).
 """
@@ -24,7 +27,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_tp_minigpt as trainer  # noqa: E402
 from helpers import (FSDP_CALLS, Saved, count_calls, dropout_mask_hook,  # noqa: E402
-                     run_as_script, unpack)
+                     kill_in_save, run_as_script, unpack)
 
 
 def record(out_dir, drift_at=None):
@@ -80,7 +83,11 @@ def record(out_dir, drift_at=None):
 if __name__ == "__main__":
     if sys.argv[1] == "record":
         out, drift_at, rest = sys.argv[2], None, sys.argv[3:]
+    elif sys.argv[1] == "killsave":
+        out, drift_at, rest = sys.argv[3], None, sys.argv[4:]
     else:
         drift_at, out, rest = tuple(map(int, sys.argv[2].split(":"))), sys.argv[3], sys.argv[4:]
-    sys.argv = [trainer.__file__] + rest
+    kills_at, sys.argv = sys.argv[1] == "killsave" and sys.argv[2], [trainer.__file__] + rest
+    if kills_at:
+        kill_in_save(trainer, kills_at.split(","))
     record(out, drift_at)

@@ -45,7 +45,7 @@ import types
 import pytest
 import torch
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
-from helpers import logged_val_losses as val_losses
+from helpers import kills, logged_val_losses as val_losses
 from helpers import assert_bf16_policy_reduces_in_fp32
 from helpers import CLIPPED, assert_clipped_run_is_one_processs, one_process_clipped
 from helpers import assert_kv_gradients_summed_in_fp32, streams_restored
@@ -90,8 +90,8 @@ def runs(tmp_path_factory):
     which tp 2 x cp 2 at 4 processes goes on to step 16 (`square`). Once `nodes` is done (the two
     8-process runs one after the other: 16 processes on 2 cores cost more than twice 8): dp 2 x pp
     2 x tp 2 at 8 processes for 4 steps of CLIPPED with --debug (`grid`), and from `nodes`' step 8
-    pp 2 x cp 2 at 4 processes to step 16 (`pipes`), one process to step 12, killed as step 11
-    begins and restarted by torchrun (`restarted`), and chapters 7-10 in this process to step 10.
+    pp 2 x cp 2 at 4 processes to step 16 (`pipes`), one process to step 12, killed once step 10 is
+    saved and renamed, before step 8 is dropped, and restarted by torchrun (`restarted`), and chapters 7-10 in this process to step 10.
     Once `grid` is done: dp 2 x tp 2 with NOISY's dropout and sequence parallelism off
     (`dropout`), and cp 2 x tp 2 with dropout under bf16 for one step (`sp dropout`), both
     recorded, and pp 3 over 4 blocks (`three`). `nodes` samples 4 tokens at random (top-k 40,
@@ -141,7 +141,7 @@ def runs(tmp_path_factory):
         "record", d / "pipes", *ONE, "--pp", 2, "--cp", 2, "--tp", 1, "--schedule", "gpipe", "--grad-checkpointing",
         "--max-steps", 16, "--resume", step_8, "--save", "", "--export", ""], nproc=4)
     cmds["restarted"] = command("tests/probe_4d.py", [
-        "crash", "11:0", d / "restarted", *ONE, "--pp", 1, "--cp", 1, "--tp", 1, "--max-steps",
+        "killsave", "renamed@10:0", d / "restarted", *ONE, "--pp", 1, "--cp", 1, "--tp", 1, "--max-steps",
         12, "--save-every", 2, "--save", ck, "--resume", "auto", "--export", ""], nproc=1,
         torchrun_args=["--max-restarts=1"])
     launched["pipes"] = start(cmds["pipes"], REPO)
@@ -320,8 +320,9 @@ def test_pp2_cp2_goes_on_from_the_8_process_checkpoint(runs):
 
 
 def test_a_killed_process_restarts_and_goes_on_from_the_8_process_checkpoint(runs):
-    """The 8-process step 8 in one process (world size 1: the mesh all 1s), SIGKILLed as step 11
-    begins, restarted by torchrun (--max-restarts=1), and --resume auto goes on from step 10:
+    """The 8-process step 8 in one process (world size 1: the mesh all 1s), SIGKILLed once its
+    step 10 is complete and renamed but step 8 not yet dropped, restarted by torchrun
+    (--max-restarts=1), and --resume auto goes on from step 10, the newer of the two:
     one process's steps 9-12 across both attempts."""
     result, ck = runs["restarted"], runs["dir"] / "restarted" / "ck"
     out = ok(result)
@@ -331,6 +332,9 @@ def test_a_killed_process_restarts_and_goes_on_from_the_8_process_checkpoint(run
     assert f"resumed from {ck / 'step-000008'} at step 8" in first
     assert sorted(losses(first)) == [9, 10] and sorted(losses(second)) == [11, 12]
     assert_same_steps(first + second, runs["one"], [9, 10, 11, 12])
+    [killed] = kills(ck)  # step 10 renamed, complete, and step 8 not yet dropped
+    assert killed["moment"] == "renamed" and sorted(killed["held"]) == ["step-000008",
+                                                                        "step-000010"]
 
 
 @pytest.mark.parametrize("script", ["train_fsdp_minigpt.py", "train_tp_minigpt.py",

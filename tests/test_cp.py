@@ -40,8 +40,8 @@ torchrun launches on CPU/gloo. These tests prove:
    process's gradient and loss, where the mean of the ranks' means (the control) does not;
 5. checkpoints are chapter 7's: the --cp 2 run resumes chapter 7's checkpoint (step 4), and
    chapter 7 resumes its last (step 14) to step 18 with one process's losses and weights; its
-   export samples in chapter 3; a rank SIGKILLed at step 10 under `torchrun --max-restarts=1`
-   (the README's restart setting) is restarted and `--resume auto` goes on from step 8 with the
+   export samples in chapter 3; rank 0 SIGKILLed in the save of step 12, its .metadata written,
+   under `torchrun --max-restarts=1` (the README's restart setting) is restarted and `--resume auto` goes on from step 8 with the
    uninterrupted run's losses (those of item 1); its export holds the weights of its last
    checkpoint, read offline (`dcp_to_torch_save`), exactly (the control: 4 steps on, they differ);
    each rank's random streams come back only at the world size and --cp that saved them (the
@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
-from helpers import logged_val_losses as val_losses
+from helpers import kills, logged_val_losses as val_losses
 from helpers import streams_restored
 from helpers import assert_bf16_policy_reduces_in_fp32
 from helpers import CLIPPED, assert_clipped_run_is_one_processs, one_process_clipped
@@ -97,8 +97,8 @@ CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not he
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """dp 2 x cp 2 for 10 steps on two nodes of 2 processes (recorded, --grad-sync last); chapter
-    7 in process for 4 steps (its checkpoint: step 4), then --cp 2 from it to step 14, rank 1
-    killed at step 10 and restarted (recorded; its last checkpoint: step 14); --cp 4 --cp-rotate
+    7 in process for 4 steps (its checkpoint: step 4), then --cp 2 from it to step 14, rank 0
+    killed in the save of step 12 (.metadata written, run.json not) and restarted (recorded; its last checkpoint: step 14); --cp 4 --cp-rotate
     ring for 6 steps and a ring of 2 under bf16 for 2 (both recorded) beside chapter 7 from step
     14 to 18, in process; chapter 3 at 2 processes (ddp_reference) and at 1
     (one_process_reference)."""
@@ -109,7 +109,7 @@ def runs(tmp_path_factory):
                                                  "--max-steps", 10, *EVAL_6, "--save", "",
                                                  "--export", "", "--grad-sync", "last"], nproc=2)
     in_process(FSDP, ONE + ["--max-steps", 4, "--save", d / "ck", "--export", ""])
-    cmd = command("tests/probe_cp.py", ["crash", "10:1", d / "rec", *ONE, "--cp", 2,
+    cmd = command("tests/probe_cp.py", ["killsave", "metadata@12:0", d / "rec", *ONE, "--cp", 2,
                                         "--max-steps", 14, *EVAL_6, "--grad-checkpointing",
                                         "--save-every", 4, "--save", d / "ck",
                                         "--resume", "auto", "--export", d / "cp.pt"],
@@ -417,6 +417,10 @@ def test_checkpoints_move_between_chapter_7_and_cp_and_a_killed_rank_resumes(run
     assert f"resumed from {d / 'ck' / 'step-000004'} at step 4" in out  # chapter 7's
     assert f"resumed from {d / 'ck' / 'step-000008'} at step 8" in out  # after the kill
     assert out.count("step 9/14 | loss") == 2  # logged before the kill, and again after it
+    [killed] = kills(d / "ck")  # DCP's .metadata written, run.json not yet
+    assert killed["moment"] == "metadata" and "step-000008" in killed["held"]
+    assert killed["held"]["partial-step-000012"][0] == ".metadata"
+    assert "run.json" not in killed["held"]["partial-step-000012"]
     seen = json.loads((d / "rec" / "rank0.json").read_text())  # --grad-checkpointing: the block's
     assert seen["all_gathers"] == 2 * 2 * 2, seen  # the block's recompute gathers, once
     resumed = losses(runs["fsdp"])

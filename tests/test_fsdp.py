@@ -17,13 +17,17 @@ These tests prove:
 4. checkpoints are shards that resume at another world size: saved at 2 processes (step 14) and
    at 3 (step 2, of the full-disk run below), resumed at 1, with the same global batch, the next
    losses are the uninterrupted 2-process run's (the windows of each global batch are the same;
-   only the order of float sums differs); a step folder without DCP's .metadata (a save killed
-   half-way) is named in one line and never resumed, and a --resume that names no complete step
-   is an error; a full disk during a sharded save (3 processes) is one line on every rank (exit
+   only the order of float sums differs); a step folder without DCP's .metadata or run.json (a save
+   killed half-way, or a removal cut short) is named in one line and never resumed, and a
+   --resume that names no complete step is an error; a full disk during a sharded save (3 processes) is one line on every rank (exit
    code 5), leaves no half-written step, and the previous step resumes; at one process FSDP, built on the meta
    device, ends with chapter 3's weights, and saves and exports them after an evaluation with
-   --reshard-after-forward no; a worker killed at step 12 under `torchrun --max-restarts=1` is restarted with its peer and
-   `--resume auto` goes on from step 10 with the uninterrupted run's losses; random streams come
+   --reshard-after-forward no; a rank SIGKILLed while it saves, at each of four moments (between the
+   shards, after DCP's .metadata, once renamed, while a failed save is removed), is restarted
+   with its peer under `torchrun --max-restarts=4`, and `--resume auto` goes on each time from the
+   newest complete step with the uninterrupted run's losses; a run never writes into a folder of
+   another run's steps, nor continues them (--seed), and a --save or --export that cannot be
+   written is refused before training; random streams come
    back only at the world size that saved them and without tp (a tp row's ranks draw alike);
 5. bad input is one line and exit code 2: a DDP checkpoint file given to --resume, --amp fp16,
    a wrong --reshard-after-forward;
@@ -35,13 +39,15 @@ The launches run side by side in one module fixture (`runs`); the counted run of
 two-node run of 6; --grad-sync last is a counted run of 4 steps beside it.
 """
 import json
+import os
 import re
+import shutil
 import subprocess
 import types
 
 import pytest
 import torch
-from helpers import logged_val_losses as val_losses
+from helpers import kills, logged_val_losses as val_losses
 from helpers import assert_bf16_policy_reduces_in_fp32, assert_dropout_run_is_ddps, streams_restored
 from helpers import (CONSTANT_LR, EVAL_6, GPT, NOISY, REPO, SHARDED, TINY_GPT, command,
                      ddp_dropout_reference, ddp_reference, finish, hostile_shell, in_process, ok,
@@ -52,6 +58,10 @@ import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path:
 FSDP = "train_fsdp_minigpt.py"
 fsdp = trainer(FSDP)
 FLAGS = SHARDED
+# the restarted run's kills, one per attempt (helpers.kill_in_save): rank 1 between the shards of
+# step 8, rank 0 after its .metadata, rank 0 once it is renamed, rank 0 removing step 12 that
+# rank 1's full disk failed
+KILLS = ["shards@8:1", "metadata@8:0", "renamed@8:0", "cleanup@12:1"]
 RESUMED = TINY_GPT + ["--grad-accum", 2, *CONSTANT_LR, "--max-steps", 18, "--export", "",
                       "--max-new-tokens", 1]  # resumed runs: 12 sequences per micro-step
 
@@ -78,16 +88,17 @@ def losses(out):
 def runs(tmp_path_factory):
     """The module's launches, side by side: FSDP (counted) for 18 steps on two nodes through the
     launcher, from a hostile shell (`fsdp`: rank 0's node's output); FSDP for 14 steps with a
-    worker killed at step 12 and restarted (its last checkpoint: step 14); FSDP at 3 processes
+    rank killed in four saves and restarted (its last checkpoint: step 14); FSDP at 3 processes
     whose rank 1 finds the disk full at its 2nd save (its step 2 stays); chapter 3's 18 steps
     (ddp_reference, shared with chapters 3 and 8's tests)."""
     d = tmp_path_factory.mktemp("fsdp")
     (d / "count").mkdir()
     (d / "last").mkdir()
     cmds = {"restarted": command("tests/probe_fsdp.py",
-                                 ["crash", "12:1", *FLAGS, "--max-steps", 14, "--save-every", 10,
-                                  "--save", d / "f14", "--resume", "auto", "--export", ""],
-                                 nproc=2, torchrun_args=["--max-restarts=1"]),
+                                 ["killsave", ",".join(KILLS), *FLAGS, "--max-steps", 14,
+                                  "--save-every", 4, "--save", d / "f14", "--resume", "auto",
+                                  "--export", ""],
+                                 nproc=2, torchrun_args=[f"--max-restarts={len(KILLS)}"]),
             "nospace": command("tests/probe_fsdp.py", ["nospace", "2:1", *FLAGS, "--batch-size", 4,
                                                        "--save-every", 2, "--save", d / "full",
                                                        "--export", "", "--max-steps", 4], nproc=3),
@@ -242,15 +253,34 @@ def test_each_of_two_ranks_holds_half_the_parameters(runs):
     assert float(two[0]) < 0.51 * float(two[3])
 
 
-def test_a_killed_worker_is_restarted_and_the_job_resumes_from_its_shards(runs):
+def test_a_rank_killed_while_it_saves_is_restarted_and_the_job_resumes_from_its_shards(runs):
+    """Four attempts killed in a save (KILLS), each restarted by torchrun: every attempt resumes
+    from the newest complete step, names the partial folder it ignores, and logs the uninterrupted
+    run's losses (the same world size: every printed digit). What the --save folder held at each
+    kill shows that each kill hit its moment; at the end it holds the last step alone."""
+    out, folder = runs["restarted"].stdout, runs["dir"] / "f14"
     uninterrupted = losses(runs["fsdp"].stdout)
-    first, _, second = runs["restarted"].stdout.partition(
-        f"resumed from {runs['dir'] / 'f14' / 'step-000010'} at step 10")
-    assert second and "step 11/14 | loss" in first  # the first attempt got to step 11, then died
-    resumed = losses(second)
-    assert sorted(resumed) == [11, 12, 13, 14]
-    for step, loss in resumed.items():  # the same world size: the same sums, to the printed digit
-        assert loss == uninterrupted[step], step
+    resumed = re.findall(rf"^resumed from {re.escape(str(folder))}/step-(\d+) at step", out, re.M)
+    assert [int(n) for n in resumed] == [4, 4, 8, 8]  # the control: no kill would resume none
+    # named after the kill past .metadata (rank 0, which removes a failed save, was the one killed;
+    # after the kill between the shards it may have removed the partial folder before it died)
+    assert f"ignoring unfinished checkpoint steps: {folder}/partial-step-000008\n" in out
+    assert f"ignoring unfinished checkpoint steps: {folder}/partial-step-000012" in out
+    logged = re.findall(r"^step (\d+)/14 \| loss (\d+\.\d+)", out, re.M)
+    assert len(logged) == 8 + 4 + 4 + 4 + 6  # every attempt's steps, each as printed
+    for step, loss in logged:
+        assert float(loss) == uninterrupted[int(step)], step
+    killed = kills(folder)
+    assert [k["moment"] for k in killed] == [k.split("@")[0] for k in KILLS]
+    shards, metadata, renamed, cleanup = (k["held"] for k in killed)
+    assert {".metadata", "run.json"} <= set(shards["step-000004"])
+    assert ".metadata" not in shards["partial-step-000008"]  # some shards, no mark
+    assert ".metadata" in metadata["partial-step-000008"]  # DCP done, run.json not yet
+    assert "run.json" not in metadata["partial-step-000008"]
+    assert sorted(renamed) == ["step-000004", "step-000008"]  # complete, older not yet dropped
+    assert {".metadata", "run.json"} <= set(renamed["step-000008"])
+    assert "run.json" not in cleanup["partial-step-000012"] and "step-000008" in cleanup
+    assert sorted(os.listdir(folder)) == ["step-000014"]
 
 
 def test_checkpoints_of_two_and_three_processes_resume_at_one(runs):
@@ -267,20 +297,57 @@ def test_checkpoints_of_two_and_three_processes_resume_at_one(runs):
             assert loss == pytest.approx(uninterrupted[step], rel=1e-4), (step, out)
 
 
-def test_a_step_without_dcps_metadata_is_never_resumed_and_is_named(runs, tmp_path):
+def test_an_unfinished_step_is_never_resumed_and_is_named(tmp_path):
+    """A step folder resumes only with DCP's .metadata and run.json, the one rule of the finder and
+    the reader: --resume auto goes on from step 1 past the folder a cut-short removal left (its
+    .metadata, not its run.json: before this rule, `no complete checkpoint` stopped the job), and
+    past a save cut short before its .metadata; a --resume that names no complete step is an
+    error."""
     folder = tmp_path / "ck"
-    (folder / "step-000099").mkdir(parents=True)  # shards of a save killed before .metadata
+    flags = FLAGS + ["--max-steps", 1, "--save", folder, "--export", ""]
+    in_process(FSDP, flags)
+    (folder / "step-000006").mkdir()  # run.json and shards removed, .metadata not yet
+    shutil.copy(folder / "step-000001" / ".metadata", folder / "step-000006")
+    (folder / "step-000099").mkdir()  # shards of a save killed before .metadata
     (folder / "step-000099" / "__0_0.distcp").write_bytes(b"half")
-    out = in_process(FSDP, FLAGS + ["--max-steps", 1, "--save", folder, "--resume", "auto",
+    out = in_process(FSDP, FLAGS + ["--max-steps", 2, "--save", folder, "--resume", "auto",
                                     "--export", ""])
-    assert "resumed from" not in out and "step 0/1 | val loss" in out
-    assert (f"ignoring unfinished checkpoint steps (no .metadata): {folder / 'step-000099'}\n"
-            in out)
+    assert f"resumed from {folder / 'step-000001'} at step 1" in out and "step 2/2 | loss" in out
+    assert (f"ignoring unfinished checkpoint steps: {folder / 'step-000006'}, "
+            f"{folder / 'step-000099'}\n" in out)
     half = tmp_path / "half"  # --resume asked for by name: no complete step there is an error
     (half / "step-000007").mkdir(parents=True)
+    shutil.copy(folder / "step-000002" / ".metadata", half / "step-000007")
     for path in (half / "step-000007", half):
         with pytest.raises(fsdp.InputError, match=rf"^no complete checkpoint at {path} \(it needs"):
             in_process(FSDP, FLAGS + ["--max-steps", 1, "--resume", path, "--save", ""])
+
+
+def test_a_run_never_continues_nor_deletes_another_runs_steps(tmp_path):
+    """Run A (seed 1) leaves ck/step-000002. Run B (seed 2) is refused, in one line before it
+    trains, both fresh into ck and with --resume auto; A's step stays. The control: A itself goes
+    on from its step with --resume auto, and drops it once step 3 is saved. A --save or --export
+    that cannot be written is refused before training, not at the first save."""
+    ck, base = tmp_path / "ck", FLAGS + ["--export", ""]
+    in_process(FSDP, base + ["--seed", 1, "--max-steps", 2, "--save", ck])
+    step_2 = ck / "step-000002"
+    with pytest.raises(fsdp.InputError, match=rf"^--save {ck} holds another run's steps "
+                                              rf"\({step_2}\): go on with that run by"):
+        in_process(FSDP, base + ["--seed", 2, "--max-steps", 1, "--save", ck])
+    with pytest.raises(fsdp.InputError, match=rf"^{step_2} is another run's step \(--seed 1, "
+                                              r"this run --seed 2\)"):
+        in_process(FSDP, base + ["--seed", 2, "--max-steps", 3, "--save", ck, "--resume", "auto"])
+    assert sorted(os.listdir(ck)) == ["step-000002"]
+    out = in_process(FSDP, base + ["--seed", 1, "--max-steps", 3, "--save", ck, "--resume", "auto"])
+    assert f"resumed from {step_2} at step 2" in out and sorted(os.listdir(ck)) == ["step-000003"]
+    (tmp_path / "file").write_text("")
+    for flag, path, reason in (("--save", tmp_path / "file", "File exists"),
+                               ("--save", tmp_path / "file" / "ck", "Not a directory"),
+                               ("--export", tmp_path, "Is a directory"),
+                               ("--export", tmp_path / "file" / "f.pt", "File exists")):
+        paths = {"--save": "", "--export": "", flag: path}
+        with pytest.raises(fsdp.InputError, match=rf"^{flag} {path} cannot be written: {reason}$"):
+            in_process(FSDP, FLAGS + ["--max-steps", 1, *[x for kv in paths.items() for x in kv]])
 
 
 def test_at_one_process_fsdp_ends_with_chapter_3s_weights(tmp_path):

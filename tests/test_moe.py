@@ -47,7 +47,7 @@ import re
 import pytest
 import torch
 from helpers import logged_grad_norms as norms, logged_losses as losses
-from helpers import logged_val_losses as val_losses
+from helpers import kills, logged_val_losses as val_losses
 from helpers import NOISY, SHARDED, as_script, command, finish, in_process, ok, start, trainer
 from helpers import REPO, ddp_dropout_reference, start_two_nodes, summary, run_single
 import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
@@ -97,11 +97,12 @@ def runs(tmp_path_factory):
                                                    d / "grid.pt"], nproc=4),
             }
     started = {name: start(cmd, REPO) for name, cmd in cmds.items()}
-    # two nodes of one process through chapter 4's launcher, rank 1 killed as step 3 begins and
-    # the group restarted (--max-restarts 1): it resumes from step 2 and saves step 4
+    # two nodes of one process through chapter 4's launcher, rank 1's disk full in the save of
+    # step 4 and rank 0 killed removing it; the group restarted (--max-restarts 1): it resumes
+    # from step 2 and saves step 4
     (d / "restarted").mkdir()
     restarted = start_two_nodes("tests/probe_moe.py", [
-        "crash", "3:1", d / "restarted", *FLAGS, *EXPERTS, "--ep", 2, "--max-steps", 4,
+        "killsave", "cleanup@4:1", d / "restarted", *FLAGS, *EXPERTS, "--ep", 2, "--max-steps", 4,
         "--eval-every", 4, "--save-every", 2, "--save", d / "ck", "--resume", "auto"], restarts=1)
     one, recorded = {}, {"losses": [], "norms": []}
     step = moe.train_step
@@ -185,13 +186,17 @@ def test_the_policy_computes_in_bf16_and_reduces_gradients_in_fp32():
 
 
 def test_two_nodes_restarted_after_a_kill_and_resumed_at_ep_1_log_the_uninterrupted_losses(runs):
-    """--ep 2 on two nodes of one process (the launcher), rank 1 SIGKILLed as step 3 begins,
-    torchrun restarting both (--max-restarts 1): --resume auto goes on from step 2, and steps 3
+    """--ep 2 on two nodes of one process (the launcher), rank 1's disk full in the save of
+    step 4 and rank 0 SIGKILLed while it removes the failed step, torchrun restarting both
+    (--max-restarts 1): --resume auto goes on from step 2, and steps 3
     and 4 log one process's losses and norms; the step-4 checkpoint, resumed at --ep 1 in one
     process, logs steps 5 to 8 of the uninterrupted run (DCP names each expert by its number in
     the block, whichever rank holds it)."""
     restarted, one = runs["restarted"], runs["recorded"]
     assert "resumed from" in restarted and "step-000002 at step 2" in restarted
+    [killed] = kills(runs["dir"] / "ck")  # rank 0 cut short removing the failed step 4
+    assert killed["moment"] == "cleanup" and "step-000002" in killed["held"]
+    assert "run.json" not in killed["held"]["partial-step-000004"]
     after = json.loads((runs["dir"] / "restarted" / "rank0.json").read_text())
     assert after["losses"] == pytest.approx(one["losses"][2:4], rel=1e-5)
     assert after["norms"] == pytest.approx(one["norms"][2:4], rel=1e-5)

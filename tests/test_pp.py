@@ -40,7 +40,7 @@ import re
 import pytest
 import torch
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
-from helpers import logged_val_losses as val_losses
+from helpers import kills, logged_val_losses as val_losses
 from helpers import assert_bf16_policy_reduces_in_fp32
 from helpers import CLIPPED, assert_clipped_run_is_one_processs, one_process_clipped
 from helpers import (GPT, NEEDS_PP, REPO, SHARDED, TINY_GPT, as_script, command, ddp_reference,
@@ -94,7 +94,7 @@ def runs(tmp_path_factory):
     """The module's launches, side by side: 1F1B at --pp 2 for 18 steps on two nodes through the
     launcher (`nodes`); dp 2 x pp 2 for 10 steps, saved, FSDP's calls counted (`grid`); GPipe at
     --pp 3 (three blocks, `THREE`) from a step-10 checkpoint of this trainer at --pp 1, which
-    itself went on from chapter 7's step 5, its middle stage killed at step 14 and restarted
+    itself went on from chapter 7's step 5, its middle stage killed in the save of step 14 and restarted
     (`restarted`); chapter 3 at 2 processes (ddp_reference) and at 1 (one_process_reference), for
     18 steps, and at 1 with THREE for 18 steps (`one of three`)."""
     d = tmp_path_factory.mktemp("pp")
@@ -126,8 +126,8 @@ def runs(tmp_path_factory):
     one_stage = in_process(PP, THREE + ["--pp", 1, "--max-steps", 10, "--resume", d / "ch7",
                                         "--save", ck, "--export", ""])
     restart_cmd = command("tests/probe_pp.py",
-                          ["crash", "14:1", d / "restarted", *THREE, "--pp", 3, "--schedule",
-                           "gpipe", "--max-steps", 18, "--save-every", 2, "--save", ck, "--resume",
+                          ["killsave", "shards@14:1", d / "restarted", *THREE, "--pp", 3,
+                           "--schedule", "gpipe", "--max-steps", 18, "--save-every", 2, "--save", ck, "--resume",
                            "auto", "--export", d / "three.pt", "--top-k", 1, "--max-new-tokens",
                            16], nproc=3, torchrun_args=["--max-restarts=1"])
     restarted = start(restart_cmd, REPO, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # #135712
@@ -240,8 +240,8 @@ def test_gpipe_at_three_stages_computes_what_one_process_computes_and_resumes_an
     copy) logs chapter 3's one-process steps 11-18, gradient norms and validation loss. It went
     on from this trainer's --pp 1 checkpoint of step 10 (another pipeline layout), which went on
     from chapter 7's of step 5, each with one process's losses. Its middle stage, SIGKILLed as
-    step 14 begins, is restarted with the others by torchrun, and `--resume auto` goes on from
-    step 12 with the killed run's own step-13 loss, to the printed digit. Its sample after
+    it writes its shards of step 14, is restarted with the others by torchrun, and `--resume auto`
+    goes on from step 12 with the killed run's own step-13 and 14 losses, to the printed digit. Its sample after
     training (greedy, --top-k 1: no draw is random) is the text chapter 3 generates from the
     exported weights."""
     result, ck, one = runs["restarted"], runs["dir"] / "restarted" / "ck", runs["one of three"]
@@ -250,8 +250,11 @@ def test_gpipe_at_three_stages_computes_what_one_process_computes_and_resumes_an
     assert "| schedule gpipe" in out and "failed (exitcode: -9) local_rank: 1" in result.stderr
     first, _, second = out.partition(f"resumed from {ck / 'step-000012'} at step 12")
     assert f"resumed from {ck / 'step-000010'} at step 10" in first  # the --pp 1 checkpoint
-    assert sorted(losses(first)) == [11, 12, 13] and sorted(losses(second)) == list(range(13, 19))
-    assert losses(second)[13] == losses(first)[13]
+    assert sorted(losses(first)) == [11, 12, 13, 14] and sorted(losses(second)) == list(range(13, 19))
+    assert losses(second)[13] == losses(first)[13] and losses(second)[14] == losses(first)[14]
+    [killed] = kills(ck)  # between the shards: step 12 complete, step 14 a partial folder
+    assert killed["moment"] == "shards" and "step-000012" in killed["held"]
+    assert ".metadata" not in killed["held"]["partial-step-000014"]
     one_stage = runs["one stage"]
     assert f"resumed from {runs['dir'] / 'ch7' / 'step-000005'} at step 5" in one_stage
     logged = {**losses(one_stage), **losses(first), **losses(second)}

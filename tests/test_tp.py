@@ -14,7 +14,9 @@ launches on CPU/gloo. These tests prove:
    (in process), each with the same global batch, and both log the next 8 losses of the
    uninterrupted DDP run; the (dp 1, tp 2) run's 8 losses are also chapter 3's in one process with
    that global batch; its export holds DDP's final weights (1e-4) and samples through
-   train_ddp_minigpt.py;
+   train_ddp_minigpt.py; a rank SIGKILLed in a save (dp 1 x tp 2, from the grid's step 10,
+   `torchrun --max-restarts=1`) is restarted and goes on from the last complete step with one
+   process's losses;
 3. what each rank holds and sends: a tp row is consecutive ranks, a dp column every tp-th
    (each rank's groups recorded by tests/probe_tp.py), and a row's ranks draw the same closing
    sample (every rank samples: each token's forward is the row's collective); at dp 2 x tp 2 a
@@ -34,13 +36,15 @@ launches on CPU/gloo. These tests prove:
 """
 import collections
 import json
+import os
 import re
+import shutil
 import types
 
 import pytest
 import torch
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
-from helpers import logged_val_losses as val_losses
+from helpers import kills, logged_val_losses as val_losses
 from helpers import assert_bf16_policy_reduces_in_fp32
 from helpers import (EVAL_6, GPT, NOISY, REPO, SHARDED, TINY_GPT, command, ddp_dropout_reference,
                      ddp_reference, finish, in_process, ok, one_process_reference, run, start,
@@ -104,6 +108,13 @@ def runs(tmp_path_factory):
     r["switched"] = ok(finish(switched, switch))
     r.update({name: ok(finish(proc, beside[name])) for name, proc in started.items()})
     resume = FLAGS + ["--batch-size", 12, "--resume", d / "ck", "--save", ""]
+    shutil.copytree(d / "ck" / "step-000010", d / "killed" / "ck" / "step-000010")
+    kill = command("tests/probe_tp.py", ["killsave", "metadata@12:1", d / "killed", *FLAGS,
+                                         "--batch-size", 12, "--tp", 2, "--max-steps", 14,
+                                         "--save-every", 2, "--save", d / "killed" / "ck",
+                                         "--resume", "auto", "--export", ""],
+                   nproc=2, torchrun_args=["--max-restarts=1"])
+    killed = start(kill, REPO, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # pytorch#135712
     row = start_two_nodes(TP, resume + ["--tp", 2, "--grad-sync", "last",  # FSDP's no_sync
                                         "--sequence-parallel", "off",  # all-reduces, as Megatron
                                         "--compile", "--compile-backend", "aot_eager",  # no C++
@@ -111,6 +122,7 @@ def runs(tmp_path_factory):
     r["column"] = in_process(TP, resume + ["--tp", 1, "--export", ""])
     r["one"] = one_process_reference()[0]  # shared with chapter 9's tests
     r["row"] = next(out for out in row() if "world size 2 " in out)  # rank 0's node logs
+    r["killed"] = ok(finish(killed, kill))
     return {**r, "dir": d}
 
 
@@ -225,6 +237,24 @@ def test_the_grid_checkpoint_resumes_at_dp1_x_tp2_and_at_tp1(runs):
         for step, loss in resumed.items():  # 12 sequences per micro-step in every run
             assert loss == pytest.approx(ddp[step], rel=1e-4), (step, out)
             assert loss == pytest.approx(one[step], rel=1e-4), (step, out)
+
+
+def test_a_rank_killed_in_a_save_is_restarted_and_resumes_from_the_last_complete_step(runs):
+    """dp 1 x tp 2 from the grid's step 10, rank 1 SIGKILLed in the save of step 12 once DCP's
+    .metadata is written, restarted by torchrun: --resume auto goes on from step 10 again (the
+    partial folder ignored, though it may hold run.json too: rank 0 may remove it first, as a
+    failed save), and both attempts log one process's losses; at the end the folder holds step
+    14 alone."""
+    out, ck, one = runs["killed"], runs["dir"] / "killed" / "ck", losses(runs["one"])
+    assert out.count(f"resumed from {ck / 'step-000010'} at step 10") == 2
+    logged = re.findall(r"^step (\d+)/14 \| loss (\d+\.\d+)", out, re.M)
+    assert [int(step) for step, _ in logged] == [11, 12, 11, 12, 13, 14]
+    for step, loss in logged:  # 12 sequences per micro-step, as in one process
+        assert float(loss) == pytest.approx(one[int(step)], rel=1e-4), step
+    [killed] = kills(ck)
+    assert killed["moment"] == "metadata" and "step-000010" in killed["held"]
+    assert ".metadata" in killed["held"]["partial-step-000012"]
+    assert sorted(os.listdir(ck)) == ["step-000014"]
 
 
 def test_the_whole_gradients_a_rank_holds_are_its_tp_part(runs):
