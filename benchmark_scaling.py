@@ -43,6 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # The bus bandwidth (busbw) is the algorithm bandwidth (algbw, bytes over time) times this factor
 # at n ranks. It counts what each link carries, so it compares with the links' speed.
 BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1.0}
+WEEK_S = 7 * 86400  # the longest --timeout: more than any run here needs
 
 
 class InputError(Exception):
@@ -63,14 +64,28 @@ def positive_int(text):
 
 def byte_size(text):
     """The bytes in a size such as '65536', '64K', '64M' or '1G', in powers of 1024. A trailing
-    'B' or 'iB' is allowed, and the size must be at least 1 KiB."""
+    'B' or 'iB' is allowed. The size must be at least 1 KiB, and at most this machine's memory:
+    each rank holds a message of the largest size, so a larger one cannot run here at all. (A
+    GPU's memory is smaller still: a message beyond it fails its run, reported as runs are.)"""
     m = re.fullmatch(r"(\d+)\s*([KMG]?)(i?B)?", text.strip(), re.IGNORECASE)
     if not m:
         raise argparse.ArgumentTypeError(f"not a size like 64K, 64M or 1G: {text!r}")
     size = int(m.group(1)) * 1024 ** " KMG".index(m.group(2).upper() or " ")
     if size < 1024:
         raise argparse.ArgumentTypeError(f"must be at least 1K, got {text!r}")
+    memory = memory_bytes()
+    if memory is not None and size > memory:
+        raise argparse.ArgumentTypeError(
+            f"must be at most this machine's memory, {human_bytes(memory)}, got {text!r}")
     return size
+
+
+def memory_bytes():
+    """This machine's physical memory in bytes, or None where the system does not say (Windows)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def parse_args(argv):
@@ -91,7 +106,7 @@ def parse_args(argv):
     p.add_argument("--repeat", type=positive_int, default=1, metavar="K",
                    help="runs per count; the run of median throughput is reported (default: 1)")
     p.add_argument("--timeout", type=positive_int, default=1800, metavar="S",
-                   help="seconds each run may take (default: 1800)")
+                   help="seconds each run may take, at most a week (default: 1800)")
     c = p.add_argument_group("--collectives (nccl-tests' definitions of time, algbw and busbw)")
     c.add_argument("--collectives", action="store_true",
                    help="time all_reduce, broadcast and barrier instead of a trainer")
@@ -103,6 +118,8 @@ def parse_args(argv):
                    help="untimed calls before the timed ones (default: 5)")
     args = p.parse_args(ours)
     args.trainer_flags = trainer_flags
+    if args.timeout > WEEK_S:  # beyond 24.8 days (2**31 ms), Python's wait for a run crashes
+        p.error(f"--timeout must be between 1 and {WEEK_S} seconds (a week), got {args.timeout}")
     if args.collectives and (trainer_flags or args.strong or args.svg):
         p.error("--collectives runs no trainer and draws no chart: drop --strong, --svg and the flags after --")
     return args
@@ -319,26 +336,39 @@ def plural(nproc):
 
 
 def check_writable(path):
-    """For --json and --svg: the folder must exist, or be creatable, and accept new files."""
+    """For --json and --svg, before any run: the folder must exist or be creatable, and take the
+    temporary file that write_atomically writes there. Trying it is the one test that root (which
+    ignores permissions), a read-only disk and a name too long all answer truly."""
     if path is None:
         return
-    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.basename(path) in ("", ".", "..") or os.path.isdir(path):
+        raise InputError(f"cannot write {path!r}: it names a folder, not a file" if path else
+                         "cannot write '': the path is empty")
+    folder, tmp = os.path.dirname(os.path.abspath(path)), f"{path}.tmp{os.getpid()}"
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise InputError(f"cannot write {path}: {folder} is a file, not a folder")
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as err:
         raise InputError(f"cannot write {path}: no folder {folder} ({err.strerror})") from None
-    if not os.access(folder, os.W_OK) or os.path.isdir(path):
-        raise InputError(f"cannot write {path}: not a writable file path")
+    try:
+        with open(tmp, "w"):
+            pass
+        os.remove(tmp)
+    except OSError as err:
+        raise InputError(f"cannot write {path}: no new file in {folder} ({err.strerror})") from None
 
 
 def write_atomically(path, text):
     """Write `text` beside `path`, then rename it over `path`, so no one sees half a file."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(tmp, "w") as f:
             f.write(text)
         os.replace(tmp, path)
+    except OSError as err:  # after check_writable passed: the disk filled up meanwhile, say
+        raise InputError(f"cannot write {path}: {err.strerror}") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -19,7 +19,7 @@ Usage: launch_multinode_ddp.sh [options] SCRIPT [SCRIPT ARGS...]
 Prints the exact torchrun command for every node of a multi-node DDP job (c10d rendezvous), ready to
 paste, or with --run replaces itself (exec) with this node's command, so signals reach torchrun.
 
-  --nnodes N           machines in the job              (SLURM: the step's, else the job's node count)
+  --nnodes N           machines in the job, at most 100000 (SLURM: the step's, else the job's count)
   --nproc-per-node N   processes per machine, one per GPU (default: 1; SLURM: $SLURM_GPUS_ON_NODE)
   --master-addr HOST   node 0's address, reachable from every node (SLURM: first host of the step)
   --master-port PORT   a free TCP port on that host, 1-65535 (default: 29500; SLURM: from the job id)
@@ -57,6 +57,7 @@ EOF
 }
 
 die() { echo "error: $*" >&2; exit 2; }
+MAX_NODES=100000
 
 whole() {  # whole NAME VALUE MIN: VALUE must be an integer >= MIN
   if ! [[ $2 =~ ^[0-9]{1,9}$ ]] || (( 10#$2 < $3 )); then die "$1 must be a whole number >= $3, got '$2'"; fi
@@ -107,6 +108,11 @@ fi
 port=${port:-29500}
 
 [[ -n $nnodes ]] || die "--nnodes is required (or run inside a SLURM allocation)"
+# torchrun sets no upper bound, and SLURM none beyond the cluster's size; the largest GPU clusters
+# have about 10,000 nodes. Ten times that prints in a second or two: more is a typo, not a job.
+if [[ $nnodes =~ ^[0-9]+$ ]] && (( ${#nnodes} > 9 || 10#$nnodes > MAX_NODES )); then
+  die "--nnodes must be 1..$MAX_NODES (ten times the largest GPU clusters), got '$nnodes'"
+fi
 whole --nnodes "$nnodes" 1
 nproc=${nproc:-1}
 whole --nproc-per-node "$nproc" 1
@@ -139,6 +145,9 @@ if (( 10#$max_restarts > 0 )); then export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1;
 
 if (( run )); then
   [[ -n $node_rank ]] || die "--run needs --node-rank (or SLURM_NODEID inside a SLURM allocation)"
+  # Checked here, not by exec, whose "not found" is two lines and exit code 127 (printing needs none)
+  command -v "${launcher[0]:-}" >/dev/null || die "${launcher[0]:-torchrun} not found on PATH" \
+    "(activate the environment with PyTorch, or set TORCHRUN='python3 -m torch.distributed.run')"
   node_command "$@"
   echo "node $node_rank of $nnodes: waiting up to ${join_timeout}s for all $nnodes nodes at $addr:$port" >&2
   exec "${cmd[@]}"
@@ -147,8 +156,8 @@ fi
 node_command "$@"
 if (( 10#$max_restarts > 0 )); then cmd=(env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "${cmd[@]}"); fi
 echo "# $nnodes node(s) x $nproc process(es); start every node's command within ${join_timeout}s of the first"
+line=$(printf '%q ' "${cmd[@]}")  # quoted once: up to MAX_NODES nodes print the same line
 for (( r = 0; r < nnodes; r++ )); do
   if (( r == 0 )); then echo "# node 0 (on $addr, which every node must reach on port $port):"; else echo "# node $r:"; fi
-  printf '%q ' "${cmd[@]}" | sed 's/ $//'
-  echo
+  echo "${line% }"
 done

@@ -10,15 +10,20 @@
 3. --collectives checks that all_reduce and broadcast give the right values at every size and reports
    nccl-tests' algorithm and bus bandwidths (busbw = algbw x 2(N-1)/N for all-reduce, x 1 for broadcast);
 4. more processes than this machine has cores, or a trainer that fails, end in one error line and exit
-   code 2, with the trainer's own last lines shown.
+   code 2, with the trainer's own last lines shown;
+5. bad input ends in one line and exit code 2 before any run: a --timeout beyond a week (beyond 24.8
+   days Python's wait crashed), a --max-bytes beyond this machine's memory, a --json or --svg whose
+   file cannot be made (under a file, in /proc, empty: checked by making it, as root ignores
+   permissions); a missing folder is made, as the trainers' --save makes theirs.
 """
 import json
+import os
 import sys
 import xml.etree.ElementTree as ET
 
 import pytest
 
-from helpers import REPO, classifier_runs, command, demo_run, finish, run, start, summary
+from helpers import REPO, as_script, classifier_runs, command, demo_run, finish, run, start, summary
 
 sys.path.insert(0, str(REPO))
 import benchmark_scaling as bench  # noqa: E402  (imports no torch at module level)
@@ -123,6 +128,34 @@ def test_too_many_processes_bad_sizes_and_unwritable_outputs_exit_2_with_one_lin
         result = run(BENCH, args)
         assert result.returncode == 2 and message in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_a_timeout_beyond_a_week_a_size_beyond_memory_and_an_unwritable_output_exit_2(tmp_path):
+    """Refused at parse time or before any run, in one line each: a --timeout Python's wait cannot
+    take, a --max-bytes no rank here could allocate, and a --json whose file cannot be made even by
+    root (under a file, in /proc, empty). The controls: the largest accepted values parse, and a
+    missing folder is made, as every trainer's --save makes its own, with no probe file left."""
+    (tmp_path / "a_file").write_text("")
+    memory_k = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 1024
+    week = "--timeout must be between 1 and 604800 seconds (a week), got "
+    for args, line in [
+            (["--timeout", 604801], week + "604801"),
+            (["--timeout", 10 ** 30], week + str(10 ** 30)),
+            (["--collectives", "--max-bytes", f"{memory_k + 1}K"],
+             f"must be at most this machine's memory, {bench.human_bytes(memory_k * 1024)}, got"),
+            (["--json", tmp_path / "a_file" / "out.json"],
+             f"{tmp_path / 'a_file'} is a file, not a folder"),
+            (["--json", "/proc/out.json"], "cannot write /proc/out.json: no new file in /proc ("),
+            (["--json", ""], "cannot write '': the path is empty")]:
+        result = as_script(BENCH, ["--device", "cpu", "--nproc", 4096, *args])  # no run, if missed
+        assert result.returncode == 2 and line in result.stderr, (args, result.stderr)
+        assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr
+    assert bench.parse_args(["--timeout", "604800"]).timeout == 604800
+    assert bench.byte_size(f"{memory_k}K") == memory_k * 1024
+    made = tmp_path / "new" / "folder"
+    result = as_script(BENCH, ["--device", "cpu", "--nproc", 1, 4096, "--json", made / "out.json"])
+    assert result.returncode == 2 and "--nproc 4096" in result.stderr  # past the check, refused
+    assert made.is_dir() and not list(made.iterdir())
 
 
 def test_a_failing_trainer_exits_2_and_shows_its_own_last_lines(launched):

@@ -4,7 +4,8 @@
 - inside a SLURM allocation derives the node count, this node's rank and the head node (a fake
   `scontrol` stands in for SLURM's), and with --run execs this node's command;
 - explains the troubleshooting switches on --help and --explain;
-- answers every bad input with exit code 2 and one line;
+- answers every bad input with exit code 2 and one line: among them more than 100000 nodes, and
+  --run without torchrun on PATH (printing needs none);
 - is valid bash and shellcheck-clean;
 - really runs a two-node job on this machine: two torchrun agents started from the printed commands, one
   process each, meet at 127.0.0.1, train as global ranks 0 and 1 (world size 2) on disjoint shards that
@@ -96,6 +97,11 @@ def test_help_and_explain_name_the_troubleshooting_switches():
     (["--nnodes", "two", "--master-addr", "h", "train_ddp_basic.py"],
      "--nnodes must be a whole number >= 1, got 'two'"),
     (["--nnodes", "0", "--master-addr", "h", "train_ddp_basic.py"], "--nnodes must be a whole number >= 1, got '0'"),
+    (["--nnodes", "100001", "--master-addr", "h", "train_ddp_basic.py"],
+     "--nnodes must be 1..100000 (ten times the largest GPU clusters), got '100001'"),
+    (["--nnodes", "999999999", "--master-addr", "h", "train_ddp_basic.py"],  # once minutes of lines
+     "--nnodes must be 1..100000 (ten times the largest GPU clusters), got '999999999'"),
+    (["--nnodes", "1" + "0" * 20, "--master-addr", "h", "train_ddp_basic.py"], "must be 1..100000"),
     (["--nnodes", "2", "--nproc-per-node", "0", "--master-addr", "h", "train_ddp_basic.py"], "--nproc-per-node must"),
     (["--nnodes", "2", "--master-addr", "h", "--node-rank", "2", "--run", "train_ddp_basic.py"],
      "--node-rank must be 0..1 for --nnodes 2, got '2'"),
@@ -117,6 +123,24 @@ def test_each_bad_input_exits_2_with_one_line(args, message):
     result = launch(*args)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("error: ") and message in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+def test_the_largest_nnodes_runs_and_no_torchrun_on_path_is_one_line_for_run_alone(tmp_path):
+    """--nnodes 100000, the bound, still runs (the control of the refusals above). Without torchrun
+    on PATH, --run says so in one line and exit code 2 (exec said two lines and 127), while
+    printing the commands, which needs no torchrun, still works there."""
+    top = launch("--nnodes", 100000, "--master-addr", "h", "--node-rank", 99999, "--run",
+                 "train_ddp_basic.py", env={"TORCHRUN": "echo torchrun"})
+    assert top.returncode == 0 and top.stdout.startswith("torchrun --nnodes=100000 "), top.stderr
+    bare = tmp_path / "bin"  # a PATH that holds bash and nothing else
+    bare.mkdir()
+    (bare / "bash").symlink_to(shutil.which("bash"))
+    args = ["--nnodes", 2, "--master-addr", "h", "--node-rank", 0, "train_ddp_basic.py"]
+    ran = launch("--run", *args, env={"PATH": str(bare)})
+    assert ran.returncode == 2 and ran.stdout == "" and len(ran.stderr.splitlines()) == 1
+    assert ran.stderr.startswith("error: torchrun not found on PATH ("), ran.stderr
+    printed = launch(*args, env={"PATH": str(bare)})
+    assert printed.returncode == 0 and len(commands(printed.stdout)) == 2, printed.stderr
 
 
 def test_bash_syntax_and_shellcheck():

@@ -19,7 +19,10 @@ docs/pp_in_your_trainer.md and docs/4d_in_your_trainer.md these tests prove that
    from outside the trainer, each of the 2 ranks trains on its own 4 of the 8 rows (the control:
    one process, all 8), each block is an FSDP unit, and only rank 0 receives the exported weights;
 4. the 4-D page's trainer, its sizes line changed to pp 2 x dp 2, also trains one process's model
-   (its loss scaled by dp x cp, the ranks FSDP averages over).
+   (its loss scaled by dp x cp, the ranks FSDP averages over);
+5. the lines the 4-D page changes for a head of its own apply to the pieces as the script has them,
+   and with an untied model (in a world of one) put the head's gradient in the last stage's norm and
+   keep the head apart at PP 1, where the pieces and `shard` as they stand leave it out and tie it.
 
 The launches of the pages whose tests run start at once in one module fixture, side by side, while
 the one-process trainer runs in this process.
@@ -29,11 +32,16 @@ import difflib
 import io
 import re
 import runpy
+import sys
 import tokenize
+from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import NEEDS_CP, NEEDS_PP, REPO, command, finish, needs_torch, ok, run_single, start
+from helpers import NEEDS_CP, NEEDS_PP, REPO, command, finish, needs_torch, ok, one_process_group
+from helpers import run_single, start
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import loss_parallel
 
 PAGES = {  # name: (the chapter's script, the pieces the page copies as they stand)
     "fsdp": ("train_fsdp_minigpt.py",
@@ -100,8 +108,8 @@ def blocks(name):
     """The page's one-process trainer, its parallel trainer, its diff block and the file of the
     pieces (None where the trainer holds them), as text."""
     found = re.findall(r"^```(?:python|diff)\n(.*?)^```", page(name).read_text(), re.M | re.S)
-    if name in MODULES:  # the one-process trainer, the pieces' file, the trainer, the diff
-        assert len(found) == 4, (name, len(found))
+    if name in MODULES:  # the one-process trainer, the pieces' file, the trainer, the diff (and
+        assert len(found) == 5, (name, len(found))  # the untied head's lines, untied_head())
         return found[0], found[2], found[3], found[1]
     assert len(found) == 3, (name, len(found))
     return (*found, None)
@@ -157,6 +165,22 @@ def piece_span(text, piece):
     return match.start(), match.start() + len(text[match.start():stop].rstrip("\n"))
 
 
+def untied_head():
+    """The 4-D page's pieces file and trainer, copied afresh, with the lines its section "A head of
+    its own" changes changed: {file name: text}. Each hunk's lines must stand there exactly once."""
+    files = fresh("4d")
+    shown = re.findall(r"^```diff\n(.*?)^```", page("4d").read_text(), re.M | re.S)[-1]
+    for part in re.split(r"^--- ", shown, flags=re.M)[1:]:
+        file = part.split("\n", 1)[0]
+        for hunk in re.split(r"^@@.*\n", part, flags=re.M)[1:]:
+            lines = hunk.splitlines()
+            old = "".join(line[1:] + "\n" for line in lines if line.startswith("-"))
+            new = "".join(line[1:] + "\n" for line in lines if line.startswith("+"))
+            assert files[file].count(old) == 1, f"{file} does not hold, once:\n{old}"
+            files[file] = files[file].replace(old, new)
+    return files
+
+
 @pytest.mark.parametrize("name", PAGES)
 def test_the_page_holds_the_scripts_pieces_as_they_stand(name):
     single, parallel, diff, module = blocks(name)
@@ -185,6 +209,73 @@ def test_a_piece_that_differs_from_the_script_is_found():
     plan = pieces("tp")["block_plan"]  # rewrapped on the page: the same tokens, not another plan
     assert tokens(plan.replace("),\n", "), ")) == tokens(plan)
     assert tokens(plan.replace("Shard(1)", "Shard(0)", 1)) != tokens(plan)
+
+
+@needs_torch(*NEEDS_CP)
+def test_the_4d_pages_untied_head_is_in_the_norm_and_stays_apart(tmp_path):
+    """The lines the 4-D page changes for a head of its own, run in a world of one with an untied
+    model: at the last of 2 stages the norm holds the head's gradient, and at PP 1 `shard` leaves
+    the head its own matrix and values. The control: the pieces and `shard` as they stand, with
+    the same untied model, leave the head out of the norm and tie it to the embedding."""
+    mine = load_4d(tmp_path / "untied", untied_head())
+    theirs = load_4d(tmp_path / "as_is", fresh("4d"))
+    untied_gpt = mine["TinyGPT"]
+    with one_process_group():
+        mine["init_distributed"]("cpu", 60)
+        (norm, squares), (norm_as_is, _) = (last_stage_norm(g, untied_gpt) for g in (mine, theirs))
+        apart, apart_as_is = (head_at_pp_1(g, untied_gpt) for g in (mine, theirs))
+    head = squares.pop("head.weight")
+    assert head > 1e-4 * sum(squares.values())  # the head's gradient counts in the norm
+    assert norm == pytest.approx(float(sum(squares.values()) + head) ** 0.5, rel=1e-5)
+    assert norm_as_is == pytest.approx(float(sum(squares.values())) ** 0.5, rel=1e-5)  # left out
+    assert apart == (False, True) and apart_as_is == (True, False)  # (tied, its own values)
+
+
+def load_4d(folder, files):
+    """The namespace of the page's trainer written into folder beside its pieces, which it imports
+    from there (not its main())."""
+    folder.mkdir()
+    for file, text in files.items():
+        (folder / file).write_text(text)
+    sys.modules.pop("pieces_4d", None)  # another folder's pieces, imported before
+    sys.path.insert(0, str(folder))
+    try:
+        return runpy.run_path(str(folder / "my_gpt_4d.py"))
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop("pieces_4d", None)
+
+
+def one_rank_run(g, stage):
+    """A Run for `stage` on a mesh of one rank, and its Context (the whole sequence)."""
+    mesh = init_device_mesh("cpu", (1, 1, 1, 1), mesh_dim_names=("pp", "dp", "cp", "tp"))
+    context = g["Context"](mesh["cp"].get_group(), 0, 1, g["T"], torch.device("cpu"))
+    return SimpleNamespace(mesh=mesh, stage=stage, tied=None), context
+
+
+def last_stage_norm(g, gpt):
+    """The norm that g's clip_gradients gives at the last of 2 stages (the head's), after one
+    backward of g's loss, and each parameter's squared gradient norm, by name."""
+    run, context = one_rank_run(g, stage=1)
+    torch.manual_seed(0)
+    stage = g["shard"](run, g["Stage"](gpt(), 1, 2, context))
+    x, y = torch.randn(2, g["T"], g["WIDTH"]), torch.randint(0, g["VOCAB"], (2, g["T"]))
+    with loss_parallel():
+        g["share_of_loss"](stage(x), y, 1).backward()
+    squares = {n: p.grad.full_tensor().norm() ** 2 for n, p in stage.named_parameters()}
+    return g["clip_gradients"](run, stage, 1e9).item(), squares  # 1e9: nothing is clipped
+
+
+def head_at_pp_1(g, gpt):
+    """Whether g's shard leaves one stage's head tied to its embedding at PP 1, and whether the
+    head keeps its own initial values."""
+    run, context = one_rank_run(g, stage=0)
+    torch.manual_seed(0)
+    model = gpt()
+    initial = model.head.weight.detach().clone()
+    stage = g["shard"](run, g["Stage"](model, 0, 1, context))
+    return stage.head.weight is stage.tok_emb.weight, torch.equal(stage.head.weight.full_tensor(),
+                                                                  initial)
 
 
 @pytest.fixture(scope="module")
