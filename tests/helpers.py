@@ -416,25 +416,27 @@ KILL_MOMENTS = ("shards", "metadata", "renamed", "cleanup")  # what kill_in_save
 
 def kill_in_save(module, specs):
     """For a probe: SIGKILL one rank of a sharded trainer while it saves a step, at one of
-    KILL_MOMENTS, a spec "MOMENT@STEP:RANK" per attempt (the k-th for TORCHELASTIC_RESTART_COUNT
-    k; none past the last). shards: the rank's first file write of the save (its peers may have
-    written theirs); metadata: once DCP's save returned (.metadata written, no run.json);
-    renamed: once the step has its final name, before older steps are dropped; cleanup: the
-    rank's disk full in the save, then rank 0 killed while removing the failed step (run.json and
-    a shard gone first, .metadata last, as shutil.rmtree may order them). Before dying, the rank
-    appends what the --save folder held to SAVE.kills.jsonl."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    KILL_MOMENTS, a spec "MOMENT@STEP:RANK" per attempt: the k-th once k kills are recorded (an
+    agent whose workers restart for a peer's failure keeps its TORCHELASTIC_RESTART_COUNT), none
+    past the last. shards: the rank's first file write of the save (its peers may have written
+    theirs); metadata: once DCP's save returned (.metadata written, no run.json); renamed: once
+    the step has its final name, before older steps are dropped; cleanup: the rank's disk full
+    in the save, then rank 0 killed while removing the failed step (run.json and a shard gone
+    first, .metadata last, as shutil.rmtree may order them). Before dying, the rank appends what
+    the --save folder held to SAVE.kills.jsonl."""
+    save_folder = sys.argv[len(sys.argv) - sys.argv[::-1].index("--save")]  # the last, as argparse
+    record = Path(f"{save_folder}.kills.jsonl")  # one line a kill: the kills so far, job-wide
+    attempt = len(record.read_text().splitlines()) if record.exists() else 0
     if attempt >= len(specs):
         return
     moment, at = specs[attempt].split("@")
     step_at, rank = map(int, at.split(":"))
     assert moment in KILL_MOMENTS, moment
     mine, saving = int(os.environ["RANK"]) == rank, [None]
-    save_folder = sys.argv[sys.argv.index("--save") + 1]
 
     def die():
         held = {d.name: sorted(os.listdir(d)) for d in sorted(Path(save_folder).glob("*step-*"))}
-        with open(f"{save_folder}.kills.jsonl", "a") as f:
+        with open(record, "a") as f:
             f.write(json.dumps({"attempt": attempt, "moment": moment, "step": step_at,
                                 "held": held}) + "\n")
         os.kill(os.getpid(), signal.SIGKILL)
