@@ -51,15 +51,18 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def positive(kind, zero_ok=False):
-    """An argparse type that accepts a number of `kind` above zero, or zero too if zero_ok."""
+def positive(kind, zero_ok=False, most=None):
+    """An argparse type: a finite number of `kind` above zero (at least zero if zero_ok), at most
+    `most` if given. NaN and infinity are refused here, before they reach a step."""
     def parse(text):
         value = kind(text)
-        if value < 0 or (value == 0 and not zero_ok):
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
             bound = "at least 0" if zero_ok else "positive"
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be a finite number, {bound}, got {text}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most:g}, got {text}")
         return value
-    parse.__name__ = f"positive {kind.__name__}"  # argparse then says "invalid positive int value"
+    parse.__name__ = f"positive {kind.__name__}"  # argparse names it: "invalid positive int value"
     return parse
 
 
@@ -95,7 +98,10 @@ def parse_args(argv=None):
                    help="continue from this checkpoint; 'auto' continues from --save if it exists")
     p.add_argument("--eval-only", action="store_true",
                    help="evaluate the starting weights once and train nothing")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 0 <= args.seed < 2**63:  # torch takes seeds below 2**64: seed + epoch fits too
+        p.error(f"--seed must be between 0 and {2**63 - 1}, got {args.seed}")
+    return args
 
 
 def print0(is_main, message):

@@ -1,7 +1,7 @@
 """Every bad input to the chapter 1 and 2 scripts ends with exit code 2 and one clear line on
-stderr, no traceback and no hang: non-positive or malformed numbers, a missing, corrupted,
-truncated or mismatched checkpoint, missing or unreadable MNIST files, a CUDA device that is not
-there, the DDP script started without torchrun.
+stderr, no traceback and no hang: non-positive, malformed, NaN or infinite numbers, a --seed
+torch cannot take, a missing, corrupted, truncated or mismatched checkpoint, missing or
+unreadable MNIST files, a CUDA device that is not there, the DDP script started without torchrun.
 
 Most cases call the scripts' own parse_args()/main() in this process (a launch costs seconds of
 torch import); the last test runs each script's own exit path (its __main__ block) to prove that
@@ -26,13 +26,21 @@ def files(tmp_path_factory):
 
 
 @pytest.mark.parametrize("script,args,message", [
-    (SINGLE, ["--batch-size", "0"], "argument --batch-size: must be positive, got 0"),
-    (DDP, ["--epochs", "-1"], "argument --epochs: must be positive, got -1"),
-    (SINGLE, ["--lr", "0"], "argument --lr: must be positive, got 0"),
+    (SINGLE, ["--batch-size", "0"],
+     "argument --batch-size: must be a finite number, positive, got 0"),
+    (DDP, ["--epochs", "-1"], "argument --epochs: must be a finite number, positive, got -1"),
+    (SINGLE, ["--lr", "0"], "argument --lr: must be a finite number, positive, got 0"),
+    (SINGLE, ["--lr", "nan"], "argument --lr: must be a finite number, positive, got nan"),
+    (DDP, ["--lr", "inf"], "argument --lr: must be a finite number, positive, got inf"),
     (DDP, ["--lr", "fast"], "argument --lr: invalid positive float value: 'fast'"),
-    (SINGLE, ["--train-samples", "-5"], "argument --train-samples: must be positive, got -5"),
+    (SINGLE, ["--train-samples", "-5"],
+     "argument --train-samples: must be a finite number, positive, got -5"),
     (SINGLE, ["--model", "vgg"], "argument --model: invalid choice: 'vgg'"),
-    (DDP, ["--num-workers", "-1"], "argument --num-workers: must be at least 0, got -1"),
+    (DDP, ["--num-workers", "-1"],
+     "argument --num-workers: must be a finite number, at least 0, got -1"),
+    (SINGLE, ["--seed", str(2**64)],
+     "--seed must be between 0 and 9223372036854775807, got 18446744073709551616"),
+    (DDP, ["--seed", "-1"], "--seed must be between 0 and 9223372036854775807, got -1"),
 ])
 def test_bad_flag_values_are_refused_in_one_line(script, args, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -66,14 +74,20 @@ def test_bad_files_and_options_raise_one_line_input_errors(script, args, message
 
 
 def test_input_errors_exit_2_with_one_line_and_no_traceback():
-    """Each script run as `python SCRIPT` runs it (its __main__ block, here: helpers.as_script): a
-    bad flag, and the DDP script without torchrun. Under torchrun, an input error on one rank
-    stops every worker with exit code 2: test_cluster_paths.py's classifier launch (rank 1 cannot
-    find the checkpoint rank 0 resumes from)."""
-    cases = [(SINGLE, ["--epochs", "0"]), (DDP, [])]
-    results = [as_script(script, args) for script, args in cases]
-    for (script, args), result in zip(cases, results):
+    """Each script run as `python SCRIPT` runs it (its __main__ block, here: helpers.as_script):
+    bad flags, each the exact line; and the DDP script without torchrun. Under torchrun, an
+    input error on one rank stops every worker with exit code 2: test_cluster_paths.py's
+    classifier launch (rank 1 cannot find the checkpoint rank 0 resumes from)."""
+    cases = {  # the arguments, and the line on stderr
+        (SINGLE, "--epochs", "0"): "train_single_gpu.py: error: argument --epochs: must be a "
+                                   "finite number, positive, got 0",
+        (SINGLE, "--lr", "nan"): "train_single_gpu.py: error: argument --lr: must be a finite "
+                                 "number, positive, got nan",
+        (SINGLE, "--seed", str(2**63)): "train_single_gpu.py: error: --seed must be between 0 and "
+                                        "9223372036854775807, got 9223372036854775808",
+        (DDP,): "error: not launched by torchrun: see the commands at the top of this script"}
+    for (script, *args), line in cases.items():
+        result = as_script(script, args)
         where = f"{script} {args}: exit {result.returncode}\n{result.stderr}"
-        assert result.returncode == 2 and "Traceback" not in result.stderr, where
-        assert len(result.stderr.strip().splitlines()) == 1 and "error: " in result.stderr, where
-    assert "not launched by torchrun" in results[1].stderr
+        assert result.returncode == 2 and result.stderr == line + "\n", where
+        assert "epoch 0/" not in result.stdout, where  # refused before any evaluation, any step
