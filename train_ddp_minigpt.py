@@ -999,10 +999,13 @@ def read_checkpoint(path):
     """The checkpoint dict, loaded to the CPU with weights_only=True; a problem is an InputError."""
     if not os.path.isfile(path):
         raise InputError(f"checkpoint not found: {path}")
+    if not os.path.getsize(path):  # torch.load would say only "EOFError"
+        raise InputError(f"cannot read checkpoint {path}: the file is empty")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(state, dict) or not {"model", "config", "step"} <= state.keys():
             raise ValueError("not a checkpoint of this script (no model, config and step)")
+        check_form(state)  # a state dict and a dict, as the lines below read them
     except Exception as err:  # truncated, not a torch file, not a checkpoint of ours: bad input
         reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
         raise InputError(f"cannot read checkpoint {path}: {reason}") from None
@@ -1013,12 +1016,114 @@ def read_checkpoint(path):
     if unknown:  # a model with parts that this script's GPT has not
         raise InputError(f"{path} holds a model with {', '.join(sorted(unknown))}, which this "
                          "script's GPT has not: sample it with the script that trained it")
+    problem = config_problem(state["config"], state["model"], state.get("itos"))
+    if problem:
+        raise InputError(f"cannot read checkpoint {path}: {problem}")
     return state
+
+
+def check_form(state):
+    """Raise ValueError unless a checkpoint's model is a state dict of tensors and its config a
+    dict."""
+    weights = state["model"]
+    if not isinstance(weights, dict) or not all(
+            isinstance(name, str) and torch.is_tensor(t) for name, t in weights.items()):
+        raise ValueError("its model is not a state dict of tensors")
+    if not isinstance(state["config"], dict):
+        raise ValueError(f"its config is a {type(state['config']).__name__}, not a dict")
+
+
+def config_problem(config, weights, itos):
+    """What in a checkpoint's config does not build a model its weights fit, or does not fit its
+    vocabulary, in a few words, or None: --sample builds the model from the config alone."""
+    sizes = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
+    missing = [key for key in (*sizes, "dropout") if key not in config]
+    if missing:
+        return f"its config has no {', '.join(missing)}"
+    wrong = [key for key in sizes if type(config[key]) is not int or config[key] < 1]
+    if wrong:
+        return f"its config's {wrong[0]} ({config[wrong[0]]!r}) is not a whole number above 0"
+    if not isinstance(config["dropout"], (int, float)) or not 0 <= config["dropout"] < 1:
+        return f"its config's dropout ({config['dropout']!r}) is not in [0, 1)"
+    if config["n_embd"] % config["n_head"]:
+        return f"its config's n_head {config['n_head']} does not divide n_embd {config['n_embd']}"
+    problem = weights_problem(config, weights)  # first: the weights bound the vocabulary's size
+    if not problem and not is_vocabulary(itos, config["vocab_size"]):
+        problem = "its itos does not give a text for each token id below its vocab_size"
+    return problem
+
+
+def weights_problem(config, weights):
+    """Which weight does not have the shape the config gives it, or is missing, or is not in the
+    config's model, or None."""
+    blocks = {key.split(".")[1] for key in weights if key.startswith("blocks.")}
+    if len(blocks) != config["n_layer"]:  # checked first, so that no huge model is built
+        return f"its weights hold {len(blocks)} blocks, its config's n_layer is {config['n_layer']}"
+    with torch.device("meta"):  # the shapes alone: no memory, no initial values
+        made = GPT(**config).state_dict()
+    for key in sorted(made.keys() | weights.keys()):
+        have, want = ["x".join(map(str, t.shape)) if t is not None else "none"
+                      for t in (weights.get(key), made.get(key))]
+        if have != want:
+            return f"its weights do not fit its config: {key} is {have}, the config makes {want}"
+    return None
+
+
+def is_vocabulary(itos, vocab_size):
+    """True if itos is None (the tokens are bytes), or gives a text for each token id below
+    vocab_size, as a nanoGPT folder's meta.pkl does."""
+    if itos is None:
+        return True
+    return isinstance(itos, dict) and set(itos) == set(range(vocab_size)) and all(
+        isinstance(piece, str) for piece in itos.values())
+
+
+def resume_problem(state):
+    """What a checkpoint lacks of what a resume reads besides the model, in a few words, or None.
+    A file only to sample from, with no optimizer state, or one edited by hand, stops here."""
+    expected = {  # each key in the order checked: a test of its value, and what it should be
+        "optimizer": (is_optimizer_state,
+                      "an optimizer's state dict: a file only to sample from cannot be resumed"),
+        "scaler": (lambda s: isinstance(s, dict), "a loss scaler's state dict"),
+        "args": (lambda a: isinstance(a, dict) and type(a.get("max_steps")) is int,
+                 "the flags of the run that saved it"),
+        "step": (lambda n: type(n) is int and 0 <= n <= state["args"]["max_steps"],
+                 "a step from 0 to the --max-steps of the run that saved it"),
+        "rng": (lambda r: isinstance(r, list) and r and all(map(is_rng_state, r)),
+                "every rank's random-number states")}
+    for key, (fits, what) in expected.items():
+        value = state.get(key)
+        if not fits(value):  # a number or a text is shown, anything else named by its type
+            shown = repr(value) if isinstance(value, (int, float, str)) else type(value).__name__
+            return f"its {key} ({shown if key in state else 'none'}) is not {what}"
+    return None
+
+
+def is_optimizer_state(value):
+    """True if `value` is what optimizer.state_dict() returns: its state and its groups' dicts."""
+    if not isinstance(value, dict) or not isinstance(value.get("param_groups"), list):
+        return False
+    return "state" in value and all(isinstance(group, dict) for group in value["param_groups"])
+
+
+def is_rng_state(rng):
+    """True if `rng` is what a save writes: this CPU generator's state, of its size in bytes, and
+    a GPU generator's state in bytes, or None."""
+    def is_bytes(t):
+        return torch.is_tensor(t) and t.dtype == torch.uint8 and t.dim() == 1
+    if not isinstance(rng, dict) or not {"cpu", "cuda"} <= rng.keys():
+        return False
+    cpu, cuda = rng["cpu"], rng["cuda"]
+    return is_bytes(cpu) and len(cpu) == len(torch.get_rng_state()) and (
+        cuda is None or is_bytes(cuda))
 
 
 def load_checkpoint(path, run, raw_model, optimizer, data):
     """Restore weights, optimizer, scaler and this rank's RNG from `path`; return its step."""
     state, config = read_checkpoint(path), model_config(run.args, data.vocab_size)
+    problem = resume_problem(state)  # the keys a resume reads besides the model's
+    if problem:
+        raise InputError(f"cannot resume from {path}: {problem}")
     if state["config"] != config:
         raise InputError(f"{path} was trained with {state['config']}, this run builds {config}")
     fused = [group.get("fused") for group in optimizer.param_groups]
@@ -1030,13 +1135,13 @@ def load_checkpoint(path, run, raw_model, optimizer, data):
         optimizer.load_state_dict(state["optimizer"])
         if run.scaler.is_enabled() and state["scaler"]:  # fp16 goes on with the saved loss
             run.scaler.load_state_dict(state["scaler"])  # scale, if the checkpoint has one
-    except (RuntimeError, ValueError, KeyError) as err:
-        reason = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+        if run.rank < len(state["rng"]):  # the ranks it knows get their own RNG state back
+            torch.set_rng_state(state["rng"][run.rank]["cpu"])
+            if state["rng"][run.rank]["cuda"] is not None and run.device.type == "cuda":
+                torch.cuda.set_rng_state(state["rng"][run.rank]["cuda"])
+    except (KeyError, RuntimeError, TypeError, ValueError) as err:
+        reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
         raise InputError(f"cannot resume from {path}: {reason}") from None
-    if run.rank < len(state["rng"]):  # ranks the checkpoint knows get their own RNG state back
-        torch.set_rng_state(state["rng"][run.rank]["cpu"])
-        if state["rng"][run.rank]["cuda"] is not None and run.device.type == "cuda":
-            torch.cuda.set_rng_state(state["rng"][run.rank]["cuda"])
     return state["step"]
 
 
@@ -1168,7 +1273,7 @@ def sample(args):
         raise InputError("--device cuda, but no CUDA device is visible (try --device cpu)")
     cuda = args.device != "cpu" and torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    state = read_checkpoint(args.ckpt)
+    state = read_checkpoint(args.ckpt)  # its config builds a model its weights fit
     itos = state.get("itos")
     if state["config"]["vocab_size"] != 256 and itos is None:
         raise InputError(f"{args.ckpt} was trained on token ids (vocab "

@@ -393,26 +393,77 @@ def save_once(path, model, optimizer, epoch, args, is_main):
 def load_checkpoint(path, model, optimizer, args):
     """Restore the weights, the optimizer and the random generators, and return the epochs done.
     Any problem with the file raises InputError."""
-    if not os.path.isfile(path):
-        raise InputError(f"checkpoint not found: {path}")
-    try:  # load to the CPU; load_state_dict then copies each tensor to this process's device
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if state["args"]["model"] != args.model:
-            raise InputError(f"{path} holds a --model {state['args']['model']}, "
-                             f"this run builds --model {args.model}")
-        if not all_finite(state["model"]):
-            raise InputError(f"{path} holds weights that are not finite: resume from another")
+    state = read_checkpoint(path, args)
+    try:  # load_state_dict copies each tensor to this process's device
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["cpu"])
         if state["rng"]["cuda"] is not None and next(model.parameters()).is_cuda:
             torch.cuda.set_rng_state(state["rng"]["cuda"])
-        return state["epoch"]
-    except InputError:
-        raise
-    except Exception as err:  # a truncated file, a file of another kind, wrong shapes
-        reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"
+    except (KeyError, RuntimeError, TypeError, ValueError) as err:  # wrong shapes, another model
+        reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
         raise InputError(f"cannot resume from {path}: {reason}") from None
+    return state["epoch"]
+
+
+def read_checkpoint(path, args):
+    """The checkpoint at `path`, loaded to the CPU, holding every key load_checkpoint reads, each
+    of the type it reads, and weights for this run's --model. Any problem raises InputError."""
+    if not os.path.isfile(path):
+        raise InputError(f"checkpoint not found: {path}")
+    if not os.path.getsize(path):  # torch.load would say only "EOFError"
+        raise InputError(f"cannot resume from {path}: the file is empty")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a truncated file, a file of another kind
+        reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+        raise InputError(f"cannot resume from {path}: {reason}") from None
+    problem = checkpoint_problem(state)
+    if problem:
+        raise InputError(f"cannot resume from {path}: {problem}")
+    if state["args"]["model"] != args.model:
+        raise InputError(f"{path} holds a --model {state['args']['model']}, "
+                         f"this run builds --model {args.model}")
+    if not all_finite(state["model"]):
+        raise InputError(f"{path} holds weights that are not finite: resume from another")
+    return state
+
+
+def checkpoint_problem(state):
+    """What a loaded checkpoint lacks of what a resume reads, in a few words, or None. A file of
+    another kind, or one edited by hand, stops here rather than in a traceback later."""
+    if not isinstance(state, dict):
+        return f"it holds a {type(state).__name__}, not a checkpoint"
+    expected = {  # each key a resume reads: a test of its value, and what it should be
+        "model": (lambda m: isinstance(m, dict) and all(
+            isinstance(name, str) and torch.is_tensor(t) for name, t in m.items()),
+            "a state dict of tensors"),
+        "optimizer": (lambda o: isinstance(o, dict) and {"state", "param_groups"} <= o.keys(),
+                      "an optimizer's state dict"),
+        "epoch": (lambda n: type(n) is int and n >= 0, "a whole number of epochs done, 0 or more"),
+        "args": (lambda a: isinstance(a, dict) and "model" in a, "the flags of the run it saved"),
+        "rng": (is_rng_state, "the random generators' states a save writes")}
+    missing = [key for key in expected if key not in state]
+    if missing:
+        return f"it has no {', '.join(missing)}: not a checkpoint of this script"
+    for key, (fits, what) in expected.items():
+        value = state[key]
+        if not fits(value):  # a number or a text is shown, anything else named by its type
+            shown = repr(value) if isinstance(value, (int, float, str)) else type(value).__name__
+            return f"its {key} ({shown}) is not {what}"
+    return None
+
+
+def is_rng_state(rng):
+    """True if `rng` is what a save writes: this CPU generator's state, of its size in bytes, and
+    a GPU generator's state in bytes, or None."""
+    def is_bytes(t):
+        return torch.is_tensor(t) and t.dtype == torch.uint8 and t.dim() == 1
+    if not isinstance(rng, dict) or not {"cpu", "cuda"} <= rng.keys():
+        return False
+    cpu, cuda = rng["cpu"], rng["cuda"]
+    return is_bytes(cpu) and len(cpu) == len(torch.get_rng_state()) and (
+        cuda is None or is_bytes(cuda))
 
 
 def resolve_resume(resume, save):

@@ -1,13 +1,17 @@
 """Every bad input to the chapter 1 and 2 scripts ends with exit code 2 and one clear line on
 stderr, no traceback and no hang: non-positive, malformed, NaN or infinite numbers, a --seed
-torch cannot take, a missing, corrupted, truncated or mismatched checkpoint, missing or
-unreadable MNIST files, a CUDA device that is not there, the DDP script started without torchrun.
+torch cannot take, a missing, empty, corrupted, truncated or mismatched checkpoint, or one edited
+by hand (a key missing, a negative or fractional epoch, a model that is no state dict, random
+states of the wrong size), missing or unreadable MNIST files, a CUDA device that is not there,
+the DDP script started without torchrun. Each refusal of a checkpoint has its control: the good
+checkpoint it was edited from resumes.
 
 Most cases call the scripts' own parse_args()/main() in this process (a launch costs seconds of
 torch import); the last test runs each script's own exit path (its __main__ block) to prove that
 such an error becomes exit code 2 with one line; that under torchrun it stops every worker instead
 of hanging is test_cluster_paths.py's classifier launch."""
 import pytest
+import torch
 from helpers import DDP, SINGLE, as_script, in_process, make_mnist, trainer
 
 
@@ -22,6 +26,14 @@ def files(tmp_path_factory):
     (d / "empty").mkdir()
     raw = make_mnist(d / "broken")
     (raw / "t10k-images-idx3-ubyte").write_bytes(b"\x00\x00\x08\x03garbage")
+    (d / "empty.pt").write_bytes(b"")
+    state = torch.load(d / "good.pt", weights_only=True)
+    short_rng = {"cpu": torch.zeros(10, dtype=torch.uint8), "cuda": None}
+    edited = {"epoch-4": {**state, "epoch": -4}, "epoch2.5": {**state, "epoch": 2.5},
+              "model-list": {**state, "model": [1]}, "rng-short": {**state, "rng": short_rng},
+              "no-optimizer": {k: v for k, v in state.items() if k != "optimizer"}}
+    for name, edit in edited.items():  # the good checkpoint, edited by hand
+        torch.save(edit, d / f"{name}.pt")
     return d
 
 
@@ -73,11 +85,36 @@ def test_bad_files_and_options_raise_one_line_input_errors(script, args, message
     assert not (tmp_path / "x.pt").exists()
 
 
-def test_input_errors_exit_2_with_one_line_and_no_traceback():
+@pytest.mark.parametrize("script,name,problem", [
+    (SINGLE, "epoch-4", "its epoch (-4) is not a whole number of epochs done, 0 or more"),
+    (DDP, "epoch2.5", "its epoch (2.5) is not a whole number of epochs done, 0 or more"),
+    (SINGLE, "model-list", "its model (list) is not a state dict of tensors"),
+    (DDP, "rng-short", "its rng (dict) is not the random generators' states a save writes"),
+    (SINGLE, "no-optimizer", "it has no optimizer: not a checkpoint of this script"),
+    (DDP, "empty", "the file is empty"),
+])
+def test_empty_and_hand_edited_checkpoints_are_refused_in_one_line(script, name, problem, files,
+                                                                   tmp_path):
+    """Each key a resume reads is checked, with its type, before anything is loaded: a negative
+    epoch once trained from epoch -4, a fractional one crashed in range(), an empty file said
+    "EOFError". The control: the good checkpoint they were edited from resumes."""
+    flags = ["--train-samples", "64", "--val-samples", "8", "--epochs", "1", "--save",
+             tmp_path / "x.pt"]
+    with pytest.raises(trainer(script).InputError) as err:
+        in_process(script, [*flags, "--resume", files / f"{name}.pt"])
+    assert str(err.value) == f"cannot resume from {files / name}.pt: {problem}"
+    assert err.value.code == 2 and not (tmp_path / "x.pt").exists()
+    resumed = in_process(script, [*flags, "--resume", files / "good.pt"])
+    assert f"resumed from {files / 'good.pt'} after epoch 1" in resumed
+
+
+def test_input_errors_exit_2_with_one_line_and_no_traceback(files):
     """Each script run as `python SCRIPT` runs it (its __main__ block, here: helpers.as_script):
-    bad flags, each the exact line; and the DDP script without torchrun. Under torchrun, an
-    input error on one rank stops every worker with exit code 2: test_cluster_paths.py's
-    classifier launch (rank 1 cannot find the checkpoint rank 0 resumes from)."""
+    bad flags, a hand-edited checkpoint, each the exact line, before any training; and the DDP
+    script without torchrun. Under torchrun, an input error on one rank stops every worker with
+    exit code 2: test_cluster_paths.py's classifier launch (rank 1 cannot find the checkpoint
+    rank 0 resumes from)."""
+    small = ["--train-samples", "64", "--val-samples", "8", "--save", ""]
     cases = {  # the arguments, and the line on stderr
         (SINGLE, "--epochs", "0"): "train_single_gpu.py: error: argument --epochs: must be a "
                                    "finite number, positive, got 0",
@@ -85,6 +122,9 @@ def test_input_errors_exit_2_with_one_line_and_no_traceback():
                                  "number, positive, got nan",
         (SINGLE, "--seed", str(2**63)): "train_single_gpu.py: error: --seed must be between 0 and "
                                         "9223372036854775807, got 9223372036854775808",
+        (SINGLE, *small, "--resume", str(files / "epoch-4.pt")):
+            f"error: cannot resume from {files}/epoch-4.pt: its epoch (-4) is not a whole number "
+            "of epochs done, 0 or more",
         (DDP,): "error: not launched by torchrun: see the commands at the top of this script"}
     for (script, *args), line in cases.items():
         result = as_script(script, args)

@@ -2,12 +2,14 @@
 empty or too-short data file, a .bin file without --vocab-size, with an odd byte count or with
 token ids >= the vocabulary, impossible model, timeout or AMP settings, NaN or infinity for any
 float flag, a --dist-timeout outside 1 s to a week, a --seed torch cannot take, an unknown
---compile-backend, a missing, corrupt or mismatched checkpoint for --resume or --sample, a start
-without torchrun, a GPU asked for that is not there. The new refusals of flags have their
-control: the bounds themselves are accepted, the largest seed trains. Most cases call the
-script's own main() in this process (a launch costs seconds of torch import); one test runs it as
-`python` would (its `__main__` block, in this process: helpers.as_script) to prove that such an
-error becomes exit code 2 and one line."""
+--compile-backend, a missing, corrupt or mismatched checkpoint for --resume or --sample, or one
+edited by hand (a file only to sample from, keys or random states missing or of the wrong size,
+a negative, fractional or too large step, a model that is no state dict, a config its weights do
+not fit), a start without torchrun, a GPU asked for that is not there. Each new refusal has its
+control: the good checkpoint resumes and samples, the bounds themselves are accepted, the largest
+seed trains. Most cases call the script's own main() in this process (a launch costs seconds of
+torch import); one test runs it as `python` would (its `__main__` block, in this process:
+helpers.as_script) to prove that such an error becomes exit code 2 and one line."""
 import numpy as np
 import pytest
 import torch
@@ -29,6 +31,19 @@ def files(tmp_path_factory):
     in_process(GPT, [*TINY, "--data", d / "text.txt", "--save", d / "good.pt"])
     good = (d / "good.pt").read_bytes()
     (d / "truncated.pt").write_bytes(good[:len(good) // 3])
+    state = torch.load(d / "good.pt", weights_only=True)
+    short_rng = [{"cpu": torch.zeros(10, dtype=torch.uint8), "cuda": None}]
+    edited = {  # the good checkpoint, edited by hand; "export": a file only to sample from
+        "export": {**state, "optimizer": {}, "scaler": {}, "rng": []},
+        "no-rng": {k: v for k, v in state.items() if k != "rng"},
+        "rng-short": {**state, "rng": short_rng}, "model-list": {**state, "model": [1]},
+        "step-5": {**state, "step": -5}, "step1.5": {**state, "step": 1.5},
+        "step-far": {**state, "step": 10**6},
+        "wide": {**state, "config": {**state["config"], "n_embd": 32}},
+        "no-head": {**state, "config": {k: v for k, v in state["config"].items() if k != "n_head"}},
+        "head3": {**state, "config": {**state["config"], "n_head": 3}}}
+    for name, edit in edited.items():
+        torch.save(edit, d / f"{name}.pt")
     return d
 
 
@@ -113,6 +128,52 @@ def test_the_bounds_themselves_are_accepted_and_the_largest_seed_trains(files):
                        torch.randn(shape, generator=seeded) * 0.02)
 
 
+STEP = "is not a step from 0 to the --max-steps of the run that saved it"
+
+
+@pytest.mark.parametrize("name,problem", [
+    ("export", "its optimizer (dict) is not an optimizer's state dict: a file only to sample "
+               "from cannot be resumed"),
+    ("no-rng", "its rng (none) is not every rank's random-number states"),
+    ("rng-short", "its rng (list) is not every rank's random-number states"),
+    ("step-5", f"its step (-5) {STEP}"), ("step1.5", f"its step (1.5) {STEP}"),
+    ("step-far", f"its step (1000000) {STEP}"),
+])
+def test_hand_edited_checkpoints_are_refused_in_one_line_before_resuming(name, problem, files):
+    """Each key a resume reads is checked, with its type, by read_checkpoint: a file only to
+    sample from raised KeyError: 'param_groups', a step of -5 trained with negative learning
+    rates. The control: the good checkpoint they were edited from resumes."""
+    path = files / f"{name}.pt"
+    with pytest.raises(gpt.InputError) as err:
+        in_process(GPT, [*TINY, "--data", files / "text.txt", "--resume", path])
+    assert str(err.value) == f"cannot resume from {path}: {problem}" and err.value.code == 2
+    resumed = in_process(GPT, [*TINY, "--data", files / "text.txt", "--resume",
+                               files / "good.pt", "--max-new-tokens", 1])
+    assert f"resumed from {files / 'good.pt'} at step 1" in resumed
+
+
+@pytest.mark.parametrize("name,problem", [
+    ("wide", "its weights do not fit its config: blocks.0.attn.proj.bias is 16, the config "
+             "makes 32"),
+    ("no-head", "its config has no n_head"),
+    ("head3", "its config's n_head 3 does not divide n_embd 16"),
+    ("model-list", "ValueError: its model is not a state dict of tensors"),
+])
+def test_a_sampled_checkpoint_whose_config_does_not_fit_its_weights_is_one_line(name, problem,
+                                                                                files):
+    """--sample builds its model from the file's config: another width, no head count, or one
+    that does not divide the width were tracebacks (a model that is no state dict too, in
+    resumes as well). The control: the good file samples."""
+    path = files / f"{name}.pt"
+    with pytest.raises(gpt.InputError) as err:
+        in_process(GPT, ["--sample", "--ckpt", path, "--max-new-tokens", 1])
+    assert str(err.value) == f"cannot read checkpoint {path}: {problem}"
+    assert err.value.code == 2
+    sampled = in_process(GPT, ["--sample", "--ckpt", files / "good.pt", "--prompt", "def",
+                               "--max-new-tokens", 2])
+    assert sampled.startswith("def") and len(sampled.encode()) >= 5
+
+
 def test_input_errors_exit_2_with_one_line_and_no_traceback(files):
     cases = [(GPT, [*TINY, "--data", files / "ids.bin"]),  # plain python: refused before the data
              (GPT, ["--sample", "--ckpt", files / "truncated.pt"])]
@@ -127,7 +188,10 @@ def test_input_errors_exit_2_with_one_line_and_no_traceback(files):
     exact = {  # the arguments, and the whole of stderr
         ("--temperature", "nan"): "train_ddp_minigpt.py: error: argument --temperature: must be a "
                                   "finite number, positive, got nan",
-        ("--dist-timeout", "1e-6"): "train_ddp_minigpt.py: error: " + TIMEOUT.format("1e-06")}
+        ("--dist-timeout", "1e-6"): "train_ddp_minigpt.py: error: " + TIMEOUT.format("1e-06"),
+        ("--sample", "--ckpt", str(files / "head3.pt")):
+            f"error: cannot read checkpoint {files}/head3.pt: its config's n_head 3 does not "
+            "divide n_embd 16"}
     for args, line in exact.items():
         result = as_script(GPT, list(args))
         assert result.returncode == 2 and result.stderr == line + "\n", (args, result.stderr)
