@@ -158,8 +158,26 @@ def load_mnist(data_dir):
     except (AssertionError, KeyError, RuntimeError, TypeError, ValueError) as err:
         reason = f"{type(err).__name__}: {err}"
         raise InputError(f"cannot read the MNIST files in {raw}/ ({reason})") from None
+    for split, prefix in ((train, "train"), (val, "t10k")):
+        check_mnist_split(raw, prefix, split.data, split.targets)
     x_train, x_val = (split.data.unsqueeze(1).float() / 255 for split in (train, val))  # N,1,28,28
     return x_train, train.targets, x_val, val.targets
+
+
+def check_mnist_split(raw, prefix, images, labels):
+    """Raise InputError if a split's two files disagree, with each other or with MNIST: as many
+    labels as images, at least one, images of 28x28 pixels, labels from 0 to 9. Unchecked, such
+    files stop the run later, in a traceback from the model or the loss."""
+    files = f"{raw}/{prefix}-images-idx3-ubyte and {prefix}-labels-idx1-ubyte"
+    if len(images) != len(labels) or not len(images):
+        raise InputError(f"{files} hold {len(images)} images and {len(labels)} labels: a split "
+                         "needs a label for each image, and at least one")
+    if tuple(images.shape[1:]) != (28, 28):
+        raise InputError(f"{raw}/{prefix}-images-idx3-ubyte holds images of {images.shape[1]}x"
+                         f"{images.shape[2]} pixels, not MNIST's 28x28")
+    if int(labels.max()) > 9:  # the file holds bytes, so none is below 0
+        raise InputError(f"{raw}/{prefix}-labels-idx1-ubyte holds label {int(labels.max())}, "
+                         "not a digit from 0 to 9")
 
 
 def build_datasets(args):

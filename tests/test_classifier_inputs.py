@@ -2,17 +2,19 @@
 stderr, no traceback and no hang: non-positive, malformed, NaN or infinite numbers, a --seed
 torch cannot take, a missing, empty, corrupted, truncated or mismatched checkpoint, or one edited
 by hand (a key missing, a negative or fractional epoch, a model that is no state dict, random
-states of the wrong size), missing or unreadable MNIST files, a CUDA device that is not there,
-the DDP script started without torchrun. Each refusal of a checkpoint has its control: the good
-checkpoint it was edited from resumes.
+states of the wrong size), missing or unreadable MNIST files, or files that disagree (as many
+labels as images, 28x28 images, labels 0-9), a CUDA device that is not there, the DDP script
+started without torchrun. Each refusal of a file has its control: the good checkpoint it was
+edited from resumes, the good MNIST files load.
 
 Most cases call the scripts' own parse_args()/main() in this process (a launch costs seconds of
 torch import); the last test runs each script's own exit path (its __main__ block) to prove that
 such an error becomes exit code 2 with one line; that under torchrun it stops every worker instead
 of hanging is test_cluster_paths.py's classifier launch."""
+import numpy as np
 import pytest
 import torch
-from helpers import DDP, SINGLE, as_script, in_process, make_mnist, trainer
+from helpers import DDP, SINGLE, as_script, in_process, make_mnist, trainer, write_idx
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +28,13 @@ def files(tmp_path_factory):
     (d / "empty").mkdir()
     raw = make_mnist(d / "broken")
     (raw / "t10k-images-idx3-ubyte").write_bytes(b"\x00\x00\x08\x03garbage")
+    make_mnist(d / "good")
+    disagreeing = {  # a folder whose files disagree: the file and what it holds instead
+        "counts": ("t10k-labels-idx1-ubyte", np.zeros(19)),  # 20 images
+        "label": ("train-labels-idx1-ubyte", np.r_[np.zeros(59), 12]),
+        "rows": ("train-images-idx3-ubyte", np.zeros((60, 20, 20)))}
+    for name, (file, array) in disagreeing.items():
+        write_idx(make_mnist(d / name) / file, array)
     (d / "empty.pt").write_bytes(b"")
     state = torch.load(d / "good.pt", weights_only=True)
     short_rng = {"cpu": torch.zeros(10, dtype=torch.uint8), "cuda": None}
@@ -108,13 +117,33 @@ def test_empty_and_hand_edited_checkpoints_are_refused_in_one_line(script, name,
     assert f"resumed from {files / 'good.pt'} after epoch 1" in resumed
 
 
+@pytest.mark.parametrize("script,folder,message", [
+    (DDP, "counts", "{raw}/t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte hold 20 images and "
+                    "19 labels: a split needs a label for each image, and at least one"),
+    (SINGLE, "label", "{raw}/train-labels-idx1-ubyte holds label 12, not a digit from 0 to 9"),
+    (SINGLE, "rows",
+     "{raw}/train-images-idx3-ubyte holds images of 20x20 pixels, not MNIST's 28x28"),
+])
+def test_mnist_files_that_disagree_are_refused_in_one_line(script, folder, message, files):
+    """Unchecked, too few labels stopped the run in TensorDataset, a label of 12 in the loss and
+    20x20 images in the model, each with a traceback. The control: the good files load."""
+    with pytest.raises(trainer(script).InputError) as err:
+        in_process(script, ["--dataset", "mnist", "--data-dir", files / folder, "--save", ""])
+    raw = files / folder / "MNIST" / "raw"
+    assert str(err.value) == message.format(raw=raw) and err.value.code == 2
+    x_train, y_train, x_val, y_val = trainer(script).load_mnist(str(files / "good"))
+    assert x_train.shape == (60, 1, 28, 28) and x_val.shape == (20, 1, 28, 28)
+    assert len(y_train) == 60 and len(y_val) == 20
+
+
 def test_input_errors_exit_2_with_one_line_and_no_traceback(files):
     """Each script run as `python SCRIPT` runs it (its __main__ block, here: helpers.as_script):
-    bad flags, a hand-edited checkpoint, each the exact line, before any training; and the DDP
-    script without torchrun. Under torchrun, an input error on one rank stops every worker with
-    exit code 2: test_cluster_paths.py's classifier launch (rank 1 cannot find the checkpoint
-    rank 0 resumes from)."""
+    bad flags, a hand-edited checkpoint, disagreeing MNIST files, each the exact line, before any
+    training; and the DDP script without torchrun. Under torchrun, an input error on one rank
+    stops every worker with exit code 2: test_cluster_paths.py's classifier launch (rank 1 cannot
+    find the checkpoint rank 0 resumes from)."""
     small = ["--train-samples", "64", "--val-samples", "8", "--save", ""]
+    raw = files / "label" / "MNIST" / "raw"
     cases = {  # the arguments, and the line on stderr
         (SINGLE, "--epochs", "0"): "train_single_gpu.py: error: argument --epochs: must be a "
                                    "finite number, positive, got 0",
@@ -125,6 +154,8 @@ def test_input_errors_exit_2_with_one_line_and_no_traceback(files):
         (SINGLE, *small, "--resume", str(files / "epoch-4.pt")):
             f"error: cannot resume from {files}/epoch-4.pt: its epoch (-4) is not a whole number "
             "of epochs done, 0 or more",
+        (SINGLE, *small, "--dataset", "mnist", "--data-dir", str(files / "label")):
+            f"error: {raw}/train-labels-idx1-ubyte holds label 12, not a digit from 0 to 9",
         (DDP,): "error: not launched by torchrun: see the commands at the top of this script"}
     for (script, *args), line in cases.items():
         result = as_script(script, args)
