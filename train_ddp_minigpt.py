@@ -66,6 +66,7 @@ import shutil
 import statistics
 import sys
 import sysconfig
+import tempfile
 import time
 import zlib
 
@@ -577,8 +578,10 @@ def log_peak_gpu_memory(run):
 
 # ---------------------------------------- guards: each stops one thing going wrong in production
 def avoid_known_failures(args):  # guard: all guards, in one place, before the group is joined
-    """Exit code 2 for a launch that could never join a group; a workaround for each known fault."""
+    """Exit code 2 for a launch that could never join a group, or could never save; a workaround
+    for each known fault."""
     refuse_a_bad_launch(args.device)  # guard: no torchrun, or more processes than GPUs
+    refuse_an_unwritable_save(args)  # guard: a run that would train, then fail at its first save
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     backend = "nccl" if cuda else "gloo"
     level = safe_debug_level(backend, args.debug, dist.get_debug_level())  # guard: DETAIL on gloo
@@ -602,6 +605,15 @@ def refuse_a_bad_launch(device_name):  # guard: a process that could never join 
         if local_rank >= visible:
             refuse(f"--device cuda: GPU {local_rank} asked for, but {visible} visible: start at "
                    "most one process per GPU (--nproc_per_node), or --device cpu")
+
+
+def refuse_an_unwritable_save(args):  # guard: a --save that rank 0 could not write
+    """InputError (exit code 2, one line) now, not after the training, if rank 0, the rank that
+    saves, could not write --save. No group is joined yet, so torchrun's RANK says who saves."""
+    saves = args.save and not args.benchmark and os.environ["RANK"] == "0"
+    reason = why_unwritable(args.save) if saves else None
+    if reason:
+        raise InputError(f"--save {args.save} cannot be written: {reason}")
 
 
 def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo
@@ -988,6 +1000,23 @@ def write_file(path, state):
     finally:
         if os.path.exists(tmp):  # the write failed: drop the partial file
             os.remove(tmp)
+
+
+def why_unwritable(path):
+    """Why no checkpoint could be written at `path`, in the system's words, or None if one could.
+    The test writes a file without a name (O_TMPFILE) in its folder: nothing is left behind."""
+    if os.path.isdir(path):
+        return os.strerror(errno.EISDIR)
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(folder):  # the save makes the folders that are missing
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return os.strerror(errno.ENOTDIR)
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as err:  # a read-only folder or file system, no permission
+        return err.strerror
+    return None
 
 
 def rng_state(device):

@@ -18,6 +18,7 @@ import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -221,6 +222,7 @@ def main(argv=None):
     is_main, world_size = True, 1  # the only process, so it logs and saves
     global_batch = args.batch_size * world_size  # samples in one optimizer step
     print0(is_main, f"world size {world_size} | global batch {global_batch}")
+    refuse_an_unwritable_save(args, is_main)  # now, not after the training
     torch.manual_seed(args.seed)  # the same --seed makes the same initial weights
     # By default cuDNN runs convolutions in TF32 and picks their algorithms by batch shape, so a
     # batch of 32 and two batches of 16 could differ by 1e-3. Full fp32 and deterministic
@@ -482,6 +484,32 @@ def is_rng_state(rng):
     cpu, cuda = rng["cpu"], rng["cuda"]
     return is_bytes(cpu) and len(cpu) == len(torch.get_rng_state()) and (
         cuda is None or is_bytes(cuda))
+
+
+def refuse_an_unwritable_save(args, is_main):
+    """Raise InputError before any training if the process that saves could not write --save. A
+    run would otherwise train to the end, then fail at its first save."""
+    saves = is_main and args.save and not args.eval_only
+    reason = why_unwritable(args.save) if saves else None
+    if reason:
+        raise InputError(f"--save {args.save} cannot be written: {reason}")
+
+
+def why_unwritable(path):
+    """Why no checkpoint could be written at `path`, in the system's words, or None if one could.
+    The test writes a file without a name (O_TMPFILE) in its folder: nothing is left behind."""
+    if os.path.isdir(path):
+        return os.strerror(errno.EISDIR)
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(folder):  # the save makes the folders that are missing
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return os.strerror(errno.ENOTDIR)
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as err:  # a read-only folder or file system, no permission
+        return err.strerror
+    return None
 
 
 def resolve_resume(resume, save):

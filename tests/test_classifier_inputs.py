@@ -3,9 +3,11 @@ stderr, no traceback and no hang: non-positive, malformed, NaN or infinite numbe
 torch cannot take, a missing, empty, corrupted, truncated or mismatched checkpoint, or one edited
 by hand (a key missing, a negative or fractional epoch, a model that is no state dict, random
 states of the wrong size), missing or unreadable MNIST files, or files that disagree (as many
-labels as images, 28x28 images, labels 0-9), a CUDA device that is not there, the DDP script
-started without torchrun. Each refusal of a file has its control: the good checkpoint it was
-edited from resumes, the good MNIST files load.
+labels as images, 28x28 images, labels 0-9), a --save that could not be written (refused before
+any training, leaving nothing behind), a CUDA device that is not there, the DDP script started
+without torchrun. Each refusal has its control: the same input made good is accepted (the good
+checkpoint resumes, the good MNIST files load, the largest seed trains, a folder at --save is
+fine for --eval-only, which saves nothing).
 
 Most cases call the scripts' own parse_args()/main() in this process (a launch costs seconds of
 torch import); the last test runs each script's own exit path (its __main__ block) to prove that
@@ -43,6 +45,7 @@ def files(tmp_path_factory):
               "no-optimizer": {k: v for k, v in state.items() if k != "optimizer"}}
     for name, edit in edited.items():  # the good checkpoint, edited by hand
         torch.save(edit, d / f"{name}.pt")
+    (d / "a-file").write_text("")
     return d
 
 
@@ -136,12 +139,35 @@ def test_mnist_files_that_disagree_are_refused_in_one_line(script, folder, messa
     assert len(y_train) == 60 and len(y_val) == 20
 
 
+@pytest.mark.parametrize("script,save,reason", [
+    (SINGLE, "{d}/empty", "Is a directory"),  # a folder where the file goes
+    (DDP, "{d}/a-file/ck.pt", "Not a directory"),  # a file where a folder must be
+    (SINGLE, "{d}/a-file/new/ck.pt", "Not a directory"),
+])
+def test_a_save_path_that_cannot_be_written_is_refused_before_training(script, save, reason,
+                                                                       files):
+    """Once the whole run trained, then stopped at its save (exit code 5); now the process that
+    saves checks first, and leaves nothing behind (root writes to read-only folders, so a folder
+    or a file in the way stands for every reason). The controls: a path in folders still to
+    make passes and makes none of them, and --eval-only, which saves nothing, is not refused."""
+    save, before = save.format(d=files), sorted(files.rglob("*"))
+    with pytest.raises(trainer(script).InputError) as err:
+        in_process(script, ["--train-samples", "64", "--val-samples", "8", "--save", save])
+    assert str(err.value) == f"--save {save} cannot be written: {reason}"
+    assert err.value.code == 2 and sorted(files.rglob("*")) == before
+    assert trainer(script).why_unwritable(str(files / "new" / "deeper" / "ck.pt")) is None
+    assert sorted(files.rglob("*")) == before
+    evaluated = in_process(script, ["--train-samples", "64", "--val-samples", "8", "--save", save,
+                                    "--eval-only"])
+    assert "epoch 0/3 | val loss" in evaluated
+
+
 def test_input_errors_exit_2_with_one_line_and_no_traceback(files):
     """Each script run as `python SCRIPT` runs it (its __main__ block, here: helpers.as_script):
-    bad flags, a hand-edited checkpoint, disagreeing MNIST files, each the exact line, before any
-    training; and the DDP script without torchrun. Under torchrun, an input error on one rank
-    stops every worker with exit code 2: test_cluster_paths.py's classifier launch (rank 1 cannot
-    find the checkpoint rank 0 resumes from)."""
+    bad flags, a hand-edited checkpoint, disagreeing MNIST files, a --save in the way, each the
+    exact line, before any training; and the DDP script without torchrun. Under torchrun, an
+    input error on one rank stops every worker with exit code 2: test_cluster_paths.py's
+    classifier launch (rank 1 cannot find the checkpoint rank 0 resumes from)."""
     small = ["--train-samples", "64", "--val-samples", "8", "--save", ""]
     raw = files / "label" / "MNIST" / "raw"
     cases = {  # the arguments, and the line on stderr
@@ -156,6 +182,8 @@ def test_input_errors_exit_2_with_one_line_and_no_traceback(files):
             "of epochs done, 0 or more",
         (SINGLE, *small, "--dataset", "mnist", "--data-dir", str(files / "label")):
             f"error: {raw}/train-labels-idx1-ubyte holds label 12, not a digit from 0 to 9",
+        (SINGLE, *small[:-1], str(files / "empty")):
+            f"error: --save {files}/empty cannot be written: Is a directory",
         (DDP,): "error: not launched by torchrun: see the commands at the top of this script"}
     for (script, *args), line in cases.items():
         result = as_script(script, args)

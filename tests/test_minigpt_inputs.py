@@ -5,11 +5,13 @@ float flag, a --dist-timeout outside 1 s to a week, a --seed torch cannot take, 
 --compile-backend, a missing, corrupt or mismatched checkpoint for --resume or --sample, or one
 edited by hand (a file only to sample from, keys or random states missing or of the wrong size,
 a negative, fractional or too large step, a model that is no state dict, a config its weights do
-not fit), a start without torchrun, a GPU asked for that is not there. Each new refusal has its
-control: the good checkpoint resumes and samples, the bounds themselves are accepted, the largest
-seed trains. Most cases call the script's own main() in this process (a launch costs seconds of
-torch import); one test runs it as `python` would (its `__main__` block, in this process:
-helpers.as_script) to prove that such an error becomes exit code 2 and one line."""
+not fit), a --save that rank 0 could not write (refused before the group is joined, leaving
+nothing behind), a start without torchrun, a GPU asked for that is not there. Each new refusal
+has its control: the good checkpoint resumes and samples, the bounds themselves are accepted, the
+largest seed trains, a rank other than 0 does not check --save. Most cases call the script's own
+main() in this process (a launch costs seconds of torch import); one test runs it as `python`
+would (its `__main__` block, in this process: helpers.as_script) to prove that such an error
+becomes exit code 2 and one line."""
 import numpy as np
 import pytest
 import torch
@@ -172,6 +174,25 @@ def test_a_sampled_checkpoint_whose_config_does_not_fit_its_weights_is_one_line(
     sampled = in_process(GPT, ["--sample", "--ckpt", files / "good.pt", "--prompt", "def",
                                "--max-new-tokens", 2])
     assert sampled.startswith("def") and len(sampled.encode()) >= 5
+
+
+@pytest.mark.parametrize("save,reason", [
+    ("{d}", "Is a directory"),  # a folder where the file goes
+    ("{d}/text.txt/ck.pt", "Not a directory"),  # a file where a folder must be
+])
+def test_a_save_path_that_cannot_be_written_is_refused_before_the_group(save, reason, files,
+                                                                        monkeypatch):
+    """Once the whole run trained, then stopped at its first save (exit code 5); now rank 0,
+    the rank that saves, checks before the group is joined, and leaves nothing behind (root
+    writes to read-only folders, so a folder or a file in the way stands for every reason).
+    The control: another rank does not check (it writes nothing)."""
+    save, before = save.format(d=files), sorted(files.rglob("*"))
+    with pytest.raises(gpt.InputError) as err:
+        in_process(GPT, [*TINY, "--data", files / "text.txt", "--save", save])
+    assert str(err.value) == f"--save {save} cannot be written: {reason}"
+    assert err.value.code == 2 and sorted(files.rglob("*")) == before
+    monkeypatch.setenv("RANK", "1")
+    assert gpt.refuse_an_unwritable_save(gpt.parse_args(["--save", save])) is None
 
 
 def test_input_errors_exit_2_with_one_line_and_no_traceback(files):
