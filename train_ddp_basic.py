@@ -27,6 +27,7 @@ import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -62,15 +63,18 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def positive(kind, zero_ok=False):
-    """An argparse type that accepts a number of `kind` above zero, or zero too if zero_ok."""
+def positive(kind, zero_ok=False, most=None):
+    """An argparse type: a finite number of `kind` above zero (at least zero if zero_ok), at most
+    `most` if given. NaN and infinity are refused here, before they reach a step."""
     def parse(text):
         value = kind(text)
-        if value < 0 or (value == 0 and not zero_ok):
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
             bound = "at least 0" if zero_ok else "positive"
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be a finite number, {bound}, got {text}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most:g}, got {text}")
         return value
-    parse.__name__ = f"positive {kind.__name__}"  # argparse then says "invalid positive int value"
+    parse.__name__ = f"positive {kind.__name__}"  # argparse names it: "invalid positive int value"
     return parse
 
 
@@ -106,7 +110,10 @@ def parse_args(argv=None):
                    help="continue from this checkpoint; 'auto' continues from --save if it exists")
     p.add_argument("--eval-only", action="store_true",
                    help="evaluate the starting weights once and train nothing")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 0 <= args.seed < 2**63:  # torch takes seeds below 2**64: seed + epoch fits too
+        p.error(f"--seed must be between 0 and {2**63 - 1}, got {args.seed}")
+    return args
 
 
 def print0(is_main, message):
@@ -178,8 +185,26 @@ def load_mnist(data_dir):
     except (AssertionError, KeyError, RuntimeError, TypeError, ValueError) as err:
         reason = f"{type(err).__name__}: {err}"
         raise InputError(f"cannot read the MNIST files in {raw}/ ({reason})") from None
+    for split, prefix in ((train, "train"), (val, "t10k")):
+        check_mnist_split(raw, prefix, split.data, split.targets)
     x_train, x_val = (split.data.unsqueeze(1).float() / 255 for split in (train, val))  # N,1,28,28
     return x_train, train.targets, x_val, val.targets
+
+
+def check_mnist_split(raw, prefix, images, labels):
+    """Raise InputError if a split's two files disagree, with each other or with MNIST: as many
+    labels as images, at least one, images of 28x28 pixels, labels from 0 to 9. Unchecked, such
+    files stop the run later, in a traceback from the model or the loss."""
+    files = f"{raw}/{prefix}-images-idx3-ubyte and {prefix}-labels-idx1-ubyte"
+    if len(images) != len(labels) or not len(images):
+        raise InputError(f"{files} hold {len(images)} images and {len(labels)} labels: a split "
+                         "needs a label for each image, and at least one")
+    if tuple(images.shape[1:]) != (28, 28):
+        raise InputError(f"{raw}/{prefix}-images-idx3-ubyte holds images of {images.shape[1]}x"
+                         f"{images.shape[2]} pixels, not MNIST's 28x28")
+    if int(labels.max()) > 9:  # the file holds bytes, so none is below 0
+        raise InputError(f"{raw}/{prefix}-labels-idx1-ubyte holds label {int(labels.max())}, "
+                         "not a digit from 0 to 9")
 
 
 def build_datasets(args):
@@ -224,6 +249,7 @@ def main(argv=None):
     is_main = rank == 0  # DDP 3: rank 0 alone logs and saves, so each line is printed once
     global_batch = args.batch_size * world_size  # samples in one optimizer step
     print0(is_main, f"world size {world_size} | global batch {global_batch}")
+    refuse_an_unwritable_save(args, is_main)  # now, not after the training
     torch.manual_seed(args.seed)  # the same --seed makes the same initial weights
     # By default cuDNN runs convolutions in TF32 and picks their algorithms by batch shape, so a
     # batch of 32 and two batches of 16 could differ by 1e-3. Full fp32 and deterministic
@@ -424,26 +450,103 @@ def save_once(path, model, optimizer, epoch, args, is_main):
 def load_checkpoint(path, model, optimizer, args):
     """Restore the weights, the optimizer and the random generators, and return the epochs done.
     Any problem with the file raises InputError."""
-    if not os.path.isfile(path):
-        raise InputError(f"checkpoint not found: {path}")
-    try:  # load to the CPU; load_state_dict then copies each tensor to this process's device
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if state["args"]["model"] != args.model:
-            raise InputError(f"{path} holds a --model {state['args']['model']}, "
-                             f"this run builds --model {args.model}")
-        if not all_finite(state["model"]):
-            raise InputError(f"{path} holds weights that are not finite: resume from another")
+    state = read_checkpoint(path, args)
+    try:  # load_state_dict copies each tensor to this process's device
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["cpu"])
         if state["rng"]["cuda"] is not None and next(model.parameters()).is_cuda:
             torch.cuda.set_rng_state(state["rng"]["cuda"])
-        return state["epoch"]
-    except InputError:
-        raise
-    except Exception as err:  # a truncated file, a file of another kind, wrong shapes
-        reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"
+    except (KeyError, RuntimeError, TypeError, ValueError) as err:  # wrong shapes, another model
+        reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
         raise InputError(f"cannot resume from {path}: {reason}") from None
+    return state["epoch"]
+
+
+def read_checkpoint(path, args):
+    """The checkpoint at `path`, loaded to the CPU, holding every key load_checkpoint reads, each
+    of the type it reads, and weights for this run's --model. Any problem raises InputError."""
+    if not os.path.isfile(path):
+        raise InputError(f"checkpoint not found: {path}")
+    if not os.path.getsize(path):  # torch.load would say only "EOFError"
+        raise InputError(f"cannot resume from {path}: the file is empty")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a truncated file, a file of another kind
+        reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+        raise InputError(f"cannot resume from {path}: {reason}") from None
+    problem = checkpoint_problem(state)
+    if problem:
+        raise InputError(f"cannot resume from {path}: {problem}")
+    if state["args"]["model"] != args.model:
+        raise InputError(f"{path} holds a --model {state['args']['model']}, "
+                         f"this run builds --model {args.model}")
+    if not all_finite(state["model"]):
+        raise InputError(f"{path} holds weights that are not finite: resume from another")
+    return state
+
+
+def checkpoint_problem(state):
+    """What a loaded checkpoint lacks of what a resume reads, in a few words, or None. A file of
+    another kind, or one edited by hand, stops here rather than in a traceback later."""
+    if not isinstance(state, dict):
+        return f"it holds a {type(state).__name__}, not a checkpoint"
+    expected = {  # each key a resume reads: a test of its value, and what it should be
+        "model": (lambda m: isinstance(m, dict) and all(
+            isinstance(name, str) and torch.is_tensor(t) for name, t in m.items()),
+            "a state dict of tensors"),
+        "optimizer": (lambda o: isinstance(o, dict) and {"state", "param_groups"} <= o.keys(),
+                      "an optimizer's state dict"),
+        "epoch": (lambda n: type(n) is int and n >= 0, "a whole number of epochs done, 0 or more"),
+        "args": (lambda a: isinstance(a, dict) and "model" in a, "the flags of the run it saved"),
+        "rng": (is_rng_state, "the random generators' states a save writes")}
+    missing = [key for key in expected if key not in state]
+    if missing:
+        return f"it has no {', '.join(missing)}: not a checkpoint of this script"
+    for key, (fits, what) in expected.items():
+        value = state[key]
+        if not fits(value):  # a number or a text is shown, anything else named by its type
+            shown = repr(value) if isinstance(value, (int, float, str)) else type(value).__name__
+            return f"its {key} ({shown}) is not {what}"
+    return None
+
+
+def is_rng_state(rng):
+    """True if `rng` is what a save writes: this CPU generator's state, of its size in bytes, and
+    a GPU generator's state in bytes, or None."""
+    def is_bytes(t):
+        return torch.is_tensor(t) and t.dtype == torch.uint8 and t.dim() == 1
+    if not isinstance(rng, dict) or not {"cpu", "cuda"} <= rng.keys():
+        return False
+    cpu, cuda = rng["cpu"], rng["cuda"]
+    return is_bytes(cpu) and len(cpu) == len(torch.get_rng_state()) and (
+        cuda is None or is_bytes(cuda))
+
+
+def refuse_an_unwritable_save(args, is_main):
+    """Raise InputError before any training if the process that saves could not write --save. A
+    run would otherwise train to the end, then fail at its first save."""
+    saves = is_main and args.save and not args.eval_only
+    reason = why_unwritable(args.save) if saves else None
+    if reason:
+        raise InputError(f"--save {args.save} cannot be written: {reason}")
+
+
+def why_unwritable(path):
+    """Why no checkpoint could be written at `path`, in the system's words, or None if one could.
+    The test writes a file without a name (O_TMPFILE) in its folder: nothing is left behind."""
+    if os.path.isdir(path):
+        return os.strerror(errno.EISDIR)
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(folder):  # the save makes the folders that are missing
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return os.strerror(errno.ENOTDIR)
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as err:  # a read-only folder or file system, no permission
+        return err.strerror
+    return None
 
 
 def resolve_resume(resume, save):

@@ -66,6 +66,7 @@ import shutil
 import statistics
 import sys
 import sysconfig
+import tempfile
 import time
 import zlib
 
@@ -505,7 +506,8 @@ def initial_value(name, shape, seed, n_layer):
         return torch.ones(shape)
     residual = name.endswith(("attn.proj.weight", "mlp.2.weight"))
     std = 0.02 / math.sqrt(2 * n_layer) if residual else 0.02
-    generator = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+    key = seed * 2**32 + zlib.crc32(name.encode())  # a seed past 32 bits: folded into 64
+    generator = torch.Generator().manual_seed((key % 2**64) ^ (key >> 64))
     return torch.randn(shape, generator=generator) * std
 
 
@@ -576,8 +578,10 @@ def log_peak_gpu_memory(run):
 
 # ---------------------------------------- guards: each stops one thing going wrong in production
 def avoid_known_failures(args):  # guard: all guards, in one place, before the group is joined
-    """Exit code 2 for a launch that could never join a group; a workaround for each known fault."""
+    """Exit code 2 for a launch that could never join a group, or could never save; a workaround
+    for each known fault."""
     refuse_a_bad_launch(args.device)  # guard: no torchrun, or more processes than GPUs
+    refuse_an_unwritable_save(args)  # guard: a run that would train, then fail at its first save
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     backend = "nccl" if cuda else "gloo"
     level = safe_debug_level(backend, args.debug, dist.get_debug_level())  # guard: DETAIL on gloo
@@ -601,6 +605,15 @@ def refuse_a_bad_launch(device_name):  # guard: a process that could never join 
         if local_rank >= visible:
             refuse(f"--device cuda: GPU {local_rank} asked for, but {visible} visible: start at "
                    "most one process per GPU (--nproc_per_node), or --device cpu")
+
+
+def refuse_an_unwritable_save(args):  # guard: a --save that rank 0 could not write
+    """InputError (exit code 2, one line) now, not after the training, if rank 0, the rank that
+    saves, could not write --save. No group is joined yet, so torchrun's RANK says who saves."""
+    saves = args.save and not args.benchmark and os.environ["RANK"] == "0"
+    reason = why_unwritable(args.save) if saves else None
+    if reason:
+        raise InputError(f"--save {args.save} cannot be written: {reason}")
 
 
 def safe_debug_level(backend, debug, level):  # guard: TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo
@@ -640,13 +653,16 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def positive(kind, zero_ok=False):
-    """An argparse type: a number of `kind` above zero, or at least zero if zero_ok."""
+def positive(kind, zero_ok=False, most=None):
+    """An argparse type: a finite number of `kind` above zero (at least zero if zero_ok), at most
+    `most` if given. NaN and infinity are refused here, before they reach a step."""
     def parse(text):
         value = kind(text)
-        if value < 0 or (value == 0 and not zero_ok):
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
             bound = "at least 0" if zero_ok else "positive"
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be a finite number, {bound}, got {text}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most:g}, got {text}")
         return value
     parse.__name__ = f"positive {kind.__name__}"  # argparse names it: "invalid positive int value"
     return parse
@@ -675,7 +691,8 @@ def parse_args(argv=None):
     a("--grad-checkpointing", action="store_true",
       help="recompute each block's activations in backward: less memory, more time")
     a("--compile", action="store_true", help="torch.compile the model (default: off)")
-    a("--compile-backend", default="inductor", metavar="NAME",
+    a("--compile-backend", default="inductor",
+      choices=("inductor", "aot_eager", "eager", "cudagraphs"),
       help="torch.compile backend (default: inductor)")
     a = p.add_argument_group("training").add_argument
     a("--batch-size", type=positive(int), default=16, metavar="B",
@@ -699,7 +716,7 @@ def parse_args(argv=None):
     a("--device", choices=["auto", "cpu", "cuda"], default="auto",
       help="auto = cuda if there is one, else cpu (default: auto)")
     a = p.add_argument_group("distributed: timeouts, debugging and the layout").add_argument
-    a("--dist-timeout", type=positive(float), default=300, metavar="S",
+    a("--dist-timeout", type=positive(float, most=7 * 86400), default=300, metavar="S",
       help="seconds a collective waits for the other ranks before the job fails (default: 300)")
     a("--check-sync", action="store_true",
       help="at each evaluation, check that every replica's weights are identical (exit 3 if not)")
@@ -739,6 +756,11 @@ def parse_args(argv=None):
         p.error(f"--n-head {args.n_head} must divide --n-embd {args.n_embd}")
     if not 0 <= args.dropout < 1 or not 0 < args.val_fraction < 1:
         p.error("--dropout must be in [0, 1) and --val-fraction in (0, 1)")
+    if args.dist_timeout < 1:  # below a second, a rank that is only slow looks dead
+        p.error(f"--dist-timeout must be between 1 and 604800 seconds (a week), got "
+                f"{args.dist_timeout:g}")
+    if not 0 <= args.seed < 2**63:  # torch takes seeds below 2**64: seed + epoch fits too
+        p.error(f"--seed must be between 0 and {2**63 - 1}, got {args.seed}")
     if args.sample and not args.ckpt:
         p.error("--sample needs --ckpt PATH")
     if not args.prompt:
@@ -980,6 +1002,23 @@ def write_file(path, state):
             os.remove(tmp)
 
 
+def why_unwritable(path):
+    """Why no checkpoint could be written at `path`, in the system's words, or None if one could.
+    The test writes a file without a name (O_TMPFILE) in its folder: nothing is left behind."""
+    if os.path.isdir(path):
+        return os.strerror(errno.EISDIR)
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(folder):  # the save makes the folders that are missing
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return os.strerror(errno.ENOTDIR)
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as err:  # a read-only folder or file system, no permission
+        return err.strerror
+    return None
+
+
 def rng_state(device):
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return {"cpu": torch.get_rng_state(), "cuda": cuda}
@@ -989,10 +1028,13 @@ def read_checkpoint(path):
     """The checkpoint dict, loaded to the CPU with weights_only=True; a problem is an InputError."""
     if not os.path.isfile(path):
         raise InputError(f"checkpoint not found: {path}")
+    if not os.path.getsize(path):  # torch.load would say only "EOFError"
+        raise InputError(f"cannot read checkpoint {path}: the file is empty")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(state, dict) or not {"model", "config", "step"} <= state.keys():
             raise ValueError("not a checkpoint of this script (no model, config and step)")
+        check_form(state)  # a state dict and a dict, as the lines below read them
     except Exception as err:  # truncated, not a torch file, not a checkpoint of ours: bad input
         reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
         raise InputError(f"cannot read checkpoint {path}: {reason}") from None
@@ -1003,12 +1045,114 @@ def read_checkpoint(path):
     if unknown:  # a model with parts that this script's GPT has not
         raise InputError(f"{path} holds a model with {', '.join(sorted(unknown))}, which this "
                          "script's GPT has not: sample it with the script that trained it")
+    problem = config_problem(state["config"], state["model"], state.get("itos"))
+    if problem:
+        raise InputError(f"cannot read checkpoint {path}: {problem}")
     return state
+
+
+def check_form(state):
+    """Raise ValueError unless a checkpoint's model is a state dict of tensors and its config a
+    dict."""
+    weights = state["model"]
+    if not isinstance(weights, dict) or not all(
+            isinstance(name, str) and torch.is_tensor(t) for name, t in weights.items()):
+        raise ValueError("its model is not a state dict of tensors")
+    if not isinstance(state["config"], dict):
+        raise ValueError(f"its config is a {type(state['config']).__name__}, not a dict")
+
+
+def config_problem(config, weights, itos):
+    """What in a checkpoint's config does not build a model its weights fit, or does not fit its
+    vocabulary, in a few words, or None: --sample builds the model from the config alone."""
+    sizes = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
+    missing = [key for key in (*sizes, "dropout") if key not in config]
+    if missing:
+        return f"its config has no {', '.join(missing)}"
+    wrong = [key for key in sizes if type(config[key]) is not int or config[key] < 1]
+    if wrong:
+        return f"its config's {wrong[0]} ({config[wrong[0]]!r}) is not a whole number above 0"
+    if not isinstance(config["dropout"], (int, float)) or not 0 <= config["dropout"] < 1:
+        return f"its config's dropout ({config['dropout']!r}) is not in [0, 1)"
+    if config["n_embd"] % config["n_head"]:
+        return f"its config's n_head {config['n_head']} does not divide n_embd {config['n_embd']}"
+    problem = weights_problem(config, weights)  # first: the weights bound the vocabulary's size
+    if not problem and not is_vocabulary(itos, config["vocab_size"]):
+        problem = "its itos does not give a text for each token id below its vocab_size"
+    return problem
+
+
+def weights_problem(config, weights):
+    """Which weight does not have the shape the config gives it, or is missing, or is not in the
+    config's model, or None."""
+    blocks = {key.split(".")[1] for key in weights if key.startswith("blocks.")}
+    if len(blocks) != config["n_layer"]:  # checked first, so that no huge model is built
+        return f"its weights hold {len(blocks)} blocks, its config's n_layer is {config['n_layer']}"
+    with torch.device("meta"):  # the shapes alone: no memory, no initial values
+        made = GPT(**config).state_dict()
+    for key in sorted(made.keys() | weights.keys()):
+        have, want = ["x".join(map(str, t.shape)) if t is not None else "none"
+                      for t in (weights.get(key), made.get(key))]
+        if have != want:
+            return f"its weights do not fit its config: {key} is {have}, the config makes {want}"
+    return None
+
+
+def is_vocabulary(itos, vocab_size):
+    """True if itos is None (the tokens are bytes), or gives a text for each token id below
+    vocab_size, as a nanoGPT folder's meta.pkl does."""
+    if itos is None:
+        return True
+    return isinstance(itos, dict) and set(itos) == set(range(vocab_size)) and all(
+        isinstance(piece, str) for piece in itos.values())
+
+
+def resume_problem(state):
+    """What a checkpoint lacks of what a resume reads besides the model, in a few words, or None.
+    A file only to sample from, with no optimizer state, or one edited by hand, stops here."""
+    expected = {  # each key in the order checked: a test of its value, and what it should be
+        "optimizer": (is_optimizer_state,
+                      "an optimizer's state dict: a file only to sample from cannot be resumed"),
+        "scaler": (lambda s: isinstance(s, dict), "a loss scaler's state dict"),
+        "args": (lambda a: isinstance(a, dict) and type(a.get("max_steps")) is int,
+                 "the flags of the run that saved it"),
+        "step": (lambda n: type(n) is int and 0 <= n <= state["args"]["max_steps"],
+                 "a step from 0 to the --max-steps of the run that saved it"),
+        "rng": (lambda r: isinstance(r, list) and r and all(map(is_rng_state, r)),
+                "every rank's random-number states")}
+    for key, (fits, what) in expected.items():
+        value = state.get(key)
+        if not fits(value):  # a number or a text is shown, anything else named by its type
+            shown = repr(value) if isinstance(value, (int, float, str)) else type(value).__name__
+            return f"its {key} ({shown if key in state else 'none'}) is not {what}"
+    return None
+
+
+def is_optimizer_state(value):
+    """True if `value` is what optimizer.state_dict() returns: its state and its groups' dicts."""
+    if not isinstance(value, dict) or not isinstance(value.get("param_groups"), list):
+        return False
+    return "state" in value and all(isinstance(group, dict) for group in value["param_groups"])
+
+
+def is_rng_state(rng):
+    """True if `rng` is what a save writes: this CPU generator's state, of its size in bytes, and
+    a GPU generator's state in bytes, or None."""
+    def is_bytes(t):
+        return torch.is_tensor(t) and t.dtype == torch.uint8 and t.dim() == 1
+    if not isinstance(rng, dict) or not {"cpu", "cuda"} <= rng.keys():
+        return False
+    cpu, cuda = rng["cpu"], rng["cuda"]
+    return is_bytes(cpu) and len(cpu) == len(torch.get_rng_state()) and (
+        cuda is None or is_bytes(cuda))
 
 
 def load_checkpoint(path, run, raw_model, optimizer, data):
     """Restore weights, optimizer, scaler and this rank's RNG from `path`; return its step."""
     state, config = read_checkpoint(path), model_config(run.args, data.vocab_size)
+    problem = resume_problem(state)  # the keys a resume reads besides the model's
+    if problem:
+        raise InputError(f"cannot resume from {path}: {problem}")
     if state["config"] != config:
         raise InputError(f"{path} was trained with {state['config']}, this run builds {config}")
     fused = [group.get("fused") for group in optimizer.param_groups]
@@ -1020,13 +1164,13 @@ def load_checkpoint(path, run, raw_model, optimizer, data):
         optimizer.load_state_dict(state["optimizer"])
         if run.scaler.is_enabled() and state["scaler"]:  # fp16 goes on with the saved loss
             run.scaler.load_state_dict(state["scaler"])  # scale, if the checkpoint has one
-    except (RuntimeError, ValueError, KeyError) as err:
-        reason = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+        if run.rank < len(state["rng"]):  # the ranks it knows get their own RNG state back
+            torch.set_rng_state(state["rng"][run.rank]["cpu"])
+            if state["rng"][run.rank]["cuda"] is not None and run.device.type == "cuda":
+                torch.cuda.set_rng_state(state["rng"][run.rank]["cuda"])
+    except (KeyError, RuntimeError, TypeError, ValueError) as err:
+        reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
         raise InputError(f"cannot resume from {path}: {reason}") from None
-    if run.rank < len(state["rng"]):  # ranks the checkpoint knows get their own RNG state back
-        torch.set_rng_state(state["rng"][run.rank]["cpu"])
-        if state["rng"][run.rank]["cuda"] is not None and run.device.type == "cuda":
-            torch.cuda.set_rng_state(state["rng"][run.rank]["cuda"])
     return state["step"]
 
 
@@ -1158,7 +1302,7 @@ def sample(args):
         raise InputError("--device cuda, but no CUDA device is visible (try --device cpu)")
     cuda = args.device != "cpu" and torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    state = read_checkpoint(args.ckpt)
+    state = read_checkpoint(args.ckpt)  # its config builds a model its weights fit
     itos = state.get("itos")
     if state["config"]["vocab_size"] != 256 and itos is None:
         raise InputError(f"{args.ckpt} was trained on token ids (vocab "

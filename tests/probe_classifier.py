@@ -7,10 +7,13 @@ place of the script; the course never imports it:
     torchrun ... tests/probe_classifier.py hide RANK [trainer flags]
         on that rank no file exists (os.path.isfile is False), as on a node that does not share
         the others' filesystem
+    torchrun ... tests/probe_classifier.py nospace N [trainer flags]
+        the disk is full from the N-th checkpoint write on: its fsync fails with ENOSPC
 
 Errors end the probe as they end the script: one line and the script's exit code
 (helpers.run_as_script).
 """
+import errno
 import json
 import os
 import sys
@@ -57,7 +60,20 @@ def hide(rank):
     run_as_script(trainer)
 
 
+def no_space(from_write):
+    writes, fsync = [], os.fsync
+
+    def fsync_on_a_full_disk(fd):  # the checkpoint's bytes cannot reach the disk
+        writes.append(fd)
+        if len(writes) >= int(from_write):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return fsync(fd)
+
+    trainer.os.fsync = fsync_on_a_full_disk
+    run_as_script(trainer)
+
+
 if __name__ == "__main__":
     mode, arg = sys.argv[1], sys.argv[2]
     sys.argv = [trainer.__file__] + sys.argv[3:]
-    record(arg) if mode == "record" else hide(arg)
+    {"record": record, "hide": hide, "nospace": no_space}[mode](arg)

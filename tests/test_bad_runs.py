@@ -4,7 +4,8 @@ processes on CPU/gloo (and in process for what needs no launch). These tests pro
 1. a step whose gradient norm or loss is not finite (forced by a learning rate far too high) is not
    applied: every rank stops at that same step with the same one-line error, torchrun reports exit
    code 4, and the good checkpoint already at --save stays byte for byte what it was;
-2. a save that fails (the disk fills up, or --save names a folder) stops every rank with one line
+2. a save that fails (the disk fills up: a --save that names a folder is refused at start-up,
+   test_classifier_inputs.py and test_minigpt_inputs.py) stops every rank with one line
    naming the path and the reason and exit code 5, no rank waits at the save, the previous
    checkpoint is intact, finite and loads, and no temporary file is left behind; a full disk is
    named in the user's words (the disk holding the folder, MB free, MB a checkpoint needs) in
@@ -24,7 +25,7 @@ import torch
 from helpers import (DDP, GPT, NEEDS_PP, SINGLE, SMALL, TINY_GPT, command, in_process,
                      needs_torch, started, trainer)
 
-PROBE = "tests/probe_minigpt.py"
+PROBE, CLASSIFIER_PROBE = "tests/probe_minigpt.py", "tests/probe_classifier.py"
 
 
 def error_lines(stderr):
@@ -51,11 +52,10 @@ def starting(tmp_path_factory):
     """The module's four 2-process launches, started side by side as the module starts (the tests
     that read them come last: the in-process tests run meanwhile). The classifier and the LM
     resumed with a learning rate far too high, the LM whose disk fills up at its 2nd save (a
-    probe), and the classifier saving to a path that is a folder."""
-    d = {name: tmp_path_factory.mktemp(name) for name in ("classifier", "lm", "disk", "folder")}
+    probe), and the classifier whose disk is full at its save (a probe)."""
+    d = {name: tmp_path_factory.mktemp(name) for name in ("classifier", "lm", "disk", "full")}
     in_process(SINGLE, SMALL + ["--epochs", 1, "--save", d["classifier"] / "ck.pt"])  # both formats
     in_process(GPT, TINY_GPT + ["--max-steps", 4, "--save", d["lm"] / "ck.pt"])
-    (d["folder"] / "ck.pt").mkdir()
     launches = {
         "classifier": (DDP, SMALL + ["--lr", "1e20", "--epochs", 2, "--save-every", 1, "--save",
                                      d["classifier"] / "ck.pt"]),
@@ -63,7 +63,7 @@ def starting(tmp_path_factory):
                                 "--resume", "auto", "--lr", "1e4"]),
         "disk": (PROBE, ["nospace", 2, *TINY_GPT, "--max-steps", 6, "--save-every", 2,
                          "--save", d["disk"] / "ck.pt"]),  # the 1st save works, the 2nd cannot
-        "folder": (DDP, SMALL + ["--epochs", 1, "--save", "ck.pt"])}
+        "full": (CLASSIFIER_PROBE, ["nospace", 1, *SMALL, "--epochs", 1, "--save", "ck.pt"])}
     before = {name: (d[name] / "ck.pt").read_bytes() for name in ("classifier", "lm")}
     wait = started({name: (command(script, args, nproc=2), d[name], None)
                     for name, (script, args) in launches.items()})
@@ -117,10 +117,13 @@ def test_a_real_full_disk_is_named_in_the_users_words(script, args, small_disk):
 
 
 def test_chapter_1_reports_a_failed_save_in_one_line(tmp_path, monkeypatch):
+    """A folder made at --save once the run started (one there at the start is refused then)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "ck.pt").mkdir()
-    with pytest.raises(trainer(SINGLE).SaveFailed) as err:
-        in_process(SINGLE, SMALL + ["--epochs", 1, "--save", "ck.pt"])
+    module, model = trainer(SINGLE), torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(module.SaveFailed) as err:
+        module.save_once("ck.pt", model, optimizer, 1, module.parse_args([]), True)
     assert str(err.value) == "cannot save ck.pt: Is a directory" and err.value.code == 5
 
 
@@ -217,9 +220,9 @@ def test_a_full_disk_stops_every_rank_with_one_line_and_keeps_the_last_checkpoin
     only_the_checkpoint(folder, "ck.pt")
 
 
-def test_a_save_path_that_is_a_folder_stops_every_rank_with_one_line(launched):
-    result, folder, _ = launched["folder"]
-    stopped_on_every_rank(result, 5, r"^error: cannot save ck\.pt: Is a directory$")
+def test_a_full_disk_at_the_classifiers_save_stops_every_rank_with_one_line(launched):
+    result, folder, _ = launched["full"]
+    stopped_on_every_rank(result, 5, rf"^error: cannot save ck\.pt: {full_disk(folder)}No space "
+                                     r"left on device\)$")
     assert "done | val loss" in result.stdout  # training finished; only the save failed
-    only_the_checkpoint(folder, "ck.pt")
-    assert not any((folder / "ck.pt").iterdir())
+    assert not list(folder.iterdir())  # no checkpoint, and no temporary file left behind
