@@ -1225,7 +1225,7 @@ def check_save_folder(run, path, state):  # FSDP 3
             writable(flag, where, folder=flag == "--save")
 
 
-def writable(flag, path, folder):
+def writable(flag, path, folder):  # FSDP 3: --save a folder, --export a file
     """An InputError unless files can be written at `path`: a folder, or one file's place."""
     place = path if folder else os.path.dirname(path) or "."
     try:
