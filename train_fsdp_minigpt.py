@@ -599,7 +599,8 @@ def initial_value(name, shape, seed, n_layer):
         return torch.ones(shape)
     residual = name.endswith(("attn.proj.weight", "mlp.2.weight"))
     std = 0.02 / math.sqrt(2 * n_layer) if residual else 0.02
-    generator = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+    key = seed * 2**32 + zlib.crc32(name.encode())  # a seed past 32 bits: folded into 64
+    generator = torch.Generator().manual_seed((key % 2**64) ^ (key >> 64))
     return torch.randn(shape, generator=generator) * std
 
 
@@ -728,13 +729,16 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def positive(kind, zero_ok=False):
-    """An argparse type: a number of `kind` above zero, or at least zero if zero_ok."""
+def positive(kind, zero_ok=False, most=None):
+    """An argparse type: a finite number of `kind` above zero (at least zero if zero_ok), at most
+    `most` if given. NaN and infinity are refused here, before they reach a step."""
     def parse(text):
         value = kind(text)
-        if value < 0 or (value == 0 and not zero_ok):
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
             bound = "at least 0" if zero_ok else "positive"
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be a finite number, {bound}, got {text}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most:g}, got {text}")
         return value
     parse.__name__ = f"positive {kind.__name__}"  # argparse names it: "invalid positive int value"
     return parse
@@ -763,7 +767,8 @@ def parse_args(argv=None):
     a("--grad-checkpointing", action="store_true",
       help="recompute each block's activations in backward: less memory, more time")
     a("--compile", action="store_true", help="torch.compile the model (default: off)")
-    a("--compile-backend", default="inductor", metavar="NAME",
+    a("--compile-backend", default="inductor",
+      choices=("inductor", "aot_eager", "eager", "cudagraphs"),
       help="torch.compile backend (default: inductor)")
     a = p.add_argument_group("training").add_argument
     a("--batch-size", type=positive(int), default=16, metavar="B",
@@ -788,7 +793,7 @@ def parse_args(argv=None):
     a("--device", choices=["auto", "cpu", "cuda"], default="auto",
       help="auto = cuda if there is one, else cpu (default: auto)")
     a = p.add_argument_group("distributed: timeouts, debugging and the layout").add_argument
-    a("--dist-timeout", type=positive(float), default=300, metavar="S",
+    a("--dist-timeout", type=positive(float, most=7 * 86400), default=300, metavar="S",
       help="seconds a collective waits for a peer before the job fails (default: 300)")
     a("--grad-sync", choices=["every", "last"], default="every",  # FSDP 7
       help="with --grad-accum: every: reduce-scatter each micro-batch's gradients, they stay "
@@ -834,6 +839,11 @@ def parse_args(argv=None):
         p.error(f"--n-head {args.n_head} must divide --n-embd {args.n_embd}")
     if not 0 <= args.dropout < 1 or not 0 < args.val_fraction < 1:
         p.error("--dropout must be in [0, 1) and --val-fraction in (0, 1)")
+    if args.dist_timeout < 1:  # below a second, a rank that is only slow looks dead
+        p.error(f"--dist-timeout must be between 1 and 604800 seconds (a week), got "
+                f"{args.dist_timeout:g}")
+    if not 0 <= args.seed < 2**63:  # torch takes seeds below 2**64: seed + epoch fits too
+        p.error(f"--seed must be between 0 and {2**63 - 1}, got {args.seed}")
     if args.sample and not args.ckpt:
         p.error("--sample needs --ckpt PATH")
     if not args.prompt:

@@ -11,13 +11,19 @@ processes on CPU/gloo (and in process for what needs no launch). These tests pro
    every trainer, on a real 64 KiB tmpfs where root can mount one (torch's words are no errno);
 3. --resume of a checkpoint holding non-finite weights is refused in one line (exit code 2), and a
    checkpoint is never written from non-finite weights;
-4. the `summary` line is strict JSON whatever the values: NaN and infinity are written as null.
+4. the `summary` line is strict JSON whatever the values: NaN and infinity are written as null;
+5. chapters 7-12 refuse each number of the hostile-input sweep that is not finite or out of
+   range, at parse time, in one line with exit code 2 (--temperature, --lr, --min-lr, --clip,
+   --weight-decay, --gpu-peak-tflops, --dist-timeout NaN, inf, 1e20 and 1e-6, --seed below 0 or
+   past 2**63 - 1, --dropout and --val-fraction NaN, an unknown --compile-backend); the edges
+   parse and the largest seed builds weights.
 A write that fails half-way (the partial file removed) is in test_faults.py.
 """
 import json
 import math
 import re
 import subprocess
+import zlib
 
 import pytest
 import torch
@@ -180,6 +186,59 @@ def test_the_summary_line_is_strict_json_whatever_the_values(script):
     assert line.startswith("summary ")
     parsed = json.loads(line[len("summary "):], parse_constant=pytest.fail)  # NaN literals fail
     assert parsed == {"val_loss": None, "throughput": None, "steps": 3, "train_s": 1.5}
+
+
+# ------------------------------- chapters 7-12: numbers, run.json and --sample's file, in process
+
+SHARDED_TRAINERS = ["train_fsdp_minigpt.py", "train_tp_minigpt.py", "train_pp_minigpt.py",
+                    "train_cp_minigpt.py", "train_4d_minigpt.py", "train_moe_minigpt.py"]
+TOP = 2**63 - 1  # the largest seed: torch.manual_seed's range from 0
+BAD_NUMBERS = [  # (flags, what the one line says after "error: "), as the sweep gave them
+    (["--temperature", "nan"], "argument --temperature: must be a finite number, positive, "
+                               "got nan"),
+    (["--lr", "nan"], "argument --lr: must be a finite number, positive, got nan"),
+    (["--lr", "inf"], "argument --lr: must be a finite number, positive, got inf"),
+    (["--min-lr", "nan"], "argument --min-lr: must be a finite number, at least 0, got nan"),
+    (["--clip", "inf"], "argument --clip: must be a finite number, at least 0, got inf"),
+    (["--weight-decay", "nan"], "argument --weight-decay: must be a finite number, at least 0, "
+                                "got nan"),
+    (["--gpu-peak-tflops", "inf"], "argument --gpu-peak-tflops: must be a finite number, "
+                                   "positive, got inf"),
+    (["--dist-timeout", "nan"], "argument --dist-timeout: must be a finite number, positive, "
+                                "got nan"),
+    (["--dist-timeout", "inf"], "argument --dist-timeout: must be a finite number, positive, "
+                                "got inf"),
+    (["--dist-timeout", "1e20"], "argument --dist-timeout: must be at most 604800, got 1e20"),
+    (["--dist-timeout", "1e-6"], "--dist-timeout must be between 1 and 604800 seconds (a week), "
+                                 "got 1e-06"),
+    (["--seed", "-1"], f"--seed must be between 0 and {TOP}, got -1"),
+    (["--seed", str(TOP + 1)], f"--seed must be between 0 and {TOP}, got {TOP + 1}"),
+    (["--compile-backend", "inductr"], "argument --compile-backend: invalid choice: 'inductr'"),
+    (["--dropout", "nan"], "--dropout must be in [0, 1) and --val-fraction in (0, 1)"),
+    (["--val-fraction", "nan"], "--dropout must be in [0, 1) and --val-fraction in (0, 1)")]
+EDGES = ["--seed", str(TOP), "--dist-timeout", "604800", "--temperature", "1e-3", "--clip", "0",
+         "--min-lr", "0", "--weight-decay", "0", "--compile-backend", "aot_eager"]  # all accepted
+
+
+@pytest.mark.parametrize("script", SHARDED_TRAINERS)
+def test_every_number_is_finite_and_in_range_at_parse_time(script, capsys):
+    """Each bad number of the sweep is one line and exit code 2 at parse time, before any step;
+    the controls: the edges of every range parse, --dist-timeout 1 too, and the largest seed
+    builds weights (a seed past 32 bits is folded into torch's 64, and one below is unchanged)."""
+    module = trainer(script)
+    for flags, words in BAD_NUMBERS:
+        with pytest.raises(SystemExit) as exit_:
+            module.parse_args(flags)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and f": error: {words}" in err, err
+    args = module.parse_args(EDGES)
+    assert (args.seed, args.dist_timeout) == (TOP, 604800)
+    assert module.parse_args(["--dist-timeout", "1"]).dist_timeout == 1
+    name, crc = "blocks.0.attn.qkv.weight", zlib.crc32(b"blocks.0.attn.qkv.weight")
+    assert torch.isfinite(module.initial_value(name, (4, 4), TOP, 2)).all()
+    before = torch.randn(4, 4, generator=torch.Generator().manual_seed(3 * 2**32 + crc)) * 0.02
+    assert torch.equal(module.initial_value(name, (4, 4), 3, 2), before)
+
 
 
 # ------------------------------------------ the launches, started with the module, read last

@@ -32,7 +32,8 @@
    dropless losses;
 6. bad input is one line and exit code 2: --ep that divides neither the experts nor the world
    size, --experts-per-token of 0 or above the experts (or not dividing 4 x --n-embd), a capacity
-   factor that is not positive and finite, or without experts.
+   factor or balance weight that is not finite (NaN, inf) or not positive, a capacity without
+   experts or above them (1e300 overflowed a step).
 7. the layer itself, in one plain process: each token's output is the gate-weighted sum of its
    K likeliest experts' outputs (gates rescaled to add up to 1; the control: unscaled, it
    differs), and the router gets a gradient through the gates with no balance loss.
@@ -309,9 +310,17 @@ def test_the_layer_sends_each_token_to_its_k_experts_and_the_router_learns_throu
     (["--experts", 4, "--experts-per-token", 0], "--experts-per-token 0 must be between 1 and"),
     (["--experts", 4, "--experts-per-token", 5], "--experts-per-token 5 must be between 1 and"),
     (["--experts", 4, "--experts-per-token", 3], "--experts-per-token 3 must divide 4 x"),
-    (["--capacity-factor", 0], "argument --capacity-factor: must be positive, got 0"),
-    (["--capacity-factor", "nan"], "--capacity-factor nan needs --experts and a finite value"),
+    (["--capacity-factor", 0], "argument --capacity-factor: must be a finite number, positive, "
+                               "got 0"),
+    (["--capacity-factor", "nan"], "argument --capacity-factor: must be a finite number, positive, "
+                                   "got nan"),
+    (["--capacity-factor", "inf"], "argument --capacity-factor: must be a finite number, positive, "
+                                   "got inf"),
+    (["--aux-weight", "nan"], "argument --aux-weight: must be a finite number, at least 0, "
+                              "got nan"),
     (["--experts", 0, "--capacity-factor", 1], "--capacity-factor 1.0 needs --experts"),
+    (["--experts", 4, "--capacity-factor", "1e300"], "--capacity-factor 1e+300 must be at most "
+                                                      "--experts 4: from E / K = 2 on, no copy"),
     (["--experts", 0, "--shared-expert"], "--shared-expert needs --experts")])
 def test_bad_experts_are_one_line_and_exit_code_2(flags, words):
     result = as_script(MOE, flags)
