@@ -210,10 +210,7 @@ def make_run(args, device, rank, world_size):
 def grid(ep, device, world_size):  # EP 1
     """A collective (each dim's groups): world size / ep rows of ep consecutive ranks. A row's ranks
     hold every expert once and trade tokens by all-to-all, so on GPUs a row fits in a node."""
-    if world_size % ep:
-        raise InputError(f"--ep {ep} does not divide the world size {world_size}: start a "
-                         f"multiple of {ep} processes, or give --ep 1")
-    shape, names = (world_size // ep, ep), ("edp", "ep")
+    shape, names = (world_size // ep, ep), ("edp", "ep")  # ep divides it: avoid_known_failures
     return init_device_mesh(device.type, shape, mesh_dim_names=names)  # EP 1: a group per dim
 
 
@@ -933,6 +930,19 @@ def avoid_known_failures(args):  # guard: all guards, in one place, before the g
     dist.set_debug_level(level)  # before init_process_group, which reads it
     if not cuda:
         avoid_page_faults_on_cpu()  # guard: page faults every step on Linux CPUs
+    refuse_a_mesh_the_world_cannot_hold(args)  # guard: EP 1, one line before the group
+
+
+def refuse_a_mesh_the_world_cannot_hold(args):  # guard: sizes that torchrun's world cannot split
+    """InputError on rank 0, and a quiet exit code 2 elsewhere, where --ep does not divide the
+    world size: one line for the whole launch, before any rank joins a group."""
+    world = int(os.environ["WORLD_SIZE"])
+    if world % args.ep == 0:  # EP 1: world size / ep rows of ep ranks
+        return
+    if os.environ["RANK"] != "0":
+        sys.exit(2)  # rank 0 says why; torchrun reports every rank's exit code
+    raise InputError(f"--ep {args.ep} does not divide the world size {world}: start a multiple "
+                     f"of {args.ep} processes, or give --ep 1")
 
 
 def refuse_a_bad_launch(device_name):  # guard: a process that could never join a group
@@ -1127,7 +1137,9 @@ def bad_experts(args):  # EP 7
     if e and (4 * args.n_embd) % k:
         return (f"--experts-per-token {k} must divide 4 x --n-embd {args.n_embd}: each expert is "
                 "4 x --n-embd / K wide")
-    if ep > 1 and (not e or e % ep):
+    if ep > 1 and not e:
+        return f"--ep {ep} needs --experts: expert parallelism splits the experts over the ranks"
+    if ep > 1 and e % ep:
         return f"--ep {ep} must divide --experts {e}: each rank of a row holds as many experts"
     if args.shared_expert and not e:
         return "--shared-expert needs --experts"
