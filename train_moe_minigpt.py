@@ -97,6 +97,7 @@ import gc
 import glob
 import io  # FSDP 8
 import json
+import logging  # FSDP 3
 import math
 import os
 import pickle
@@ -930,6 +931,7 @@ def avoid_known_failures(args):  # guard: all guards, in one place, before the g
     dist.set_debug_level(level)  # before init_process_group, which reads it
     if not cuda:
         avoid_page_faults_on_cpu()  # guard: page faults every step on Linux CPUs
+    logging.getLogger().addFilter(avoid_dcp_tracebacks)  # FSDP 3: DCP's logged tracebacks
     refuse_a_mesh_the_world_cannot_hold(args)  # guard: EP 1, one line before the group
 
 
@@ -983,6 +985,13 @@ def avoid_page_faults_on_cpu():  # guard: glibc returning freed memory at once
         return  # not glibc (macOS, musl, Windows): nothing to tune
     libc.mallopt(-4, 0)  # M_MMAP_MAX = 0: serve large blocks from the heap, not fresh mmaps
     libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD = 1 GiB: keep that much freed heap for reuse
+
+
+def avoid_dcp_tracebacks(record):  # guard: a filter of the root logger, which DCP logs to
+    """False for DCP's warnings that carry a traceback. A truncated .metadata makes DCP log one
+    per way it tries to read it, beside load_shards' one line that says what failed."""
+    where = record.pathname.replace(os.sep, "/")  # FSDP 3: DCP's own files
+    return not (record.exc_info and "torch/distributed/checkpoint/" in where)
 
 
 # ------------------------------------------------------------------------------------------ flags
@@ -1464,7 +1473,8 @@ def read_checkpoint(path):
         raise InputError(f"checkpoint not found: {path}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(state, dict) or not {"model", "config", "step"} <= state.keys():
+        if not isinstance(state, dict) or not {"model", "config", "step"} <= state.keys() or \
+                not all(isinstance(state[key], dict) for key in ("model", "config")):
             raise ValueError("not a checkpoint of this script (no model, config and step)")
     except Exception as err:  # truncated, not a torch file, not a checkpoint of ours: bad input
         reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
@@ -1476,6 +1486,15 @@ def read_checkpoint(path):
     if unknown:  # a model with parts that this script's GPT has not
         raise InputError(f"{path} holds a model with {', '.join(sorted(unknown))}, which this "
                          "script's GPT has not: sample it with the script that trained it")
+    config = state["config"]
+    sizes = [config.get(k) for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")]
+    if not all(type(n) is int and n > 0 for n in sizes) or sizes[4] % sizes[3]:
+        raise InputError(f"{path} holds a config that no GPT has, {config}: its sizes must be "
+                         "positive integers, n_head dividing n_embd")
+    experts, k = config.get("experts", 0), config.get("top_k", 1)  # EP 2: the mixture's sizes
+    if not (type(experts) is int and experts >= 0 and type(k) is int and 0 < k <= max(experts, 1)):
+        raise InputError(f"{path} holds a config that no mixture has, {config}: its experts must "
+                         "be 0 or more, its top_k between 1 and the experts")
     return state
 
 
@@ -1490,13 +1509,40 @@ def read_run_state(path, run, data):  # FSDP 3
     try:
         with open(file, "rb") as f:  # FSDP 3
             state = json.load(f)
-        config = state["config"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError) as err:
         raise InputError(f"cannot read {file}: {type(err).__name__}: {err}") from None
-    if config != model_config(run.args, data.vocab_size):
-        raise InputError(f"{path} was trained with {config}, this run builds "
+    problem = run_state_problem(state)  # every key and type that resuming reads
+    if problem:
+        raise InputError(f"cannot resume from {file}: {problem}")
+    if state["config"] != model_config(run.args, data.vocab_size):
+        raise InputError(f"{path} was trained with {state['config']}, this run builds "
                          f"{model_config(run.args, data.vocab_size)}")
     return state
+
+
+def run_state_problem(state):  # FSDP 3: all that resumed_step and load_shards read of run.json
+    """What is wrong with run.json's contents, in words, or None. It holds the step (an integer,
+    0 or more), the config and args (objects), and rng: each rank's random states as restore_rng
+    reads them, the CPU's bytes (as many as this torch's state has) and the GPU's bytes or null."""
+    def byte_list(value, size=None):  # a list of integers from 0 to 255, `size` of them if given
+        return isinstance(value, list) and (size is None or len(value) == size) and \
+            all(type(b) is int and 0 <= b < 256 for b in value)
+
+    keys = state.keys() if isinstance(state, dict) else ()
+    missing = [key for key in ("step", "config", "args", "rng") if key not in keys]
+    if missing:
+        return f"it has no {', '.join(missing)}"
+    if type(state["step"]) is not int or state["step"] < 0:
+        return f"its step is {state['step']!r}, not an integer of 0 or more"
+    if not isinstance(state["config"], dict) or not isinstance(state["args"], dict):
+        return "its config or args is not an object"
+    size = len(torch.get_rng_state())  # the bytes of this torch's CPU random state
+    if not isinstance(state["rng"], list) or not all(
+            isinstance(r, dict) and byte_list(r.get("cpu"), size) and "cuda" in r and
+            (r["cuda"] is None or byte_list(r["cuda"])) for r in state["rng"]):
+        return (f"its rng is not a list of each rank's random states, a cpu list of {size} "
+                "bytes and a cuda list of bytes or null")
+    return None
 
 
 def memory_line(model):  # FSDP 2: what each rank holds, against a whole copy
@@ -1704,9 +1750,15 @@ def sample(args):
         raise InputError(f"{args.ckpt} was trained on token ids (vocab "
                          f"{state['config']['vocab_size']}) without a meta.pkl: --prompt text "
                          "needs a byte-level checkpoint or a nanoGPT folder's vocabulary")
-    model = mixture_gpt(state["config"]).to(device)  # EP 2: every expert, in one process
-    model.load_state_dict(state["model"])
-    model.eval()
+    try:  # built on the meta device, no memory: weights of other shapes than the config's fail
+        with torch.device("meta"):
+            model = mixture_gpt(state["config"])  # EP 2: every expert, in one process
+        model.load_state_dict(state["model"], assign=True)  # the checkpoint's own tensors
+    except (TypeError, ValueError, RuntimeError) as err:
+        reason = (str(err).strip().splitlines() or [repr(err)])[-1].strip()  # the last shape
+        raise InputError(f"{args.ckpt} holds weights that do not fit its config "
+                         f"{state['config']}: {reason}") from None
+    model.to(device).eval()
     torch.manual_seed(args.seed)
     prompt = torch.tensor([encode(args.prompt, itos)], device=device)
     out = model.generate(prompt, args.max_new_tokens, args.temperature, args.top_k)
