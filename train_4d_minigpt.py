@@ -1067,6 +1067,22 @@ def avoid_known_failures(args):  # guard: all guards, in one place, before the g
     warning = avoid_groups_across_nodes(args.tp, args.cp, node)  # guard: 4D 1
     if warning and os.environ["RANK"] == "0":
         print(warning, flush=True)
+    replicas = int(os.environ["WORLD_SIZE"]) // (args.pp * args.cp * args.tp)  # 4D 3: dp
+    refuse_a_context_longer_than_the_data(args, replicas)  # guard: one line before the context
+
+
+def refuse_a_context_longer_than_the_data(args, replicas):  # guard: before the context is made
+    """load_data's one line for a --block-size the data cannot hold, said before make_run makes
+    the context (8 bytes a position: at 10^13, 80 TB asked for). A file's bytes bound its tokens
+    (the default corpus: 2,000,000 bytes): only a context past them reads the data here."""
+    data, folder = args.data, args.data is not None and os.path.isdir(args.data)
+    files = glob.glob(os.path.join(glob.escape(data), "*.bin")) if folder else [data]
+    size = sum(os.path.getsize(f) for f in files if f is not None and os.path.isfile(f))
+    if args.block_size < (2_000_000 if data is None else size):
+        return
+    if os.environ["RANK"] != "0":
+        sys.exit(2)  # rank 0 says why; torchrun reports every rank's exit code
+    load_data(args, replicas)  # 4D 3: raises its InputError, too few tokens (or no such file)
 
 
 def refuse_a_mesh_the_world_cannot_hold(args):  # guard: sizes that torchrun's world cannot split
