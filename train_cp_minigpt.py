@@ -65,6 +65,7 @@ import gc
 import glob
 import io  # FSDP 8
 import json
+import logging  # FSDP 3
 import math
 import os
 import pickle
@@ -696,7 +697,8 @@ def initial_value(name, shape, seed, n_layer):
         return torch.ones(shape)
     residual = name.endswith(("attn.proj.weight", "mlp.2.weight"))
     std = 0.02 / math.sqrt(2 * n_layer) if residual else 0.02
-    generator = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+    key = seed * 2**32 + zlib.crc32(name.encode())  # a seed past 32 bits: folded into 64
+    generator = torch.Generator().manual_seed((key % 2**64) ^ (key >> 64))
     return torch.randn(shape, generator=generator) * std
 
 
@@ -900,10 +902,27 @@ def avoid_known_failures(args):  # guard: all guards, in one place, before the g
     dist.set_debug_level(level)  # before init_process_group, which reads it
     if not cuda:
         avoid_page_faults_on_cpu()  # guard: page faults every step on Linux CPUs
+    logging.getLogger().addFilter(avoid_dcp_tracebacks)  # FSDP 3: DCP's logged tracebacks
     node = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))  # CP 1: per node
     warning = avoid_cp_across_nodes(args.cp, node)  # guard: CP 1
     if warning and os.environ["RANK"] == "0":
         print(warning, flush=True)
+    replicas = max(1, int(os.environ["WORLD_SIZE"]) // args.cp)  # CP 3: rows, each a replica
+    refuse_a_context_longer_than_the_data(args, replicas)  # guard: one line before the context
+
+
+def refuse_a_context_longer_than_the_data(args, replicas):  # guard: before the context is made
+    """load_data's one line for a --block-size the data cannot hold, said before make_run makes
+    the context (8 bytes a position: at 10^13, 80 TB asked for). A file's bytes bound its tokens
+    (the default corpus: 2,000,000 bytes): only a context past them reads the data here."""
+    data, folder = args.data, args.data is not None and os.path.isdir(args.data)
+    files = glob.glob(os.path.join(glob.escape(data), "*.bin")) if folder else [data]
+    size = sum(os.path.getsize(f) for f in files if f is not None and os.path.isfile(f))
+    if args.block_size < (2_000_000 if data is None else size):
+        return
+    if os.environ["RANK"] != "0":
+        sys.exit(2)  # rank 0 says why; torchrun reports every rank's exit code
+    load_data(args, replicas)  # CP 3: raises its InputError, too few tokens (or no such file)
 
 
 def avoid_cp_across_nodes(cp, per_node):  # guard: a cp row whose gathers cross the network
@@ -953,19 +972,29 @@ def avoid_page_faults_on_cpu():  # guard: glibc returning freed memory at once
     libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD = 1 GiB: keep that much freed heap for reuse
 
 
+def avoid_dcp_tracebacks(record):  # guard: a filter of the root logger, which DCP logs to
+    """False for DCP's warnings that carry a traceback. A truncated .metadata makes DCP log one
+    per way it tries to read it, beside load_shards' one line that says what failed."""
+    where = record.pathname.replace(os.sep, "/")  # FSDP 3: DCP's own files
+    return not (record.exc_info and "torch/distributed/checkpoint/" in where)
+
+
 # ------------------------------------------------------------------------------------------ flags
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit code 2, instead of argparse's usage block
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def positive(kind, zero_ok=False):
-    """An argparse type: a number of `kind` above zero, or at least zero if zero_ok."""
+def positive(kind, zero_ok=False, most=None):
+    """An argparse type: a finite number of `kind` above zero (at least zero if zero_ok), at most
+    `most` if given. NaN and infinity are refused here, before they reach a step."""
     def parse(text):
         value = kind(text)
-        if value < 0 or (value == 0 and not zero_ok):
+        if kind is float and not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
             bound = "at least 0" if zero_ok else "positive"
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be a finite number, {bound}, got {text}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most:g}, got {text}")
         return value
     parse.__name__ = f"positive {kind.__name__}"  # argparse names it: "invalid positive int value"
     return parse
@@ -994,7 +1023,8 @@ def parse_args(argv=None):
     a("--grad-checkpointing", action="store_true",
       help="recompute each block's activations in backward: less memory, more time")
     a("--compile", action="store_true", help="torch.compile the model (default: off)")
-    a("--compile-backend", default="inductor", metavar="NAME",
+    a("--compile-backend", default="inductor",
+      choices=("inductor", "aot_eager", "eager", "cudagraphs"),
       help="torch.compile backend (default: inductor)")
     a = p.add_argument_group("training").add_argument
     a("--batch-size", type=positive(int), default=16, metavar="B",
@@ -1019,7 +1049,7 @@ def parse_args(argv=None):
     a("--device", choices=["auto", "cpu", "cuda"], default="auto",
       help="auto = cuda if there is one, else cpu (default: auto)")
     a = p.add_argument_group("distributed: timeouts, debugging and the layout").add_argument
-    a("--dist-timeout", type=positive(float), default=300, metavar="S",
+    a("--dist-timeout", type=positive(float, most=7 * 86400), default=300, metavar="S",
       help="seconds a collective waits for a peer before the job fails (default: 300)")
     a("--cp", type=positive(int), default=2, metavar="N",  # CP 1
       help="ranks per row, which split each sequence; a row is consecutive ranks, best one node. N "
@@ -1071,6 +1101,11 @@ def parse_args(argv=None):
         p.error(f"--n-head {args.n_head} must divide --n-embd {args.n_embd}")
     if not 0 <= args.dropout < 1 or not 0 < args.val_fraction < 1:
         p.error("--dropout must be in [0, 1) and --val-fraction in (0, 1)")
+    if args.dist_timeout < 1:  # below a second, a rank that is only slow looks dead
+        p.error(f"--dist-timeout must be between 1 and 604800 seconds (a week), got "
+                f"{args.dist_timeout:g}")
+    if not 0 <= args.seed < 2**63:  # torch takes seeds below 2**64: seed + epoch fits too
+        p.error(f"--seed must be between 0 and {2**63 - 1}, got {args.seed}")
     if args.block_size < 2 * args.cp:  # CP 3: each rank needs two chunks of a token or more
         p.error(f"--cp {args.cp} cuts a sequence into {2 * args.cp} chunks, more than the "
                 f"{args.block_size} tokens of --block-size: give a --block-size of at least "
@@ -1409,10 +1444,13 @@ def read_checkpoint(path):
     """The checkpoint dict, loaded to the CPU with weights_only=True; a problem is an InputError."""
     if not os.path.isfile(path):
         raise InputError(f"checkpoint not found: {path}")
+    if not os.path.getsize(path):  # torch.load would say only "EOFError"
+        raise InputError(f"cannot read checkpoint {path}: the file is empty")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(state, dict) or not {"model", "config", "step"} <= state.keys():
             raise ValueError("not a checkpoint of this script (no model, config and step)")
+        check_form(state)  # a state dict and a dict, as the lines below read them
     except Exception as err:  # truncated, not a torch file, not a checkpoint of ours: bad input
         reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
         raise InputError(f"cannot read checkpoint {path}: {reason}") from None
@@ -1423,7 +1461,66 @@ def read_checkpoint(path):
     if unknown:  # a model with parts that this script's GPT has not
         raise InputError(f"{path} holds a model with {', '.join(sorted(unknown))}, which this "
                          "script's GPT has not: sample it with the script that trained it")
+    problem = config_problem(state["config"], state["model"], state.get("itos"))
+    if problem:
+        raise InputError(f"cannot read checkpoint {path}: {problem}")
     return state
+
+
+def check_form(state):
+    """Raise ValueError unless a checkpoint's model is a state dict of tensors and its config a
+    dict."""
+    weights = state["model"]
+    if not isinstance(weights, dict) or not all(
+            isinstance(name, str) and torch.is_tensor(t) for name, t in weights.items()):
+        raise ValueError("its model is not a state dict of tensors")
+    if not isinstance(state["config"], dict):
+        raise ValueError(f"its config is a {type(state['config']).__name__}, not a dict")
+
+
+def config_problem(config, weights, itos):
+    """What in a checkpoint's config does not build a model its weights fit, or does not fit its
+    vocabulary, in a few words, or None: --sample builds the model from the config alone."""
+    sizes = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
+    missing = [key for key in (*sizes, "dropout") if key not in config]
+    if missing:
+        return f"its config has no {', '.join(missing)}"
+    wrong = [key for key in sizes if type(config[key]) is not int or config[key] < 1]
+    if wrong:
+        return f"its config's {wrong[0]} ({config[wrong[0]]!r}) is not a whole number above 0"
+    if not isinstance(config["dropout"], (int, float)) or not 0 <= config["dropout"] < 1:
+        return f"its config's dropout ({config['dropout']!r}) is not in [0, 1)"
+    if config["n_embd"] % config["n_head"]:
+        return f"its config's n_head {config['n_head']} does not divide n_embd {config['n_embd']}"
+    problem = weights_problem(config, weights)  # first: the weights bound the vocabulary's size
+    if not problem and not is_vocabulary(itos, config["vocab_size"]):
+        problem = "its itos does not give a text for each token id below its vocab_size"
+    return problem
+
+
+def weights_problem(config, weights):
+    """Which weight does not have the shape the config gives it, or is missing, or is not in the
+    config's model, or None."""
+    blocks = {key.split(".")[1] for key in weights if key.startswith("blocks.")}
+    if len(blocks) != config["n_layer"]:  # checked first, so that no huge model is built
+        return f"its weights hold {len(blocks)} blocks, its config's n_layer is {config['n_layer']}"
+    with torch.device("meta"):  # the shapes alone: no memory, no initial values
+        made = GPT(**config).state_dict()
+    for key in sorted(made.keys() | weights.keys()):
+        have, want = ["x".join(map(str, t.shape)) if t is not None else "none"
+                      for t in (weights.get(key), made.get(key))]
+        if have != want:
+            return f"its weights do not fit its config: {key} is {have}, the config makes {want}"
+    return None
+
+
+def is_vocabulary(itos, vocab_size):
+    """True if itos is None (the tokens are bytes), or gives a text for each token id below
+    vocab_size, as a nanoGPT folder's meta.pkl does."""
+    if itos is None:
+        return True
+    return isinstance(itos, dict) and set(itos) == set(range(vocab_size)) and all(
+        isinstance(piece, str) for piece in itos.values())
 
 
 def read_run_state(path, run, data):  # FSDP 3
@@ -1437,34 +1534,15 @@ def read_run_state(path, run, data):  # FSDP 3
     try:
         with open(file, "rb") as f:  # FSDP 3
             state = json.load(f)
-        config = state["config"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError) as err:
         raise InputError(f"cannot read {file}: {type(err).__name__}: {err}") from None
-    if config != model_config(run.args, data.vocab_size):
-        raise InputError(f"{path} was trained with {config}, this run builds "
+    problem = run_state_problem(state)  # every key and type that resuming reads
+    if problem:
+        raise InputError(f"cannot resume from {file}: {problem}")
+    if state["config"] != model_config(run.args, data.vocab_size):
+        raise InputError(f"{path} was trained with {state['config']}, this run builds "
                          f"{model_config(run.args, data.vocab_size)}")
     return state
-
-
-def split_line(run):
-    """The start-up line of the split: each rank's part of causal attention's (query, key) pairs,
-    with its two chunks and with contiguous parts instead, and the keys and values a rank receives
-    per block and micro-batch in forward, in the compute dtype."""
-    args, cp, T = run.args, run.args.cp, run.args.block_size
-    pairs = [int((chunk_positions(r, cp, T) + 1).sum()) for r in range(cp)]  # query p reads p + 1
-    contiguous = [sum(range(r * T // cp + 1, (r + 1) * T // cp + 1)) for r in range(cp)]
-    width = 2 if run.amp in ("bfloat16", "float16") else 4
-    gathered = 2 * args.batch_size * T * args.n_embd * width * (cp - 1) / cp  # K and V, not mine
-    how = "gathered" if args.cp_rotate == "allgather" else f"passed in {cp - 1} ring steps"  # CP 5
-    return (f"CP split: {2 * cp} chunks of {T // (2 * cp)} tokens, rank i of a row holds chunks i "
-            f"and {2 * cp - 1} - i | attention pairs per rank: {percents(pairs)} (contiguous "
-            f"shares would give {percents(contiguous)}) | {how} per block and micro-batch: "
-            f"{gathered / 2**20:.2f} MiB of keys and values")
-
-
-def percents(counts):
-    """Each count's share of their sum, as "50.0%, 50.0%"."""
-    return ", ".join(f"{100 * n / sum(counts):.1f}%" for n in counts)
 
 
 def check_save_folder(run, path, state):  # FSDP 3
@@ -1495,6 +1573,52 @@ def writable(flag, path, folder):  # FSDP 3: --save a folder, --export a file
             pass
     except OSError as err:
         raise InputError(f"{flag} {path} cannot be written: {err.strerror or err}") from None
+
+
+def run_state_problem(state):  # FSDP 3: all that resumed_step and load_shards read of run.json
+    """What is wrong with run.json's contents, in words, or None. It holds the step (an integer,
+    0 or more), the config and args (objects), and rng: each rank's random states as restore_rng
+    reads them, the CPU's bytes (as many as this torch's state has) and the GPU's bytes or null."""
+    def byte_list(value, size=None):  # a list of integers from 0 to 255, `size` of them if given
+        return isinstance(value, list) and (size is None or len(value) == size) and \
+            all(type(b) is int and 0 <= b < 256 for b in value)
+
+    keys = state.keys() if isinstance(state, dict) else ()
+    missing = [key for key in ("step", "config", "args", "rng") if key not in keys]
+    if missing:
+        return f"it has no {', '.join(missing)}"
+    if type(state["step"]) is not int or state["step"] < 0:
+        return f"its step is {state['step']!r}, not an integer of 0 or more"
+    if not isinstance(state["config"], dict) or not isinstance(state["args"], dict):
+        return "its config or args is not an object"
+    size = len(torch.get_rng_state())  # the bytes of this torch's CPU random state
+    if not isinstance(state["rng"], list) or not all(
+            isinstance(r, dict) and byte_list(r.get("cpu"), size) and "cuda" in r and
+            (r["cuda"] is None or byte_list(r["cuda"])) for r in state["rng"]):
+        return (f"its rng is not a list of each rank's random states, a cpu list of {size} "
+                "bytes and a cuda list of bytes or null")
+    return None
+
+
+def split_line(run):
+    """The start-up line of the split: each rank's part of causal attention's (query, key) pairs,
+    with its two chunks and with contiguous parts instead, and the keys and values a rank receives
+    per block and micro-batch in forward, in the compute dtype."""
+    args, cp, T = run.args, run.args.cp, run.args.block_size
+    pairs = [int((chunk_positions(r, cp, T) + 1).sum()) for r in range(cp)]  # query p reads p + 1
+    contiguous = [sum(range(r * T // cp + 1, (r + 1) * T // cp + 1)) for r in range(cp)]
+    width = 2 if run.amp in ("bfloat16", "float16") else 4
+    gathered = 2 * args.batch_size * T * args.n_embd * width * (cp - 1) / cp  # K and V, not mine
+    how = "gathered" if args.cp_rotate == "allgather" else f"passed in {cp - 1} ring steps"  # CP 5
+    return (f"CP split: {2 * cp} chunks of {T // (2 * cp)} tokens, rank i of a row holds chunks i "
+            f"and {2 * cp - 1} - i | attention pairs per rank: {percents(pairs)} (contiguous "
+            f"shares would give {percents(contiguous)}) | {how} per block and micro-batch: "
+            f"{gathered / 2**20:.2f} MiB of keys and values")
+
+
+def percents(counts):
+    """Each count's share of their sum, as "50.0%, 50.0%"."""
+    return ", ".join(f"{100 * n / sum(counts):.1f}%" for n in counts)
 
 
 def memory_line(model):  # FSDP 2: what each rank holds, against a whole copy
@@ -1647,7 +1771,7 @@ def sample(args):
         raise InputError("--device cuda, but no CUDA device is visible (try --device cpu)")
     cuda = args.device != "cpu" and torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    state = read_checkpoint(args.ckpt)
+    state = read_checkpoint(args.ckpt)  # its config builds a model its weights fit
     itos = state.get("itos")
     if state["config"]["vocab_size"] != 256 and itos is None:
         raise InputError(f"{args.ckpt} was trained on token ids (vocab "

@@ -57,7 +57,7 @@ def positive(kind, zero_ok=False, most=None):
     `most` if given. NaN and infinity are refused here, before they reach a step."""
     def parse(text):
         value = kind(text)
-        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        if kind is float and not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
             bound = "at least 0" if zero_ok else "positive"
             raise argparse.ArgumentTypeError(f"must be a finite number, {bound}, got {text}")
         if most is not None and value > most:

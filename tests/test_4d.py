@@ -29,7 +29,9 @@
    cut it counts stage 0's blocks, and at tp 1 no tp collectives;
 5. bad input is one line and exit code 2: sizes whose product does not divide the world size
    (one line from rank 0, before any group), tp not dividing the heads, more stages than blocks,
-   a context that 2 x cp does not divide, a cp share that sequence parallelism cannot split by tp;
+   a context that 2 x cp does not divide, a cp share that sequence parallelism cannot split by tp,
+   a --block-size beyond the data (10^13: refused in the data check's words before the context's
+   positions are made, by rank 0 alone; the control: a context the data holds passes);
    a tp group across nodes is warned of, cp groups across nodes noted;
 6. each cp rank holds an early chunk and a late one (recorded), for equal attention work; pp 3
    over 4 blocks logs one process's losses, the tied gradient summed by the end stages alone;
@@ -525,6 +527,25 @@ def test_bad_inputs_are_one_line_and_exit_code_2():
     result = finish(start(cmd, REPO), cmd)
     line = "error: --pp 2 x --cp 2 x --tp 2 = 8 does not divide the world size 2: start a multiple"
     assert result.returncode != 0 and (result.stdout + result.stderr).count(line) == 1, result
+
+
+def test_a_context_longer_than_the_data_is_the_data_checks_line_before_the_context(monkeypatch):
+    """A --block-size of 10^13 (a context of 80 TB of positions) is refused in load_data's own
+    line, before make_run builds the context: without the guard the allocation fails first. Only
+    rank 0 says it; the control: a context the data can hold passes the guard."""
+    module = trainer(FOURD)
+    huge = ["--pp", "1", "--cp", "1", "--tp", "1", "--block-size", str(10**13)]
+    line = (r"^the default corpus has 1,800,000 training and 200,000 validation tokens: too few "
+            r"for 1 replica\(s\) x --batch-size 6 x --block-size 10000000000000; give more data "
+            r"or smaller sizes$")
+    with pytest.raises(module.InputError, match=line) as err:
+        in_process(FOURD, SHARDED + huge + ["--max-steps", 1, "--save", "", "--export", ""])
+    assert err.value.code == 2
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as exit_:  # the other ranks: exit code 2, without a word
+        module.refuse_a_context_longer_than_the_data(module.parse_args(huge), 1)
+    assert exit_.value.code == 2
+    assert module.refuse_a_context_longer_than_the_data(module.parse_args([]), 1) is None
 
 
 def test_a_tp_or_cp_group_across_nodes_is_named():

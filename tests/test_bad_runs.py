@@ -12,16 +12,28 @@ processes on CPU/gloo (and in process for what needs no launch). These tests pro
    every trainer, on a real 64 KiB tmpfs where root can mount one (torch's words are no errno);
 3. --resume of a checkpoint holding non-finite weights is refused in one line (exit code 2), and a
    checkpoint is never written from non-finite weights;
-4. the `summary` line is strict JSON whatever the values: NaN and infinity are written as null.
+4. the `summary` line is strict JSON whatever the values: NaN and infinity are written as null;
+5. chapters 7-12 refuse every bad input of the hostile-input sweep in one line with exit code 2,
+   in process: each number that is not finite or out of range at parse time (--temperature, --lr,
+   --min-lr, --clip, --weight-decay, --gpu-peak-tflops, --dist-timeout NaN, inf, 1e20 and 1e-6,
+   --seed below 0 or past 2**63 - 1, --dropout and --val-fraction NaN, an unknown
+   --compile-backend; the edges parse and the largest seed builds weights); a run.json without
+   step, args or rng, with a step that is no integer of 0 or more, or an rng whose entries are
+   not the byte lists restore_rng reads (the control: the whole run.json reads); --sample of
+   weights whose config does not fit them (another width, no n_head, heads that do not divide
+   the width; the control: their own config samples).
 A write that fails half-way (the partial file removed) is in test_faults.py.
 """
 import json
 import math
 import re
 import subprocess
+import types
+import zlib
 
 import pytest
 import torch
+from helpers import as_script
 from helpers import (DDP, GPT, NEEDS_PP, SINGLE, SMALL, TINY_GPT, command, in_process,
                      needs_torch, started, trainer)
 
@@ -183,6 +195,147 @@ def test_the_summary_line_is_strict_json_whatever_the_values(script):
     assert line.startswith("summary ")
     parsed = json.loads(line[len("summary "):], parse_constant=pytest.fail)  # NaN literals fail
     assert parsed == {"val_loss": None, "throughput": None, "steps": 3, "train_s": 1.5}
+
+
+# ------------------------------- chapters 7-12: numbers, run.json and --sample's file, in process
+
+SHARDED_TRAINERS = ["train_fsdp_minigpt.py", "train_tp_minigpt.py", "train_pp_minigpt.py",
+                    "train_cp_minigpt.py", "train_4d_minigpt.py", "train_moe_minigpt.py"]
+TOP = 2**63 - 1  # the largest seed: torch.manual_seed's range from 0
+BAD_NUMBERS = [  # (flags, what the one line says after "error: "), as the sweep gave them
+    (["--temperature", "nan"], "argument --temperature: must be a finite number, positive, "
+                               "got nan"),
+    (["--lr", "nan"], "argument --lr: must be a finite number, positive, got nan"),
+    (["--lr", "inf"], "argument --lr: must be a finite number, positive, got inf"),
+    (["--min-lr", "nan"], "argument --min-lr: must be a finite number, at least 0, got nan"),
+    (["--clip", "inf"], "argument --clip: must be a finite number, at least 0, got inf"),
+    (["--weight-decay", "nan"], "argument --weight-decay: must be a finite number, at least 0, "
+                                "got nan"),
+    (["--gpu-peak-tflops", "inf"], "argument --gpu-peak-tflops: must be a finite number, "
+                                   "positive, got inf"),
+    (["--dist-timeout", "nan"], "argument --dist-timeout: must be a finite number, positive, "
+                                "got nan"),
+    (["--dist-timeout", "inf"], "argument --dist-timeout: must be a finite number, positive, "
+                                "got inf"),
+    (["--dist-timeout", "1e20"], "argument --dist-timeout: must be at most 604800, got 1e20"),
+    (["--dist-timeout", "1e-6"], "--dist-timeout must be between 1 and 604800 seconds (a week), "
+                                 "got 1e-06"),
+    (["--seed", "-1"], f"--seed must be between 0 and {TOP}, got -1"),
+    (["--seed", str(TOP + 1)], f"--seed must be between 0 and {TOP}, got {TOP + 1}"),
+    (["--compile-backend", "inductr"], "argument --compile-backend: invalid choice: 'inductr'"),
+    (["--dropout", "nan"], "--dropout must be in [0, 1) and --val-fraction in (0, 1)"),
+    (["--val-fraction", "nan"], "--dropout must be in [0, 1) and --val-fraction in (0, 1)")]
+EDGES = ["--seed", str(TOP), "--dist-timeout", "604800", "--temperature", "1e-3", "--clip", "0",
+         "--min-lr", "0", "--weight-decay", "0", "--compile-backend", "aot_eager"]  # all accepted
+
+
+@pytest.mark.parametrize("script", SHARDED_TRAINERS)
+def test_every_number_is_finite_and_in_range_at_parse_time(script, capsys):
+    """Each bad number of the sweep is one line and exit code 2 at parse time, before any step;
+    the controls: the edges of every range parse, --dist-timeout 1 too, and the largest seed
+    builds weights (a seed past 32 bits is folded into torch's 64, and one below is unchanged)."""
+    module = trainer(script)
+    for flags, words in BAD_NUMBERS:
+        with pytest.raises(SystemExit) as exit_:
+            module.parse_args(flags)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and f": error: {words}" in err, err
+    args = module.parse_args(EDGES)
+    assert (args.seed, args.dist_timeout) == (TOP, 604800)
+    assert module.parse_args(["--dist-timeout", "1"]).dist_timeout == 1
+    name, crc = "blocks.0.attn.qkv.weight", zlib.crc32(b"blocks.0.attn.qkv.weight")
+    assert torch.isfinite(module.initial_value(name, (4, 4), TOP, 2)).all()
+    before = torch.randn(4, 4, generator=torch.Generator().manual_seed(3 * 2**32 + crc)) * 0.02
+    assert torch.equal(module.initial_value(name, (4, 4), 3, 2), before)
+
+
+def step_folder(folder, state):
+    """A step folder that read_run_state takes as complete (a .metadata beside it), holding
+    `state` as its run.json; returns its path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / ".metadata").write_bytes(b"")
+    (folder / "run.json").write_text(json.dumps(state))
+    return str(folder)
+
+
+@pytest.mark.parametrize("script", SHARDED_TRAINERS)
+def test_a_run_json_without_what_resuming_reads_is_one_line(script, tmp_path):
+    """A run.json without step, args or rng, with a step that is no integer of 0 or more, or an
+    rng whose entries are not the byte lists restore_rng reads (another size, not bytes, no
+    cuda), each read by the trainer's read_run_state: one line, exit code 2; the control: the
+    same run.json whole reads, and its step comes back."""
+    module = trainer(script)
+    run = types.SimpleNamespace(args=module.parse_args([]))
+    data = types.SimpleNamespace(vocab_size=256)
+    size = len(torch.get_rng_state())
+    good = {"step": 3, "config": module.model_config(run.args, 256), "args": {},
+            "rng": [{"cpu": torch.get_rng_state().tolist(), "cuda": None}]}
+    assert module.read_run_state(step_folder(tmp_path / "good", good), run, data)["step"] == 3
+    rng_words = (f"its rng is not a list of each rank's random states, a cpu list of {size} bytes "
+                 "and a cuda list of bytes or null")
+    cases = [({k: v for k, v in good.items() if k != "step"}, "it has no step"),
+             ({k: v for k, v in good.items() if k not in ("args", "rng")}, "it has no args, rng"),
+             ({**good, "step": "3"}, "its step is '3', not an integer of 0 or more"),
+             ({**good, "step": -5}, "its step is -5, not an integer of 0 or more"),
+             ({**good, "step": 2.5}, "its step is 2.5, not an integer of 0 or more"),
+             ({**good, "args": []}, "its config or args is not an object"),
+             ({**good, "rng": [{"cpu": [0] * 16, "cuda": None}]}, rng_words),
+             ({**good, "rng": [{"cpu": [300] * size, "cuda": None}]}, rng_words),
+             ({**good, "rng": [{"cpu": good["rng"][0]["cpu"]}]}, rng_words),
+             ({**good, "rng": [good["rng"][0]["cpu"]]}, rng_words),
+             ([1, 2, 3], "it has no step, config, args, rng")]
+    for i, (state, words) in enumerate(cases):
+        path = step_folder(tmp_path / f"bad{i}", state)
+        with pytest.raises(module.InputError) as err:
+            module.read_run_state(path, run, data)
+        assert str(err.value) == f"cannot resume from {path}/run.json: {words}"
+        assert err.value.code == 2
+
+
+@pytest.fixture(scope="module")
+def one_files(tmp_path_factory):
+    """--sample's files: a small GPT's weights with their config, and the same weights under
+    configs they do not fit: another width, no n_head, a head count that does not divide the
+    width, and a mixture with more experts per token than experts."""
+    d = tmp_path_factory.mktemp("onefile")
+    config = {"vocab_size": 256, "block_size": 8, "n_layer": 1, "n_head": 2, "n_embd": 8,
+              "dropout": 0.0}
+    weights = trainer("train_fsdp_minigpt.py").GPT(**config).state_dict()
+    configs = {"good": config, "wider": {**config, "n_embd": 16},
+               "headless": {k: v for k, v in config.items() if k != "n_head"},
+               "three_heads": {**config, "n_head": 3},
+               "mixture": {**config, "experts": 2, "top_k": 3}}
+    for name, each in configs.items():
+        torch.save({"model": weights, "config": each, "step": 1, "itos": None}, d / f"{name}.pt")
+    return d
+
+
+@pytest.mark.parametrize("script", SHARDED_TRAINERS)
+def test_a_checkpoint_whose_config_does_not_fit_its_weights_is_one_line(script, one_files):
+    """--sample --ckpt of weights saved under another width, under a config without n_head, or
+    with a head count that does not divide the width: one line and exit code 2 (through the
+    script's __main__ in chapter 7), not a traceback; the control: the same weights under their
+    own config sample. Chapter 12 also refuses a mixture with more experts per token than
+    experts."""
+    module, d = trainer(script), one_files
+    sampled = in_process(script, ["--sample", "--ckpt", d / "good.pt", "--max-new-tokens", 3])
+    assert sampled.startswith("\n") and len(sampled) > 2, sampled  # the prompt, tokens, a newline
+    cases = [("wider", "cannot read checkpoint {}: its weights do not fit its config: "),
+             ("headless", "cannot read checkpoint {}: its config has no n_head"),
+             ("three_heads", "cannot read checkpoint {}: its config's n_head 3 does not divide "
+                             "n_embd 8")]
+    if script == "train_moe_minigpt.py":
+        cases.append(("mixture", "{} holds a config that no mixture has"))
+    for name, words in cases:
+        with pytest.raises(module.InputError) as err:
+            in_process(script, ["--sample", "--ckpt", d / f"{name}.pt"])
+        assert str(err.value).startswith(words.format(d / f"{name}.pt")), err.value
+        assert "\n" not in str(err.value) and err.value.code == 2
+    if script == "train_fsdp_minigpt.py":
+        result = as_script(script, ["--sample", "--ckpt", d / "wider.pt"])
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result
+        assert result.stderr.startswith(f"error: cannot read checkpoint {d / 'wider.pt'}: its "
+                                        "weights do not fit its config: ")
 
 
 # ------------------------------------------ the launches, started with the module, read last

@@ -47,7 +47,9 @@ torchrun launches on CPU/gloo. These tests prove:
    each rank's random streams come back only at the world size and --cp that saved them (the
    controls: the same cp restores them, another cp or a tp layout does not);
 6. bad input is one line and exit code 2: a --cp that does not divide the world size, a
-   --block-size that 2 x cp does not divide, more chunks than tokens, a torch without chapter
+   --block-size that 2 x cp does not divide, more chunks than tokens, a --block-size beyond the
+   data (10^13: refused in the data check's words before the context's positions are made, by
+   rank 0 alone; the control: a context the data holds passes), a torch without chapter
    10's (2.13) or chapter 9's (2.10) calls, whatever its version (the control: a nightly with them);
 7. benchmark_scaling.py reads its summary: the global batch counts the dp rows, not the ranks.
 """
@@ -456,6 +458,24 @@ def test_a_split_that_does_not_fit_is_one_line(flags, message):
 def test_a_cp_that_does_not_divide_the_world_is_one_line():
     with pytest.raises(cp.InputError, match=r"^--cp 2 does not divide the world size 1: start a"):
         in_process(CP, SHARDED + ["--cp", 2, "--max-steps", 1, "--save", "", "--export", ""])
+
+
+def test_a_context_longer_than_the_data_is_the_data_checks_line_before_the_context(monkeypatch):
+    """A --block-size of 10^13 (a context of 80 TB of positions) is refused in load_data's own
+    line, before make_run builds the context: without the guard the allocation fails first. Only
+    rank 0 says it; the control: a context the data can hold passes the guard."""
+    module, huge = cp, ["--cp", "1", "--block-size", str(10**13)]
+    line = (r"^the default corpus has 1,800,000 training and 200,000 validation tokens: too few "
+            r"for 1 replica\(s\) x --batch-size 6 x --block-size 10000000000000; give more data "
+            r"or smaller sizes$")
+    with pytest.raises(module.InputError, match=line) as err:
+        in_process(CP, SHARDED + huge + ["--max-steps", 1, "--save", "", "--export", ""])
+    assert err.value.code == 2
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as exit_:  # the other ranks: exit code 2, without a word
+        module.refuse_a_context_longer_than_the_data(module.parse_args(huge), 1)
+    assert exit_.value.code == 2
+    assert module.refuse_a_context_longer_than_the_data(module.parse_args([]), 1) is None
 
 
 @pytest.mark.parametrize("script,needs", [(CP, "2.13"), ("train_pp_minigpt.py", "2.10")])

@@ -30,7 +30,9 @@ These tests prove:
    written is refused before training; random streams come
    back only at the world size that saved them and without tp (a tp row's ranks draw alike);
 5. bad input is one line and exit code 2: a DDP checkpoint file given to --resume, --amp fp16,
-   a wrong --reshard-after-forward;
+   a wrong --reshard-after-forward, a step whose .metadata was cut in half (DCP's reason, and
+   none of DCP's warnings with tracebacks beside it), a run.json without its step (the other
+   run.json and number checks of chapters 7-12: test_bad_runs.py);
 6. benchmark_scaling.py reads its summary (tokens per step over the ranks; the launches through
    benchmark_scaling.py are test_benchmark.py's), and chapter 4's launcher runs it on two nodes (two
    agents on this machine, meeting at 127.0.0.1) with the losses of one node's two DDP processes,
@@ -39,6 +41,7 @@ The launches run side by side in one module fixture (`runs`); the counted run of
 two-node run of 6; --grad-sync last is a counted run of 4 steps beside it.
 """
 import json
+import logging
 import os
 import re
 import shutil
@@ -388,6 +391,40 @@ def test_bad_inputs_are_one_line(runs, capsys):
         fsdp.parse_args(["--reshard-after-forward", "maybe"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and "invalid choice: 'maybe'" in err
+
+
+def test_a_truncated_metadata_or_a_run_json_without_its_step_is_one_line(runs, tmp_path, capfd):
+    """Step 14 with its .metadata (DCP's index of the shards) cut in half, resumed: one line
+    naming why DCP could not read it, and none of the warnings with tracebacks DCP logs on the
+    way; with a run.json that lost its step: one line, from every rank's agreement, before any
+    shard loads. The filter's control: DCP's warnings with a traceback are dropped, and one
+    without a traceback or from elsewhere is kept."""
+    cut, stepless = tmp_path / "cut", tmp_path / "stepless"
+    for folder in (cut, stepless):
+        shutil.copytree(runs["dir"] / "f14" / "step-000014", folder / "step-000014")
+    metadata = (cut / "step-000014" / ".metadata").read_bytes()
+    (cut / "step-000014" / ".metadata").write_bytes(metadata[:len(metadata) // 2])
+    state = json.loads((stepless / "step-000014" / "run.json").read_text())
+    del state["step"]
+    (stepless / "step-000014" / "run.json").write_text(json.dumps(state))
+    capfd.readouterr()
+    with pytest.raises(fsdp.InputError) as err:
+        in_process(FSDP, RESUMED + ["--batch-size", 12, "--resume", cut, "--save", ""])
+    said = str(err.value)
+    assert said.startswith(f"cannot load the shards of {cut / 'step-000014'}: ") and \
+        "pickle data was truncated" in said and "\n" not in said, said
+    assert "Traceback" not in capfd.readouterr().err and err.value.code == 2
+    with pytest.raises(fsdp.InputError) as err:
+        in_process(FSDP, RESUMED + ["--batch-size", 12, "--resume", stepless, "--save", ""])
+    assert str(err.value) == f"cannot resume from {stepless / 'step-000014' / 'run.json'}: it " \
+                             "has no step"
+    record = logging.LogRecord("root", logging.WARNING, fsdp.dcp.__file__, 1, "not found", None,
+                               None)  # a warning of DCP's, as it logs on the root logger
+    assert fsdp.avoid_dcp_tracebacks(record)  # no traceback: kept
+    record.exc_info = (ValueError, ValueError("truncated"), None)
+    assert not fsdp.avoid_dcp_tracebacks(record)  # DCP's, with a traceback: dropped
+    record.pathname = __file__
+    assert fsdp.avoid_dcp_tracebacks(record)  # another file's: kept
 
 
 def test_benchmark_scaling_reads_the_fsdp_trainers_summary(runs):

@@ -30,9 +30,12 @@
    --ep 2 at 2 processes drops some copies each step (logged) and its losses differ from one
    process's at the same global batch; at 2.0 (E / K) nothing can drop and one process logs its
    dropless losses;
-6. bad input is one line and exit code 2: --ep that divides neither the experts nor the world
-   size, --experts-per-token of 0 or above the experts (or not dividing 4 x --n-embd), a capacity
-   factor that is not positive and finite, or without experts.
+6. bad input is one line and exit code 2: --ep that does not divide the experts, or with no
+   experts (expert parallelism needs them), --experts-per-token of 0 or above the experts (or not
+   dividing 4 x --n-embd), a capacity factor or balance weight that is not finite (NaN, inf) or
+   not positive, a capacity without experts or above them (1e300 overflowed a step); an --ep that does not divide the world size is one
+   line from rank 0 alone, before any group is joined (a launch of 2 processes at --ep 4), as
+   chapter 11 refuses its sizes.
 7. the layer itself, in one plain process: each token's output is the gate-weighted sum of its
    K likeliest experts' outputs (gates rescaled to add up to 1; the control: unscaled, it
    differs), and the router gets a gradient through the gates with no balance loss.
@@ -97,6 +100,8 @@ def runs(tmp_path_factory):
                                                    d / "grid.pt"], nproc=4),
             }
     started = {name: start(cmd, REPO) for name, cmd in cmds.items()}
+    bad_ep = command(MOE, ["--ep", 4], nproc=2)  # refused before any group: its test reads it
+    refused = start(bad_ep, REPO)
     # two nodes of one process through chapter 4's launcher, rank 1's disk full in the save of
     # step 4 and rank 0 killed removing it; the group restarted (--max-restarts 1): it resumes
     # from step 2 and saves step 4
@@ -124,6 +129,7 @@ def runs(tmp_path_factory):
                                     "--max-steps", 1])  # no dropout
     ddp_dropout_reference()  # chapter 3 at 2 processes, with dropout: run now, while they run
     r = {name: ok(finish(proc, cmds[name])) for name, proc in started.items()}
+    r["bad ep"] = finish(refused, bad_ep)
     r["restarted"] = next(out for out in restarted() if "world size 2 " in out)  # rank 0's node
     r["resumed"] = in_process(MOE, [*FLAGS, *EXPERTS, "--batch-size", 12, "--resume", d / "ck"])
     return {**r, "one": one, "recorded": recorded, "dir": d}
@@ -310,13 +316,21 @@ def test_the_layer_sends_each_token_to_its_k_experts_and_the_router_learns_throu
 
 @pytest.mark.parametrize("flags,words", [
     (["--experts", 4, "--ep", 3], "--ep 3 must divide --experts 4"),
-    (["--experts", 0, "--ep", 2], "--ep 2 must divide --experts 0"),
+    (["--experts", 0, "--ep", 2], "--ep 2 needs --experts: expert parallelism splits the experts"),
     (["--experts", 4, "--experts-per-token", 0], "--experts-per-token 0 must be between 1 and"),
     (["--experts", 4, "--experts-per-token", 5], "--experts-per-token 5 must be between 1 and"),
     (["--experts", 4, "--experts-per-token", 3], "--experts-per-token 3 must divide 4 x"),
-    (["--capacity-factor", 0], "argument --capacity-factor: must be positive, got 0"),
-    (["--capacity-factor", "nan"], "--capacity-factor nan needs --experts and a finite value"),
+    (["--capacity-factor", 0], "argument --capacity-factor: must be a finite number, positive, "
+                               "got 0"),
+    (["--capacity-factor", "nan"], "argument --capacity-factor: must be a finite number, positive, "
+                                   "got nan"),
+    (["--capacity-factor", "inf"], "argument --capacity-factor: must be a finite number, positive, "
+                                   "got inf"),
+    (["--aux-weight", "nan"], "argument --aux-weight: must be a finite number, at least 0, "
+                              "got nan"),
     (["--experts", 0, "--capacity-factor", 1], "--capacity-factor 1.0 needs --experts"),
+    (["--experts", 4, "--capacity-factor", "1e300"], "--capacity-factor 1e+300 must be at most "
+                                                      "--experts 4: from E / K = 2 on, no copy"),
     (["--experts", 0, "--shared-expert"], "--shared-expert needs --experts")])
 def test_bad_experts_are_one_line_and_exit_code_2(flags, words):
     result = as_script(MOE, flags)
@@ -324,10 +338,24 @@ def test_bad_experts_are_one_line_and_exit_code_2(flags, words):
     assert result.stderr.startswith(f"{MOE}: error: {words}"), result.stderr
 
 
-def test_an_ep_that_does_not_divide_the_world_size_is_bad_input():
+def test_an_ep_the_world_size_cannot_hold_is_one_line_from_rank_0_before_any_group(runs):
+    """--ep 4 at 2 processes (launched with the module's runs): rank 0 alone says why, before any
+    rank joins a group (the other exits with code 2 and no word), as chapter 11 refuses its
+    sizes; in this process, a world of one refuses --ep 2, and the control: --ep 2 at a world of
+    4 passes the guard."""
+    result = runs["bad ep"]
+    line = ("error: --ep 4 does not divide the world size 2: start a multiple of 4 processes, or "
+            "give --ep 1\n")
+    said = result.stdout + result.stderr
+    assert result.returncode != 0 and said.count("error: --ep") == 1 and line in said, said
+    assert "exitcode  : 2" in result.stderr and "train_moe_minigpt.py\", line" not in said, said
     with pytest.raises(moe.InputError, match=r"^--ep 2 does not divide the world size 1: "):
         in_process(MOE, [*FLAGS, *EXPERTS, "--ep", 2])
     assert moe.InputError.code == 2  # __main__ prints the one line, exits with it
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("WORLD_SIZE", "4")
+        env.setenv("RANK", "0")
+        assert moe.refuse_a_mesh_the_world_cannot_hold(moe.parse_args(["--ep", "2"])) is None
 
 
 PIECES = ["Groups", "MixtureOfExperts", "Experts", "AllToAll", "SumOverRanks"]
