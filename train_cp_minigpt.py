@@ -161,7 +161,7 @@ class Run:
     world_size: int
     is_main: bool  # True on rank 0 alone, the one process that logs and writes files
     amp: str  # FSDP 1: the compute dtype's name ("bfloat16"), or "off"
-    policy: MixedPrecisionPolicy  # FSDP 1: bf16 compute, fp32 reductions; no autocast, no scaler
+    policy: MixedPrecisionPolicy  # FSDP 1: bf16 compute, fp32 reduce-scatters; no autocast/scaler
     mesh: object  # CP 1: the DeviceMesh of (dp, cp) ranks
     dp_rank: int  # CP 2: this rank's row, which picks the sequences it reads
     dp_size: int  # CP 2: the number of rows (replicas), world size / cp
@@ -182,7 +182,7 @@ def make_run(args, device, rank, world_size):
                     f"{device} | amp {amp} | {tokens_per_step(run):,} tokens per step "
                     f"({args.batch_size} x {args.block_size} x {args.grad_accum} accumulation x "
                     f"{run.dp_size} replicas)")  # CP 2: a row's ranks share each batch
-    print0(is_main, split_line(run))  # CP 3: what each rank holds and gathers
+    print0(is_main, split_line(run))  # CP 3: what each rank holds and sends
     return run
 
 
@@ -1244,7 +1244,7 @@ def amp_dtype(choice, device):
 
 def mixed_precision(choice, device):  # FSDP 1: FSDP's policy casts the weights, not autocast
     """(the dtype's name, FSDP's policy). Each shard is cast to bf16 before its all-gather, so
-    gathers and compute run in bf16; gradients are reduced in fp32; shards stay fp32. No scaler."""
+    gathers and compute run in bf16; FSDP reduce-scatters in fp32; shards stay fp32. No scaler."""
     dtype = amp_dtype(choice, device)
     if dtype == torch.float16 and choice == "auto":  # FSDP 1: no native bf16: fp32 here
         dtype = None
@@ -1601,19 +1601,21 @@ def run_state_problem(state):  # FSDP 3: all that resumed_step and load_shards r
 
 
 def split_line(run):
-    """The start-up line of the split: each rank's part of causal attention's (query, key) pairs,
-    with its two chunks and with contiguous parts instead, and the keys and values a rank receives
-    per block and micro-batch in forward, in the compute dtype."""
+    """The start-up line of the split: each rank's part of causal attention's (query, key) pairs
+    (contiguous parts for contrast), and the bytes a rank sends per block and micro-batch for CP."""
     args, cp, T = run.args, run.args.cp, run.args.block_size
     pairs = [int((chunk_positions(r, cp, T) + 1).sum()) for r in range(cp)]  # query p reads p + 1
     contiguous = [sum(range(r * T // cp + 1, (r + 1) * T // cp + 1)) for r in range(cp)]
     width = 2 if run.amp in ("bfloat16", "float16") else 4
-    gathered = 2 * args.batch_size * T * args.n_embd * width * (cp - 1) / cp  # K and V, not mine
-    how = "gathered" if args.cp_rotate == "allgather" else f"passed in {cp - 1} ring steps"  # CP 5
+    kv = 2 * args.batch_size * T // cp * args.n_embd * width  # K and V of my tokens: one send
+    ring = args.cp_rotate == "ring"  # CP 5: K, V go round twice, 3 times if the block is recomputed
+    kv_sends, grad_sends = (cp - 1) * (2 + args.grad_checkpointing * ring), cp - 1 + ring
+    how = (f"K, V in {kv_sends} ring passes and their fp32 gradients in {grad_sends}" if ring else
+           "K, V all-gathered in forward and backward and their fp32 gradients reduce-scattered")
     return (f"CP split: {2 * cp} chunks of {T // (2 * cp)} tokens, rank i of a row holds chunks i "
             f"and {2 * cp - 1} - i | attention pairs per rank: {percents(pairs)} (contiguous "
-            f"shares would give {percents(contiguous)}) | {how} per block and micro-batch: "
-            f"{gathered / 2**20:.2f} MiB of keys and values")
+            f"shares would give {percents(contiguous)}) | sent per block and micro-batch: "
+            f"{kv * (kv_sends + grad_sends * 4 / width) / 2**20:.2f} MiB, {how}")
 
 
 def percents(counts):

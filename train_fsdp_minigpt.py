@@ -175,7 +175,7 @@ class Run:
     world_size: int
     is_main: bool  # True on rank 0 alone, the one process that logs and writes files
     amp: str  # FSDP 1: the compute dtype's name ("bfloat16"), or "off"
-    policy: MixedPrecisionPolicy  # FSDP 1: bf16 compute, fp32 reductions; no autocast, no scaler
+    policy: MixedPrecisionPolicy  # FSDP 1: bf16 compute, fp32 reduce-scatters; no autocast/scaler
 
 
 def make_run(args, device, rank, world_size):
@@ -990,7 +990,7 @@ def amp_dtype(choice, device):
 
 def mixed_precision(choice, device):  # FSDP 1: FSDP's policy casts the weights, not autocast
     """(the dtype's name, FSDP's policy). Each shard is cast to bf16 before its all-gather, so
-    gathers and compute run in bf16; gradients are reduced in fp32; shards stay fp32. No scaler."""
+    gathers and compute run in bf16; FSDP reduce-scatters in fp32; shards stay fp32. No scaler."""
     dtype = amp_dtype(choice, device)
     if dtype == torch.float16 and choice == "auto":  # FSDP 1: no native bf16: fp32 here
         dtype = None

@@ -41,9 +41,9 @@ its expert, however many pick the same one. A capacity (--capacity-factor) caps 
 takes from a rank's micro-batch and drops the rest, so the run then depends on how the tokens are
 spread over the ranks. The load-balancing loss (Switch Transformer's) is E x sum over experts e
 of f_e x P_e, f_e the share of the copies routed to e and P_e the mean router probability of e.
-It is 1 when both are even and larger when the router favours a few experts; --aux-weight times
-it is added to the loss, for every block. The training loss logged includes it; the validation
-loss is the cross-entropy alone.
+It is 1 when f or P is even, above 1 when they rise together (a router favouring a few experts),
+below 1 when they anti-correlate, as a batch's may. --aux-weight times it joins the loss, for every
+block; the training loss logged includes it, the validation loss is the cross-entropy alone.
 
 The mesh is a grid of world size / ep rows of ep ranks. Its dim "ep" runs along a row; its dim
 "edp" (expert data parallel) runs down a column, so a rank's "edp" group is its column. The ep
@@ -192,7 +192,7 @@ class Run:
     world_size: int
     is_main: bool  # True on rank 0 alone, the one process that logs and writes files
     amp: str  # FSDP 1: the compute dtype's name ("bfloat16"), or "off"
-    policy: MixedPrecisionPolicy  # FSDP 1: bf16 compute, fp32 reductions; no autocast, no scaler
+    policy: MixedPrecisionPolicy  # FSDP 1: bf16 compute, fp32 reduce-scatters; no autocast/scaler
     mesh: object  # EP 1: the DeviceMesh of world size / ep rows ("edp") of ep ranks ("ep")
 
 
@@ -1291,7 +1291,7 @@ def amp_dtype(choice, device):
 
 def mixed_precision(choice, device):  # FSDP 1: FSDP's policy casts the weights, not autocast
     """(the dtype's name, FSDP's policy). Each shard is cast to bf16 before its all-gather, so
-    gathers and compute run in bf16; gradients are reduced in fp32; shards stay fp32. No scaler."""
+    gathers and compute run in bf16; FSDP reduce-scatters in fp32; shards stay fp32. No scaler."""
     dtype = amp_dtype(choice, device)
     if dtype == torch.float16 and choice == "auto":  # FSDP 1: no native bf16: fp32 here
         dtype = None
@@ -1810,7 +1810,7 @@ def expert_shares(moes):  # EP 8
     rank's, counted since the last line; even: 100 / E %); with a capacity, ` | dropped Z%` of
     the copies. Starts the count again."""
     shares = torch.stack([m.load[0] / m.load[0].sum() for m in moes])
-    aux = sum(float(m.aux.detach()) for m in moes) / len(moes)  # 1: even
+    aux = sum(float(m.aux.detach()) for m in moes) / len(moes)  # 1: even f or P
     line = (f" | aux {aux:.4f} | expert share min {100 * float(shares.min()):.1f}% "
             f"max {100 * float(shares.max()):.1f}%")
     if moes[0].capacity_factor:  # the copies routed that their experts did not take

@@ -65,14 +65,19 @@ One block in one micro-batch, on a tp group's ranks, with sequence parallelism (
   attn, mlp    an all-gather over tp rebuilds the whole (B, T, C), as a Replicate DTensor; qkv and
                mlp.0 compute this rank's heads or hidden units, as plain tensors
   proj, mlp.2  partial sums, reduce-scattered over tp back to a plain (B, T / tp, C)
-  backward     each all-gather's backward is a reduce-scatter, and the reverse. The weights each
-               tp rank holds whole (norms, row-wise biases) get partial gradients, summed over tp
-               by FSDP (an all-reduce) before its reduce-scatter over dp
+  backward     each all-gather's backward is a reduce-scatter, and the reverse. The norms, which
+               each tp rank holds whole, get partial gradients, summed over tp (an all-reduce
+               DTensor makes when FSDP asks for them whole) before FSDP's reduce-scatter over dp.
+               A row-wise bias's gradient comes out whole on each tp rank: no sum
 Without it, each all-gather and reduce-scatter pair is one all-reduce, after proj and after mlp.2
 (and, in backward, one for the input gradients of qkv and of mlp.0), and every tensor between the
 layers is a plain whole (B, T, C). FSDP all-gathers the block's weights over dp before it runs and
 reduce-scatters their gradients over dp after its backward. The head's logits stay a DTensor split
 by vocabulary, for loss parallel.
+Under --amp bf16, FSDP's reduce-scatters over dp run in fp32 (the policy's reduce_dtype), and so
+do loss parallel's sums (the logits are cast to fp32 first). TP's sums over tp run in bf16: the
+activations' gradients, and the norms' gradients, which DTensor sums before FSDP casts them (with
+--grad-sync last and --grad-accum above 1, FSDP casts first and sums them once a step, in fp32).
 
 Tags: each `# TP k` comment marks a line that TP adds or changes, numbered in reading order:
   TP 1   --tp N: the (world size / N, N) mesh; a tp group is N consecutive ranks, on one node
@@ -200,7 +205,7 @@ class Run:
     world_size: int
     is_main: bool  # True on rank 0 alone, the one process that logs and writes files
     amp: str  # FSDP 1: the compute dtype's name ("bfloat16"), or "off"
-    policy: MixedPrecisionPolicy  # FSDP 1: bf16 compute, fp32 reductions; no autocast, no scaler
+    policy: MixedPrecisionPolicy  # FSDP 1: bf16 compute, fp32 reduce-scatters; no autocast/scaler
     mesh: object  # TP 1: the (dp, tp) grid of ranks, a DeviceMesh
     dp_rank: int  # TP 2: the replica this rank's tp group computes, so the data it reads
     dp_size: int  # TP 2: how many replicas (tp groups) there are: world size / tp
@@ -1173,7 +1178,7 @@ def amp_dtype(choice, device):
 
 def mixed_precision(choice, device):  # FSDP 1: FSDP's policy casts the weights, not autocast
     """(the dtype's name, FSDP's policy). Each shard is cast to bf16 before its all-gather, so
-    gathers and compute run in bf16; gradients are reduced in fp32; shards stay fp32. No scaler."""
+    gathers and compute run in bf16; FSDP reduce-scatters in fp32; shards stay fp32. No scaler."""
     dtype = amp_dtype(choice, device)
     if dtype == torch.float16 and choice == "auto":  # FSDP 1: no native bf16: fp32 here
         dtype = None

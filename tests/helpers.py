@@ -626,8 +626,9 @@ def one_process_clipped():
 
 def assert_clipped_run_is_one_processs(out, val_abs=1e-4):
     """A CLIPPED run at 2 replicas logs one process's losses (1e-5 relative), its gradient norms
-    before clipping (3 decimals) where the clip binds (steps 1 and 2) and where it does not (3 and
-    4, the control), and its validation losses, the padded evaluation's among them."""
+    before clipping where the clip binds (steps 1 and 2) and where it does not (3 and 4, the
+    control), and its validation losses, the padded evaluation's among them. The norms print 3
+    decimals but are compared within 2e-3: they may differ by 2 in the last printed digit."""
     one = one_process_clipped()
     assert sorted(logged_losses(out)) == [1, 2, 3, 4], out
     for step in range(1, 5):
@@ -642,8 +643,9 @@ def assert_clipped_run_is_one_processs(out, val_abs=1e-4):
 
 def assert_dropout_run_is_ddps(out):
     """A NOISY run at 2 replicas logs ddp_dropout_reference()'s losses (1e-5 relative), its
-    gradient norms before clipping (3 decimals) where the clip binds (steps 1 and 2) and where it
-    does not (3 and 4, the control), and its validation losses, the padded evaluation's too."""
+    gradient norms before clipping where the clip binds (steps 1 and 2) and where it does not (3
+    and 4, the control), and its validation losses, the padded evaluation's too. The norms print
+    3 decimals but are compared within 2e-3: they may differ by 2 in the last printed digit."""
     ddp = ddp_dropout_reference()[0]
     assert sorted(logged_losses(out)) == sorted(logged_grad_norms(out)) == [1, 2, 3, 4], out
     for step in range(1, 5):

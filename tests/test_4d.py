@@ -2,7 +2,7 @@
 (pp, dp, cp, tp) mesh), under real torchrun launches on CPU/gloo. These tests prove:
 
 1. the same math as one process, each run against the run it must equal (losses of every step
-   to 1e-5 relative, gradient norms to the 3 decimals logged, validation losses to the 4 decimals
+   to 1e-5 relative, gradient norms within 2e-3 (3 decimals), validation losses to the 4 decimals
    logged): for 8 steps with a clip that binds in all, pp 2 x cp 2 x tp 2 at 8 processes (two
    nodes of one stage each, through chapter 4's launcher) = chapter 3 in one process with the
    same global batch, and tp 2 x cp 2 at 4 processes (no sequence parallelism) and pp 2 x cp 2 at

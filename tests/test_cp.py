@@ -209,7 +209,9 @@ def test_a_ring_of_4_logs_one_processs_losses_and_passes_one_ranks_keys_at_a_tim
     """--cp-rotate ring at cp 4: one process's losses, norms and validation losses; each pass
     carries one rank's keys and values (or their fp32 gradients), never the whole sequence's."""
     out, (one, _) = runs["ring"], runs["one"]
-    assert "world size 4 (1 dp x 4 cp)" in out and "passed in 3 ring steps per block" in out
+    assert "world size 4 (1 dp x 4 cp)" in out
+    # the split line: a rank's K and V, 0.023 MiB, sent 6 times and their gradients 4 times
+    assert "0.23 MiB, K, V in 6 ring passes and their fp32 gradients in 4" in out
     assert sorted(losses(out)) == list(range(1, 7))
     for step, loss in losses(out).items():
         assert loss == pytest.approx(losses(one)[step], rel=1e-5), step
@@ -290,9 +292,11 @@ def test_each_rank_holds_an_early_chunk_and_a_late_one(runs):
         # K and V would add 2 T C per block (19% more)
         formula = 6 * 4 * (16 * 2 * 16 * 32 + 2 * 16 * 32 + 16 * 256)
         assert formula <= seen["peak_saved_bytes"] <= 1.02 * formula, seen
+    # a rank's K and V, 2 x 6 x 16 tokens x 32 x 4 bytes = 0.023 MiB, sent twice, and their gradients
     assert ("CP split: 4 chunks of 8 tokens, rank i of a row holds chunks i and 3 - i | attention "
-            "pairs per rank: 50.0%, 50.0% (contiguous shares would give 25.8%, 74.2%) | gathered "
-            "per block and micro-batch: 0.02 MiB of keys and values") in runs["grid"]
+            "pairs per rank: 50.0%, 50.0% (contiguous shares would give 25.8%, 74.2%) | sent per "
+            "block and micro-batch: 0.07 MiB, K, V all-gathered in forward and backward and their "
+            "fp32 gradients reduce-scattered") in runs["grid"]
 
 
 def test_four_context_ranks_cover_every_position_once_with_equal_work():

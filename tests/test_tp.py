@@ -400,6 +400,7 @@ def test_a_tp_row_across_nodes_is_a_warning():
 
 
 def test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32():
-    """--amp bf16: the gathered weights cast to bf16, the gradients reduced in fp32 (a bf16 sum
-    over many ranks would round at every addition); --amp off: no cast at all."""
+    """--amp bf16: the gathered weights cast to bf16, FSDP's reduce-scatter over dp in fp32 (a
+    bf16 sum over many ranks would round at every addition); --amp off: no cast at all. The
+    policy does not reach TP's sums over tp (the norms' gradients): those run in bf16."""
     assert_bf16_policy_reduces_in_fp32(tp)
