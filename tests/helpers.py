@@ -5,6 +5,7 @@ chapter 2 runs that several test modules compare against (run once per test sess
 
 Tests import what they use from here by name; there is no conftest.py.
 """
+import argparse
 import contextlib
 import errno
 import functools
@@ -14,12 +15,14 @@ import json
 import os
 import re
 import runpy
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import unittest.mock
 from pathlib import Path
 
 import pytest
@@ -158,6 +161,7 @@ def finish(proc, cmd, time_limit=TIME_LIMIT):
                 os.kill(pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(f"timed out after {time_limit}s: {' '.join(cmd)}\n{out}\n{err}")
+    record(cmd if isinstance(cmd, list) else shlex.split(cmd), proc.returncode)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -192,7 +196,7 @@ def start_two_nodes(script, args, nproc=1, restarts=0):
     agents = [subprocess.Popen(line, shell=True, cwd=REPO, env=environment(), text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                start_new_session=True) for line in nodes]
-    return lambda: [ok(finish(agent, ["node", str(i)])) for i, agent in enumerate(agents)]
+    return lambda: [ok(finish(agent, line)) for line, agent in zip(nodes, agents)]
 
 
 def free_port():
@@ -220,7 +224,59 @@ def as_script(script, args=()):
         os.environ.clear()
         os.environ.update(saved_env)
         sys.argv = saved_argv
+    record(cmd, code)
     return subprocess.CompletedProcess(cmd, code, out.getvalue(), err.getvalue())
+
+
+# ------------------------------------------------------------------------ what the suite launched
+# Every launch that ended with exit 0 in this test session, as (course script, its arguments): the
+# flag matrix (tests/test_zz_switches.py) reads what really ran, not what a module declares. A
+# probe stands for the trainer it runs; its own words before the trainer's flags are not flags.
+LAUNCHED = []
+PROBED = {"probe_classifier.py": DDP, "probe_minigpt.py": GPT}
+
+
+def record(cmd, returncode):
+    """Note a launch that succeeded: the first course script in its command, and what follows."""
+    if returncode != 0:
+        return
+    for i, word in enumerate(map(str, cmd)):
+        name = os.path.basename(word)
+        script = PROBED.get(name) or (name.startswith("probe_") and
+                                      name.replace("probe_", "train_")[:-3] + "_minigpt.py")
+        script = script or name
+        if script.endswith(".py") and (REPO / script).is_file():
+            LAUNCHED.append((script, [str(word) for word in cmd[i + 1:]]))
+            return
+
+
+def switches(script):
+    """{flag: its choices, or None} of a course script's parser, read without running the script:
+    its parse_args builds the parser and is stopped where it would parse."""
+    class Built(Exception):
+        pass
+
+    def stop(parser, *args, **kwargs):
+        raise Built(parser)
+    module = trainer(script)
+    with unittest.mock.patch.object(argparse.ArgumentParser, "parse_args", stop):
+        try:
+            module.parse_args([])
+        except Built as built:
+            parser = built.args[0]
+    return {action.option_strings[-1]: action.choices for action in parser._actions
+            if action.option_strings and action.option_strings[-1] != "--help"}
+
+
+def launched_values(args, flags):
+    """{flag: the values it was given} in one launch's arguments (a flag without a value: {None})."""
+    given = {}
+    for i, word in enumerate(args):
+        flag, _, value = word.partition("=")
+        if flag in flags:
+            value = value or (args[i + 1] if i + 1 < len(args) else None)
+            given.setdefault(flag, set()).add(value if flags[flag] else None)
+    return given
 
 
 # ------------------------------------------------------------------------------------------ outputs
@@ -525,6 +581,7 @@ def in_process(script, args, env=None):
     printed = io.StringIO()
     with one_process_group(env), contextlib.redirect_stdout(printed):
         trainer(script).main(["--device", "cpu", *map(str, args)])
+    record([script, "--device", "cpu", *map(str, args)], 0)
     return printed.getvalue()
 
 
