@@ -1770,6 +1770,8 @@ def check_save_folder(run, path, state):  # FSDP 3
     """An InputError unless this run may write where it saves: --resume auto goes on only with
     the seed that saved the step, and a run that resumed from no step of --save wants a folder
     without complete steps. So no run continues, or deletes, a step another run wrote."""
+    if run.args.benchmark:  # it writes nothing
+        return
     save, seed = run.args.save, (state or {}).get("args", {}).get("seed")
     if path and run.args.resume == "auto" and seed != run.args.seed:
         raise InputError(f"{path} is another run's step (--seed {seed}, this run --seed "

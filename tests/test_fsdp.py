@@ -329,8 +329,9 @@ def test_an_unfinished_step_is_never_resumed_and_is_named(tmp_path):
 def test_a_run_never_continues_nor_deletes_another_runs_steps(tmp_path):
     """Run A (seed 1) leaves ck/step-000002. Run B (seed 2) is refused, in one line before it
     trains, both fresh into ck and with --resume auto; A's step stays. The control: A itself goes
-    on from its step with --resume auto, and drops it once step 3 is saved. A --save or --export
-    that cannot be written is refused before training, not at the first save."""
+    on from its step with --resume auto, and drops it once step 3 is saved. A --benchmark, which
+    writes nothing, runs beside A's step. A --save or --export that cannot be written is refused
+    before training, not at the first save."""
     ck, base = tmp_path / "ck", FLAGS + ["--export", ""]
     in_process(FSDP, base + ["--seed", 1, "--max-steps", 2, "--save", ck])
     step_2 = ck / "step-000002"
@@ -340,6 +341,8 @@ def test_a_run_never_continues_nor_deletes_another_runs_steps(tmp_path):
     with pytest.raises(fsdp.InputError, match=rf"^{step_2} is another run's step \(--seed 1, "
                                               r"this run --seed 2\)"):
         in_process(FSDP, base + ["--seed", 2, "--max-steps", 3, "--save", ck, "--resume", "auto"])
+    out = in_process(FSDP, base + ["--seed", 2, "--max-steps", 1, "--save", ck, "--benchmark"])
+    assert "benchmark |" in out  # it writes nothing, so the folder's steps are no obstacle
     assert sorted(os.listdir(ck)) == ["step-000002"]
     out = in_process(FSDP, base + ["--seed", 1, "--max-steps", 3, "--save", ck, "--resume", "auto"])
     assert f"resumed from {step_2} at step 2" in out and sorted(os.listdir(ck)) == ["step-000003"]
