@@ -251,8 +251,8 @@ def record(cmd, returncode):
 
 
 def switches(script):
-    """{flag: its choices, or None} of a course script's parser, read without running the script:
-    its parse_args builds the parser and is stopped where it would parse."""
+    """{flag: (its choices or None, its default)} of a course script's parser, read without running
+    the script: its parse_args builds the parser and is stopped where it would parse."""
     class Built(Exception):
         pass
 
@@ -264,18 +264,23 @@ def switches(script):
             module.parse_args([])
         except Built as built:
             parser = built.args[0]
-    return {action.option_strings[-1]: action.choices for action in parser._actions
+    return {action.option_strings[-1]: (action.choices, action.default)
+            for action in parser._actions
             if action.option_strings and action.option_strings[-1] != "--help"}
 
 
 def launched_values(args, flags):
-    """{flag: the values it was given} in one launch's arguments (a flag without a value: {None})."""
+    """{flag: the values one launch ran it with}: those given in its arguments ({None} for a flag
+    without choices), or for a flag with choices not given, its default."""
     given = {}
     for i, word in enumerate(args):
         flag, _, value = word.partition("=")
         if flag in flags:
             value = value or (args[i + 1] if i + 1 < len(args) else None)
-            given.setdefault(flag, set()).add(value if flags[flag] else None)
+            given.setdefault(flag, set()).add(value if flags[flag][0] else None)
+    for flag, (choices, default) in flags.items():
+        if choices and flag not in given:
+            given[flag] = {default}
     return given
 
 

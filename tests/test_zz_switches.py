@@ -21,13 +21,14 @@ README = Path(__file__).parent / "README.md"
 
 
 def exemptions():
-    """{(script, flag or "flag value"): why} from tests/README.md's table; a row whose first cell is
-    "every GPT chapter" stands for all seven scripts."""
+    """{(script, flag or "flag value"): why} from tests/README.md's table, a row per script and
+    reason, its switches quoted in one cell; "every GPT chapter" stands for all seven scripts."""
     text = README.read_text().split("## Switches no launch turns on", 1)[1].split("\n## ", 1)[0]
     found = {}
-    for where, switch, why in re.findall(r"^\| ([^|`]+?) \| `([^`]+)` \| (.+) \|$", text, re.M):
-        scripts = CHAPTERS.values() if where == "every GPT chapter" else [where.strip()]
-        found.update({(script, switch): why for script in scripts})
+    for where, cell, why in re.findall(r"^\| ([^|`]+?) \| (`[^|]+`) \| (.+) \|$", text, re.M):
+        scripts = CHAPTERS.values() if where == "every GPT chapter" else [where.strip("` ")]
+        found.update({(script, switch): why for script in scripts
+                      for switch in re.findall(r"`([^`]+)`", cell)})
     return found
 
 
@@ -38,11 +39,10 @@ def unlaunched(script, flags, launches, exempt):
         if name == script:
             for flag, values in launched_values(args, flags).items():
                 given.setdefault(flag, set()).update(values)
-    wanted = [f"{flag} {value}" for flag, choices in flags.items() for value in choices or ()]
-    wanted += [flag for flag in flags]
-    return [switch for switch in wanted if (script, switch) not in exempt and not (
-        switch in given or switch.split(" ")[0] in given and
-        (" " not in switch or switch.split(" ", 1)[1] in given[switch.split(" ")[0]]))]
+    wanted = [(flag, value) for flag, (choices, _) in flags.items() for value in choices or [None]]
+    names = [flag if value is None else f"{flag} {value}" for flag, value in wanted]
+    return [name for name, (flag, value) in zip(names, wanted)
+            if (script, name) not in exempt and value not in given.get(flag, ())]
 
 
 def whole_suite(session):
@@ -64,16 +64,17 @@ def test_every_switch_and_every_choice_is_launched_or_exempt_with_a_reason(chapt
 
 
 def test_a_launch_list_without_a_flag_or_a_value_is_refused():
-    flags = {"--amp": ["off", "bf16"], "--dropout": None, "--tp": None}
-    runs = [("a.py", ["--amp", "off", "--dropout", "0.1"]), ("a.py", ["--amp=bf16", "--tp", "2"])]
-    assert unlaunched("a.py", flags, runs, {}) == []
+    flags = {"--amp": (["off", "bf16"], "off"), "--dropout": (None, 0.0), "--tp": (None, 1)}
+    runs = [("a.py", ["--dropout", "0.1"]), ("a.py", ["--amp=bf16", "--tp", "2"])]
+    assert unlaunched("a.py", flags, runs, {}) == []  # the first runs --amp off, its default
     assert unlaunched("a.py", flags, runs[:1], {}) == ["--amp bf16", "--tp"]
     assert unlaunched("a.py", flags, runs[:1], {("a.py", "--tp"): "x"}) == ["--amp bf16"]
     assert unlaunched("a.py", flags, [("b.py", runs[1][1])] + runs[:1], {}) == ["--amp bf16", "--tp"]
+    assert unlaunched("a.py", flags, runs[1:], {}) == ["--amp off", "--dropout"]
 
 
 def test_the_exemption_table_names_only_switches_the_scripts_have():
     for (script, switch) in exemptions():
         flag, _, value = switch.partition(" ")
         flags = switches(script)
-        assert flag in flags and (not value or value in (flags[flag] or ())), (script, switch)
+        assert flag in flags and (not value or value in (flags[flag][0] or ())), (script, switch)
