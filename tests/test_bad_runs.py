@@ -315,11 +315,18 @@ def test_a_checkpoint_whose_config_does_not_fit_its_weights_is_one_line(script, 
     """--sample --ckpt of weights saved under another width, under a config without n_head, or
     with a head count that does not divide the width: one line and exit code 2 (through the
     script's __main__ in chapter 7), not a traceback; the control: the same weights under their
-    own config sample. Chapter 12 also refuses a mixture with more experts per token than
-    experts."""
+    own config sample, and with --prompt, --temperature, --top-k and --seed each chapter samples
+    chapter 3's text (controls: another seed, and top-k 1, sample other texts). Chapter 12 also
+    refuses a mixture with more experts per token than experts."""
     module, d = trainer(script), one_files
     sampled = in_process(script, ["--sample", "--ckpt", d / "good.pt", "--max-new-tokens", 3])
     assert sampled.startswith("\n") and len(sampled) > 2, sampled  # the prompt, tokens, a newline
+    flags = ["--sample", "--ckpt", d / "good.pt", "--max-new-tokens", 12, "--prompt", "ab",
+             "--temperature", 0.7, "--top-k", 5, "--seed", 4]
+    text = in_process(script, flags)
+    assert text.startswith("ab") and text == in_process(GPT, flags), text
+    others = in_process(GPT, flags[:-1] + [5]), in_process(GPT, flags[:-3] + [1, "--seed", 4])
+    assert text not in others, (text, others)
     cases = [("wider", "cannot read checkpoint {}: its weights do not fit its config: "),
              ("headless", "cannot read checkpoint {}: its config has no n_head"),
              ("three_heads", "cannot read checkpoint {}: its config's n_head 3 does not divide "
