@@ -110,7 +110,8 @@ def runs(tmp_path_factory):
                                                     "--max-steps", 4, "--save", "",
                                                     "--eval-windows", 13,  # a padded batch
                                                     "--export", ""], nproc=2),
-            "dropout": command(FSDP, [*NOISY, "--export", ""], nproc=2)}
+            "dropout": command(FSDP, [*NOISY, "--grad-checkpointing", "--dist-timeout", 600,
+                                      "--export", ""], nproc=2)}
     restart_fix = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch/pytorch#135712
     started = {name: start(cmd, REPO, restart_fix if name == "restarted" else None)
                for name, cmd in cmds.items()}
@@ -150,8 +151,9 @@ def test_fsdp_computes_what_ddp_computes(runs):
 
 def test_with_dropout_a_binding_clip_and_padding_fsdp_logs_ddps_numbers(runs):
     """--dropout 0.1 (each rank its own masks, seeded by rank as DDP's are), --clip 2.0 and 13
-    validation windows (one padded batch): 2 FSDP processes log 2 DDP processes' losses, gradient
-    norms before clipping, and validation losses. The controls: the clip binds in steps 1 and 2
+    validation windows (one padded batch), under --grad-checkpointing (the backward recomputes
+    each block with the masks its forward drew): 2 FSDP processes log 2 DDP processes' losses,
+    gradient norms before clipping, and validation losses, DDP computing without recomputation. The controls: the clip binds in steps 1 and 2
     and not in 3 and 4, and without dropout the first loss differs."""
     ddp = ddp_dropout_reference()[0]
     assert_dropout_run_is_ddps(runs["dropout"].stdout)
