@@ -703,6 +703,39 @@ def assert_clipped_run_is_one_processs(out, val_abs=1e-4):
     assert logged_val_losses(out) == pytest.approx(logged_val_losses(one), abs=val_abs)
 
 
+# bf16 with recomputation and dropout, as a GPU run turns them on together: 6 steps of SHARDED at a
+# global batch of 12, evaluated every 3, against chapter 3 in one process with the same switches
+BF16 = SHARDED + ["--max-steps", "6", "--eval-every", "3", "--amp", "bf16", "--grad-checkpointing",
+                  "--dropout", "0.1", "--save", ""]
+
+
+@functools.cache
+def one_process_bf16():
+    """Chapter 3 in one process (in this one) with BF16 and --batch-size 12, run once: what a bf16
+    layout of a later chapter must log, within bf16's rounding (assert_bf16_run_is_one_processs)."""
+    return in_process(GPT, BF16 + ["--batch-size", "12"])
+
+
+def assert_bf16_run_is_one_processs(out, one, tolerances=(5e-3, 1.5e-2, 2e-3)):
+    """A bf16 run logs one process's bf16 losses, gradient norms and validation losses within
+    `tolerances` (absolute). Both compute in bf16; a layout that splits a matrix product adds
+    its ranks' partial outputs after each is rounded to bf16, where one process's product adds
+    in fp32 and rounds once, and Adam carries the difference forward. The control: chapter 3's
+    fp32 run without dropout (one_process_reference) differs from `one` by more than the loss
+    tolerance, so the comparison can fail."""
+    assert "| amp bfloat16 |" in out and "| amp bfloat16 |" in one
+    steps, (loss, norm, val) = [1, 2, 3, 4, 5, 6], tolerances
+    assert sorted(logged_losses(out)) == sorted(logged_grad_norms(out)) == steps, out
+    for step in steps:
+        assert logged_losses(out)[step] == pytest.approx(logged_losses(one)[step], abs=loss), step
+        assert logged_grad_norms(out)[step] == pytest.approx(logged_grad_norms(one)[step],
+                                                             abs=norm), step
+    assert sorted(logged_val_losses(out)) == [0, 3, 6]
+    assert logged_val_losses(out) == pytest.approx(logged_val_losses(one), abs=val)
+    plain = logged_losses(one_process_reference()[0])
+    assert max(abs(plain[step] - logged_losses(one)[step]) for step in steps) > loss
+
+
 def assert_dropout_run_is_ddps(out):
     """A NOISY run at 2 replicas logs ddp_dropout_reference()'s losses (1e-5 relative), its
     gradient norms before clipping where the clip binds (steps 1 and 2) and where it does not (3
