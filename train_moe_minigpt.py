@@ -1460,17 +1460,29 @@ def complete(step):  # FSDP 3: the one rule, for the finder and the reader alike
 def newest_complete_step(folder, is_main):  # FSDP 3
     """The newest complete step folder in `folder`, or None; the unfinished ones newer than it (a
     save cut short, or its partial folder) are named in one line and ignored."""
-    steps = glob.glob(os.path.join(glob.escape(folder), "step-*"))
-    done = sorted(s for s in steps if complete(s))
-    partial = glob.glob(os.path.join(glob.escape(folder), "partial-step-*"))
-    unfinished = sorted((s for s in steps + partial if s not in done and
-                         (not done or step_name(s) > step_name(done[-1]))), key=step_name)
+    steps = steps_in(folder)
+    done = sorted((s for s in steps if complete(s) and not cut_short(s)), key=steps.get)
+    unfinished = sorted((s for s in steps if s not in done and
+                         (not done or steps[s] > steps[done[-1]])), key=steps.get)
     print0(is_main and unfinished, f"ignoring unfinished checkpoint steps: {', '.join(unfinished)}")
     return done[-1] if done else None
 
 
-def step_name(path):
-    return os.path.basename(path).removeprefix("partial-")
+def steps_in(folder):  # FSDP 3
+    """{path: step number} of this trainer's folders in `folder`: step-N, and partial-step-N of a
+    save cut short. Other names (a user's copy, step-000005.keep) are not the trainer's to read
+    or remove. Numbers compare as numbers: step 1,000,000 comes after step 999,999."""
+    found = {}
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        number = name.removeprefix("partial-").removeprefix("step-")
+        if name in (f"step-{number}", f"partial-step-{number}") and number.isdecimal() \
+                and number.isascii() and os.path.isdir(os.path.join(folder, name)):
+            found[os.path.join(folder, name)] = int(number)
+    return found
+
+
+def cut_short(path):  # FSDP 3: a partial-step-N folder, whatever it holds
+    return os.path.basename(os.path.normpath(path)).startswith("partial-")
 
 
 def rename_step(partial, folder):  # FSDP 3: rank 0, once the step is complete
@@ -1492,9 +1504,9 @@ def drop_older_steps(folder, newest):  # FSDP 3
     """Remove every step in `folder` older than `newest`, and the partial folders of saves cut
     short. Only this run's steps are here: a run saves only into a folder it resumed from or an
     empty one. A step left behind costs only disk."""
-    partial = glob.glob(os.path.join(glob.escape(folder), "partial-step-*"))
-    for old in glob.glob(os.path.join(glob.escape(folder), "step-*")) + partial:
-        if step_name(old) < step_name(newest) or old in partial:
+    newest = int(os.path.basename(newest).removeprefix("step-"))
+    for old, step in steps_in(folder).items():
+        if step < newest or cut_short(old):
             remove_step(old)
 
 
@@ -1592,8 +1604,9 @@ def read_run_state(path, run, data):  # FSDP 3
         raise InputError(f"{path} is one file, as train_ddp_minigpt.py saves; this trainer "
                          "resumes from a checkpoint folder of its own (--save DIR)")
     file = os.path.join(path, "run.json")
-    if not complete(path):  # FSDP 3: the finder's rule
-        raise InputError(f"no complete checkpoint at {path} (it needs .metadata and run.json)")
+    if not complete(path) or cut_short(path):  # FSDP 3: the finder's rule
+        raise InputError(f"no complete checkpoint at {path} (it needs .metadata and run.json, "
+                         "under a step-N name: a partial-step-N folder is a save cut short)")
     try:
         with open(file, "rb") as f:  # FSDP 3
             state = json.load(f)
@@ -1602,6 +1615,9 @@ def read_run_state(path, run, data):  # FSDP 3
     problem = run_state_problem(state)  # every key and type that resuming reads
     if problem:
         raise InputError(f"cannot resume from {file}: {problem}")
+    if state["step"] > run.args.max_steps:  # its log would read "step 5/2"
+        raise InputError(f"{path} is at step {state['step']}, past --max-steps "
+                         f"{run.args.max_steps}")
     if state["config"] != model_config(run.args, data.vocab_size):
         raise InputError(f"{path} was trained with {state['config']}, this run builds "
                          f"{model_config(run.args, data.vocab_size)}")
@@ -1609,17 +1625,19 @@ def read_run_state(path, run, data):  # FSDP 3
 
 
 def check_save_folder(run, path, state):  # FSDP 3
-    """An InputError unless this run may write where it saves: --resume auto goes on only with
-    the seed that saved the step, and a run that resumed from no step of --save wants a folder
-    without complete steps. So no run continues, or deletes, a step another run wrote."""
+    """An InputError unless this run may write where it saves: a run resumed from a step of
+    --save goes on only with the seed that saved it, and any other run wants a --save without
+    complete steps. So no run continues, or deletes, a step another run wrote."""
     if run.args.benchmark:  # it writes nothing
         return
     save, seed = run.args.save, (state or {}).get("args", {}).get("seed")
-    if path and run.args.resume == "auto" and seed != run.args.seed:
+    ours = bool(path and save and os.path.isdir(save)) and os.path.samefile(
+        os.path.dirname(os.path.abspath(path)), save)  # "DIR/step-N/" and "step-N" alike
+    if ours and seed != run.args.seed:  # --resume auto, or a step of --save by name
         raise InputError(f"{path} is another run's step (--seed {seed}, this run --seed "
                          f"{run.args.seed}): --save into another folder")
     newest = newest_complete_step(save, False) if save and os.path.isdir(save) else None
-    if newest and not (path and os.path.samefile(os.path.dirname(path), save)):
+    if newest and not ours:
         raise InputError(f"--save {save} holds another run's steps ({newest}): go on with that "
                          "run by --resume auto, or --save into another folder")
     for flag, where in (("--save", save), ("--export", run.args.export)):

@@ -26,6 +26,7 @@ A write that fails half-way (the partial file removed) is in test_faults.py.
 """
 import json
 import math
+import os
 import re
 import subprocess
 import types
@@ -256,6 +257,65 @@ def step_folder(folder, state):
     (folder / ".metadata").write_bytes(b"")
     (folder / "run.json").write_text(json.dumps(state))
     return str(folder)
+
+
+@pytest.mark.parametrize("script", SHARDED_TRAINERS)
+def test_each_sharded_trainer_finds_keeps_and_refuses_step_folders_by_one_rule(script, tmp_path,
+                                                                               monkeypatch):
+    """The rules of the step folders, in each trainer's own copy (a twin's slip fails its own
+    case): only step-N and partial-step-N folders are the trainer's, numbered as numbers (step
+    1,000,000 after 999,000); a user's step-000005.keep copy and step-000007.tar file are neither
+    read nor removed; a partial folder that holds all a step holds is not resumed; a removal
+    killed as it starts leaves no complete step; a step saved again replaces the old. A run resumed from a step of --save goes on only
+    with that step's seed; a fresh run, or one resumed from elsewhere, is refused a --save that
+    holds steps (the control: the step's own run goes on, its folder named "DIR/step-N/", by a
+    link to DIR, or from within DIR)."""
+    module, ck = trainer(script), tmp_path / "ck"
+
+    def step(name, whole=True, seed=1, folder=ck):
+        (folder / name).mkdir(parents=True)
+        (folder / name / "__0_0.distcp").write_bytes(b"a shard")
+        if whole:
+            (folder / name / ".metadata").write_bytes(b"its index")
+            (folder / name / "run.json").write_text(json.dumps({"args": {"seed": seed}}))
+        return folder / name
+    for name in ("step-999000", "step-1000000", "step-000005.keep", "partial-step-2000000"):
+        step(name)
+    step("step-3000000", whole=False)  # a save killed before its .metadata
+    (ck / "step-000007.tar").write_bytes(b"a user's archive")
+    newest = module.newest_complete_step(str(ck), False)
+    assert newest == str(ck / "step-1000000")
+    module.drop_older_steps(str(ck), newest)
+    assert sorted(os.listdir(ck)) == ["step-000005.keep", "step-000007.tar", "step-1000000",
+                                      "step-3000000"]
+    run = types.SimpleNamespace(args=types.SimpleNamespace(max_steps=10))
+    with pytest.raises(module.InputError, match="a partial-step-N folder is a save cut short"):
+        module.read_run_state(str(step("partial-step-000009")), run, None)
+    doomed = step("step-000001")
+    with monkeypatch.context() as patch:  # the kill, as the removal of the folder's files starts
+        patch.setattr(module.shutil, "rmtree", lambda *a, **k: (_ for _ in ()).throw(SystemExit))
+        with pytest.raises(SystemExit):
+            module.remove_step(str(doomed))
+    assert os.listdir(doomed) and not module.complete(str(doomed))
+    again = step("partial-step-000011", seed=3)  # a run gone back saves a step it saved before
+    module.rename_step(str(again), str(step("step-000011")))
+    assert json.loads((ck / "step-000011" / "run.json").read_text())["args"]["seed"] == 3
+
+    def check(path, seed, save=ck, saved_by=1):
+        args = types.SimpleNamespace(benchmark=False, save=str(save), seed=seed, export="")
+        module.check_save_folder(types.SimpleNamespace(args=args), path and str(path),
+                                 path and {"args": {"seed": saved_by}})
+    mine = ck / "step-1000000"
+    (tmp_path / "link").symlink_to(ck)
+    check(mine, 1), check(f"{mine}/", 1), check(mine, 1, save=tmp_path / "link")
+    monkeypatch.chdir(ck)
+    check("step-1000000", 1)
+    with pytest.raises(module.InputError, match=rf"^{mine} is another run's step \(--seed 1, "):
+        check(mine, 2)
+    elsewhere = step("step-000004", seed=2, folder=tmp_path / "other")
+    for path in (elsewhere, None):
+        with pytest.raises(module.InputError, match=rf"^--save {ck} holds another run's steps"):
+            check(path, 2, saved_by=2)
 
 
 @pytest.mark.parametrize("script", SHARDED_TRAINERS)
