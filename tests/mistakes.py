@@ -559,6 +559,13 @@ CATALOGUE = [
             "the gradients held under --grad-sync last counted at the model's size: a DTensor's "
             "numel() is the whole parameter's, not the rank's", "p.numel() // tp where TP splits it",
             [T_TP + "test_the_whole_gradients_a_rank_holds_are_its_tp_part"]),
+    Mistake("tp-loss-in-bf16", 8, C8,
+            [("        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())",
+              "        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())")],
+            "the training loss computed from bf16 logits under --amp bf16: the log-softmax over "
+            "the vocabulary rounds in bf16", "cross_entropy(logits...float(), ...)",
+            [T_TP + "test_bf16_with_recomputation_and_dropout_logs_one_processs_numbers"],
+            ["--amp", "bf16"]),
 
     # chapter 9: PP
     Mistake("pp-padding-counted", 9, C9,

@@ -110,10 +110,13 @@ def runs(tmp_path_factory):
                                                     "--max-steps", 4, "--save", "",
                                                     "--eval-windows", 13,  # a padded batch
                                                     "--export", ""], nproc=2),
-            "dropout": command(FSDP, [*NOISY, "--grad-checkpointing", "--dist-timeout", 600,
-                                      "--export", ""], nproc=2)}
+            "dropout": command("tests/probe_fsdp.py",
+                               ["killsave", "renamed@2:0", *NOISY, "--grad-checkpointing",
+                                "--dist-timeout", 600, "--save-every", 2, "--save", d / "noisy",
+                                "--resume", "auto", "--export", ""],
+                               nproc=2, torchrun_args=["--max-restarts=1"])}
     restart_fix = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch/pytorch#135712
-    started = {name: start(cmd, REPO, restart_fix if name == "restarted" else None)
+    started = {name: start(cmd, REPO, restart_fix if name in ("restarted", "dropout") else None)
                for name, cmd in cmds.items()}
     with hostile_shell():  # a SLURM allocation, debug switches...: the helpers' launches ignore it
         nodes = start_two_nodes("tests/probe_fsdp.py", ["count", d / "count", *FLAGS, "--max-steps",
@@ -153,10 +156,16 @@ def test_with_dropout_a_binding_clip_and_padding_fsdp_logs_ddps_numbers(runs):
     """--dropout 0.1 (each rank its own masks, seeded by rank as DDP's are), --clip 2.0 and 13
     validation windows (one padded batch), under --grad-checkpointing (the backward recomputes
     each block with the masks its forward drew): 2 FSDP processes log 2 DDP processes' losses,
-    gradient norms before clipping, and validation losses, DDP computing without recomputation. The controls: the clip binds in steps 1 and 2
+    gradient norms before clipping, and validation losses, DDP computing without recomputation.
+    Rank 0 is killed once step 2 is saved: the restarted job resumes every rank's random streams
+    and draws the masks the uninterrupted run would. The controls: the clip binds in steps 1 and 2
     and not in 3 and 4, and without dropout the first loss differs."""
     ddp = ddp_dropout_reference()[0]
-    assert_dropout_run_is_ddps(runs["dropout"].stdout)
+    before, after = runs["dropout"].stdout.split(
+        f"resumed from {runs['dir'] / 'noisy' / 'step-000002'} at step 2\n")
+    assert "step 2/4 | loss" in before and "step 3/4 | loss" in after  # the control: a kill
+    after = after.replace(re.search(r"^step 2/4 \| val loss .*\n", after, re.M).group(), "")
+    assert_dropout_run_is_ddps(before + after)  # the resumed run's first evaluation aside
     assert sorted(val_losses(ddp)) == [0, 4] and val_losses(ddp)[4] < val_losses(ddp)[0] - 0.1
     assert abs(losses(ddp)[1] - losses(runs["ddp"])[1]) > 1e-3  # dropout was on
 
@@ -328,6 +337,23 @@ def test_an_unfinished_step_is_never_resumed_and_is_named(tmp_path):
             in_process(FSDP, FLAGS + ["--max-steps", 1, "--resume", path, "--save", ""])
 
 
+def test_a_resume_draws_the_masks_and_learning_rates_the_run_would_have(tmp_path, monkeypatch):
+    """One process with --dropout 0.1 and TINY_GPT's warm-up and cosine schedule: resumed from its
+    step 2, a run logs the uninterrupted run's steps 3 and 4 (losses, learning rates, gradient
+    norms, every printed digit). The controls: the learning rate moves from step 3 to 4, and
+    without dropout step 3's loss is another."""
+    flags = TINY_GPT + ["--batch-size", 6, "--dropout", 0.1, "--max-steps", 4, "--export", ""]
+    monkeypatch.setattr(fsdp, "drop_older_steps", lambda *args: None)  # step 2 stays
+    whole = in_process(FSDP, flags + ["--save", tmp_path / "a", "--save-every", 2])
+    resumed = in_process(FSDP, flags + ["--save", "", "--resume", tmp_path / "a" / "step-000002"])
+    logged = re.compile(r"^step (\d)/4 \| loss (\S+) \| lr (\S+) \| grad norm (\S+)", re.M)
+    steps = {m.group(1): m.groups()[1:] for m in logged.finditer(whole)}
+    assert {m.group(1): m.groups()[1:] for m in logged.finditer(resumed)} == {
+        "3": steps["3"], "4": steps["4"]}
+    plain = in_process(FSDP, flags[:-6] + ["--max-steps", 4, "--export", "", "--save", ""])
+    assert steps["3"][1] != steps["4"][1] and losses(plain)[3] != float(steps["3"][0])
+
+
 def test_a_run_never_continues_nor_deletes_another_runs_steps(tmp_path):
     """Run A (seed 1) leaves ck/step-000002. Run B (seed 2) is refused, in one line before it
     trains, both fresh into ck and with --resume auto; A's step stays. The control: A itself goes
@@ -348,6 +374,9 @@ def test_a_run_never_continues_nor_deletes_another_runs_steps(tmp_path):
     assert sorted(os.listdir(ck)) == ["step-000002"]
     out = in_process(FSDP, base + ["--seed", 1, "--max-steps", 3, "--save", ck, "--resume", "auto"])
     assert f"resumed from {step_2} at step 2" in out and sorted(os.listdir(ck)) == ["step-000003"]
+    with pytest.raises(fsdp.InputError, match=rf"^{ck / 'step-000003'} is at step 3, past "
+                                              r"--max-steps 2$"):  # it would log "step 3/2"
+        in_process(FSDP, base + ["--seed", 1, "--max-steps", 2, "--save", ck, "--resume", "auto"])
     (tmp_path / "file").write_text("")
     for flag, path, reason in (("--save", tmp_path / "file", "File exists"),
                                ("--save", tmp_path / "file" / "ck", "Not a directory"),
