@@ -84,6 +84,8 @@ T_PP, T_CP = "tests/test_pp.py::", "tests/test_cp.py::"
 T_IL = (T_PP  # chapter 9's interleaved run
         + "test_interleaved_stages_compute_what_one_process_computes_from_chapter_7s_checkpoint")
 T_LAUNCH, T_FAULTS = "tests/test_launcher.py::", "tests/test_faults.py::"
+T_BAD = "tests/test_bad_runs.py::"
+RULE = T_BAD + "test_each_sharded_trainer_finds_keeps_and_refuses_step_folders_by_one_rule"
 T_PATHS, T_BENCH = "tests/test_cluster_paths.py::", "tests/test_benchmark.py::"
 LAUNCHER, BENCH = "launch_multinode_ddp.sh", "benchmark_scaling.py"
 PRINTED = ["bash", LAUNCHER, "--nnodes", "2", "--nproc-per-node", "8", "--master-addr", "10.0.0.1",
@@ -477,6 +479,46 @@ CATALOGUE = [
             [T_FSDP + "test_accumulation_stays_sharded_or_with_grad_sync_last_holds_whole_"
              "gradients"]),
 
+    Mistake("fsdp-step-removed-metadata-last", 7, C7,
+            [("    with contextlib.suppress(FileNotFoundError):\n"
+              "        os.remove(os.path.join(folder, \".metadata\"))\n", "")],
+            "a step removed by shutil.rmtree alone: a removal killed part-way can leave .metadata "
+            "and run.json beside missing shards, a step every restart takes for complete",
+            "remove_step: .metadata first  # FSDP 3", [RULE]),
+    Mistake("fsdp-fresh-run-beside-steps-when-resumed-elsewhere", 7, C7,
+            [("    if newest and not ours:\n", "    if newest and not path:\n")],
+            "any resume lets a run save into a --save holding steps: a run resumed from another "
+            "folder then deletes this folder's steps", "not ours: a step of --save itself", [RULE]),
+    Mistake("fsdp-step-folder-by-dirname", 7, C7,
+            [("        os.path.dirname(os.path.abspath(path)), save)", "        os.path.dirname(path), save)")],
+            "the resumed step's folder taken as dirname(path): --resume DIR/step-N/ (a shell's "
+            "completion) names the step itself, and the run's own --save is refused",
+            "dirname(abspath(path))", [RULE]),
+    Mistake("fsdp-steps-ordered-by-name", 7, C7,
+            [("    done = sorted((s for s in steps if complete(s) and not cut_short(s)), key=steps.get)",
+              "    done = sorted(s for s in steps if complete(s) and not cut_short(s))")],
+            "step folders ordered by name: past step 999,999 (step-1000000 < step-999000) every "
+            "restart goes back to step 999,000", "key=steps.get: numbers as numbers", [RULE]),
+    Mistake("fsdp-step-saved-again-onto-the-old", 7, C7,
+            [("    remove_step(folder)\n    os.replace(partial, folder)",
+              "    os.replace(partial, folder)")],
+            "the partial folder renamed onto a step of the same number without removing it: a run "
+            "that went back fails its save (Directory not empty)", "rename_step: remove_step "
+            "first", [RULE]),
+    Mistake("fsdp-rank-0s-streams-saved-for-all", 7, C7,
+            [("    dist.all_gather_object(rng_states, rng_state(run.device))  # so rank 0 can save "
+              "them all", "    rng_states = [rng_state(run.device)] * run.world_size")],
+            "rank 0's random streams saved for every rank: after a resume rank 1 draws rank 0's "
+            "dropout masks", "all_gather_object of every rank's streams  # DDP 11",
+            [T_FSDP + "test_with_dropout_a_binding_clip_and_padding_fsdp_logs_ddps_numbers"]),
+    Mistake("fsdp-seeded-after-the-resume", 7, C7,
+            [("    model = wrap_model(run, raw_model)  # the same shards: raw_model, or its compiled "
+              "form\n", "    model = wrap_model(run, raw_model)  # the same shards: raw_model, or "
+              "its compiled form\n    torch.manual_seed(args.seed + run.rank)\n")],
+            "the dropout stream seeded after the checkpoint restored it: a resumed run draws the "
+            "first step's masks again", "torch.manual_seed in build_model, before the resume",
+            [T_FSDP + "test_a_resume_draws_the_masks_and_learning_rates_the_run_would_have"]),
+
     # chapter 8: TP
     Mistake("tp-data-by-rank", 8, C8,
             [WINDOWS_BY_RANK],
@@ -566,6 +608,12 @@ CATALOGUE = [
             "the vocabulary rounds in bf16", "cross_entropy(logits...float(), ...)",
             [T_TP + "test_bf16_with_recomputation_and_dropout_logs_one_processs_numbers"],
             ["--amp", "bf16"]),
+
+    Mistake("tp-unfinished-step-resumed", 8, C8,
+            [("    done = sorted((s for s in steps if complete(s) and not cut_short(s)), key=steps.get)",
+              "    done = sorted(steps, key=steps.get)")],
+            "every step folder taken for complete in the twin's own copy: a save killed before "
+            "its .metadata is resumed", "complete(s) and not cut_short(s)", [RULE]),
 
     # chapter 9: PP
     Mistake("pp-padding-counted", 9, C9,
@@ -1097,6 +1145,12 @@ CATALOGUE = [
             "the gates rescaled at K = 1 too: the one gate is always 1 and the router learns "
             "nothing from the loss", "one expert keeps its probability  # EP 7", [T_LAYER],
             ["--experts-per-token", "1"]),
+    Mistake("moe-another-seed-continues", 12, C12,
+            [("    if ours and seed != run.args.seed:  # --resume auto, or a step of --save by name\n"
+              "        raise InputError(f\"{path} is another run's step (--seed {seed}, this run --seed \"\n"
+              "                         f\"{run.args.seed}): --save into another folder\")\n", "")],
+            "no seed check in the twin's own copy: --resume auto with another --seed continues, "
+            "then deletes, another run's steps", "check_save_folder: the seed of the step", [RULE]),
     # The copy pages: a learner's slip in the page's trainer, caught by the page's launch test.
     Mistake("fsdp-page-every-rank-the-whole-batch", 7, PAGE_7,
             [("\n        mine = [t.chunk(world_size)[rank].to(device) for t in batch(step)]",
