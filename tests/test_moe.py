@@ -129,7 +129,7 @@ def runs(tmp_path_factory):
         moe.train_step = step
     one["capacity"] = in_process(MOE, [*FLAGS, *EXPERTS, *CAPACITY, "--batch-size", 12])
     one["bf16"] = in_process(MOE, [*BF16, "--batch-size", 12])
-    one["fp32"] = in_process(MOE, [*BF16[:-2], "--batch-size", 12])  # the control
+    one["fp32"] = in_process(MOE, [*BF16[:-1], "off", "--batch-size", 12])  # the control
     one["roomy"] = in_process(MOE, [*FLAGS, *EXPERTS, *CAPACITY[:-1], 2.0, "--batch-size", 12])
     one["still"] = in_process(MOE, [*FLAGS, "--experts", 0, "--batch-size", 12,
                                     "--max-steps", 1])  # no dropout
