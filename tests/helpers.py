@@ -160,8 +160,9 @@ def finish(proc, cmd, time_limit=TIME_LIMIT):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"timed out after {time_limit}s: {' '.join(cmd)}\n{out}\n{err}")
-    record(cmd if isinstance(cmd, list) else shlex.split(cmd), proc.returncode)
+        shown = cmd if isinstance(cmd, str) else " ".join(map(str, cmd))
+        pytest.fail(f"timed out after {time_limit}s: {shown}\n{out}\n{err}")
+    record(shlex.split(cmd) if isinstance(cmd, str) else cmd, proc.returncode)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
