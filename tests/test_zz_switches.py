@@ -24,9 +24,13 @@ def exemptions():
     """{(script, flag or "flag value"): why} from tests/README.md's table, a row per script and
     reason, its switches quoted in one cell; "every GPT chapter" stands for all seven scripts."""
     text = README.read_text().split("## Switches no launch turns on", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in text.splitlines() if line.startswith("| ")][1:]  # the header aside
     found = {}
-    for where, cell, why in re.findall(r"^\| ([^|`]+?) \| (`[^|]+`) \| (.+) \|$", text, re.M):
-        scripts = CHAPTERS.values() if where == "every GPT chapter" else [where.strip("` ")]
+    for row in rows:
+        cells = re.fullmatch(r"\| ([^|]+?) \| (`[^|]+`) \| ([^|]+) \|", row)
+        assert cells, f"tests/README.md: a row of the table is not script | switches | why: {row}"
+        where, cell, why = cells.groups()
+        scripts = CHAPTERS.values() if where == "every GPT chapter" else [where.strip("`")]
         found.update({(script, switch): why for script in scripts
                       for switch in re.findall(r"`([^`]+)`", cell)})
     return found
@@ -74,6 +78,10 @@ def test_a_launch_list_without_a_flag_or_a_value_is_refused():
 
 
 def test_the_exemption_table_names_only_switches_the_scripts_have():
+    """Every row is read (a row the pattern misses fails in exemptions()), a row of one script
+    names only that script, and every switch it names is one of that script's."""
+    scripts = {script for script, _ in exemptions()}
+    assert scripts <= set(CHAPTERS.values()) and scripts, scripts
     for (script, switch) in exemptions():
         flag, _, value = switch.partition(" ")
         flags = switches(script)
