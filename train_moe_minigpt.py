@@ -1502,8 +1502,8 @@ def remove_step(folder):  # FSDP 3
 
 def drop_older_steps(folder, newest):  # FSDP 3
     """Remove every step in `folder` older than `newest`, and the partial folders of saves cut
-    short. Only this run's steps are here: a run saves only into a folder it resumed from or an
-    empty one. A step left behind costs only disk."""
+    short. Only this run's steps are here: a run saves only into the folder whose step it
+    resumed or one without steps. A step left behind costs only disk."""
     newest = int(os.path.basename(newest).removeprefix("step-"))
     for old, step in steps_in(folder).items():
         if step < newest or cut_short(old):

@@ -342,7 +342,8 @@ def test_a_resume_draws_the_masks_and_learning_rates_the_run_would_have(tmp_path
     step 2, a run logs the uninterrupted run's steps 3 and 4 (losses, learning rates, gradient
     norms, every printed digit). The controls: the learning rate moves from step 3 to 4, and
     without dropout step 3's loss is another."""
-    flags = TINY_GPT + ["--batch-size", 6, "--dropout", 0.1, "--max-steps", 4, "--export", ""]
+    plain_flags = TINY_GPT + ["--batch-size", 6, "--max-steps", 4, "--export", ""]
+    flags = plain_flags + ["--dropout", 0.1]
     monkeypatch.setattr(fsdp, "drop_older_steps", lambda *args: None)  # step 2 stays
     whole = in_process(FSDP, flags + ["--save", tmp_path / "a", "--save-every", 2])
     resumed = in_process(FSDP, flags + ["--save", "", "--resume", tmp_path / "a" / "step-000002"])
@@ -350,7 +351,7 @@ def test_a_resume_draws_the_masks_and_learning_rates_the_run_would_have(tmp_path
     steps = {m.group(1): m.groups()[1:] for m in logged.finditer(whole)}
     assert {m.group(1): m.groups()[1:] for m in logged.finditer(resumed)} == {
         "3": steps["3"], "4": steps["4"]}
-    plain = in_process(FSDP, flags[:-6] + ["--max-steps", 4, "--export", "", "--save", ""])
+    plain = in_process(FSDP, plain_flags + ["--save", ""])
     assert steps["3"][1] != steps["4"][1] and losses(plain)[3] != float(steps["3"][0])
 
 
