@@ -670,15 +670,19 @@ def ddp_reference():
 
 # Dropout on, a clip of 2.0 that binds in steps 1 and 2 (norms 2.47, 2.13) and not in 3 and 4
 # (1.57, 1.93), and 13 validation windows (7 and 6 on 2 replicas: one padded batch).
+# A weight decay of 0.3, not the default 0.1, a timeout of 600 seconds and --amp off spelled out:
+# switches a user's run sets, carried by every launch that uses NOISY or CLIPPED and by the
+# references they are compared with (--val-fraction: the bf16 runs, on their own data).
+SET = ["--weight-decay", "0.3", "--dist-timeout", "600", "--amp", "off"]
 NOISY = SHARDED + ["--dropout", "0.1", "--clip", "2.0", "--eval-windows", "13", "--max-steps", "4",
-                   "--eval-every", "4", "--save", ""]
+                   "--eval-every", "4", "--save", "", *SET]
 
 
 # A clip of 2.0 that binds in steps 1 and 2 and not in 3 and 4, and 13 validation windows (7 and 6
 # on 2 replicas: one padded batch), no dropout: chapters 9, 10 and 11 at 2 replicas of 6 sequences
 # against one_process_clipped().
 CLIPPED = SHARDED + ["--clip", "2.0", "--eval-windows", "13", "--max-steps", "4", "--eval-every",
-                     "4", "--save", ""]
+                     "4", "--save", "", *SET]
 
 
 @functools.cache
@@ -710,21 +714,73 @@ BF16 = SHARDED + ["--max-steps", "6", "--eval-every", "3", "--amp", "bf16", "--g
                   "--dropout", "0.1", "--save", ""]
 
 
+VOCAB, VAL_FRACTION = 300, 0.25  # the bf16 runs' data: token ids, not bytes, and a longer tail
+
+
 @functools.cache
-def one_process_bf16():
-    """Chapter 3 in one process (in this one) with BF16 and --batch-size 12, run once: what a bf16
-    layout of a later chapter must log, within bf16's rounding (assert_bf16_run_is_one_processs)."""
-    return in_process(GPT, BF16 + ["--batch-size", "12"])
+def token_ids():
+    """A .bin of uint16 token ids, as a user's tokenizer writes one, made once: the first 40,000
+    bytes of chapter 3's source, each id its byte plus 44, all below VOCAB. Returns its path."""
+    import numpy as np
+    path = scratch("tokens") / "ids.bin"
+    raw = np.frombuffer((REPO / GPT).read_bytes()[:40_000], dtype=np.uint8)
+    (raw.astype(np.uint16) + 44).tofile(path)
+    return path
 
 
-def assert_bf16_run_is_one_processs(out, one, tolerances=(5e-3, 1.5e-2, 2e-3)):
-    """A bf16 run logs one process's bf16 losses, gradient norms and validation losses within
-    `tolerances` (absolute). Both compute in bf16; a layout that splits a matrix product adds
-    its ranks' partial outputs after each is rounded to bf16, where one process's product adds
-    in fp32 and rounds once, and Adam carries the difference forward. The control: chapter 3's
-    fp32 run without dropout (one_process_reference) differs from `one` by more than the loss
-    tolerance, so the comparison can fail."""
+def token_data():
+    """The flags of a run on token_ids(): --data, --vocab-size and --val-fraction, as a user's
+    run on their own tokenizer's output gives them."""
+    return ["--data", token_ids(), "--vocab-size", VOCAB, "--val-fraction", VAL_FRACTION]
+
+
+def bf16(dropout=True):
+    """BF16 on token_ids(); without dropout for the layouts whose ranks each draw their own masks
+    where one process draws one (FSDP, PP, CP, and TP with sequence parallelism)."""
+    flags = BF16 if dropout else [w for w in BF16 if w not in ("--dropout", "0.1")]
+    return flags + token_data()
+
+
+@functools.cache
+def one_process_bf16(dropout=True):
+    """Chapter 3 in one process (in this one) with bf16(dropout) and --batch-size 12, run once:
+    what a bf16 layout of a later chapter must log, within bf16's rounding
+    (assert_bf16_run_is_one_processs)."""
+    return in_process(GPT, bf16(dropout) + ["--batch-size", "12"])
+
+
+def assert_data_line(out):
+    """The data line of a run on token_ids(), against what this test computes from the file: the
+    tokens split at VAL_FRACTION, the vocabulary, and the loss of predicting each validation token
+    by its frequency in the training tokens (each count plus one)."""
+    import numpy as np
+    ids = np.fromfile(token_ids(), dtype=np.uint16)
+    n_val = int(len(ids) * VAL_FRACTION)
+    train, val = ids[:len(ids) - n_val], ids[len(ids) - n_val:]
+    counts = np.bincount(train, minlength=VOCAB) + 1.0
+    baseline = -np.log(counts[val] / counts.sum()).mean()
+    assert (f"| {len(train):,} train / {n_val:,} val tokens | vocab {VOCAB} | token-frequency "
+            f"baseline loss {baseline:.4f}") in out, out
+
+
+def assert_bf16_run_is_one_processs(out, dropout=True, tolerances=(5e-3, 1.5e-2, 2e-3)):
+    """A bf16 run of bf16(dropout) logs one_process_bf16(dropout)'s losses, gradient norms and
+    validation losses within `tolerances` (absolute), and the data and parameter lines the test
+    computes. Both compute in bf16; a layout that splits a matrix product adds its ranks' partial
+    outputs after each is rounded to bf16, where one process's product adds in fp32 and rounds
+    once; FSDP's policy computes the gradients in bf16, where one process's autocast gives fp32
+    ones; and Adam carries the differences forward. Measured on 2 cores (torch 2.14), chapters
+    7-11: losses within 2e-3, norms 6e-3, validation losses 9e-4. The control: the one-process
+    run with dropout flipped differs from the reference by more than the loss tolerance (7.1e-3
+    measured), so the comparison can fail."""
+    one, other = one_process_bf16(dropout), one_process_bf16(not dropout)
     assert "| amp bfloat16 |" in out and "| amp bfloat16 |" in one
+    assert_data_line(out)
+    # the parameters of TINY_GPT's model on VOCAB tokens, counted here: the tied embedding, the
+    # positions, 2 blocks of 2 norms, qkv, proj and the MLP (with biases), and the final norm
+    v, t, c, layers = VOCAB, 32, 32, 2
+    block = 2 * 2 * c + (3 * c * c + 3 * c) + (c * c + c) + (4 * c * c + 4 * c) + (4 * c * c + c)
+    assert f"model {v * c + t * c + layers * block + 2 * c:,} parameters | " in out, out
     steps, (loss, norm, val) = [1, 2, 3, 4, 5, 6], tolerances
     assert sorted(logged_losses(out)) == sorted(logged_grad_norms(out)) == steps, out
     for step in steps:
@@ -733,8 +789,8 @@ def assert_bf16_run_is_one_processs(out, one, tolerances=(5e-3, 1.5e-2, 2e-3)):
                                                              abs=norm), step
     assert sorted(logged_val_losses(out)) == [0, 3, 6]
     assert logged_val_losses(out) == pytest.approx(logged_val_losses(one), abs=val)
-    plain = logged_losses(one_process_reference()[0])
-    assert max(abs(plain[step] - logged_losses(one)[step]) for step in steps) > loss
+    other = logged_losses(other)
+    assert max(abs(other[step] - logged_losses(one)[step]) for step in steps) > loss
 
 
 def assert_dropout_run_is_ddps(out):
@@ -786,13 +842,13 @@ def assert_bf16_policy_reduces_in_fp32(module):
 
 @functools.cache
 def ddp_dropout_reference():
-    """Chapter 3 at 2 processes with NOISY, run once: the losses, gradient norms and validation
-    losses (padded) that chapters 7 and 8 must log with dropout, a binding clip and padding. It
-    runs as two nodes of one process each (chapter 4's launcher), through
+    """Chapter 3 at 2 processes with NOISY and --check-sync, run once: the losses, gradient norms
+    and validation losses (padded) that chapters 7 and 8 must log with dropout, a binding clip and
+    padding. It runs as two nodes of one process each (chapter 4's launcher), through
     tests/probe_minigpt.py's `record`, which writes each rank's windows and first dropout mask
     (hashed) to the folder. Returns (what rank 0's node printed, that folder)."""
     folder = scratch("ddp_dropout")
-    nodes = start_two_nodes("tests/probe_minigpt.py", ["record", folder, *NOISY])()
+    nodes = start_two_nodes("tests/probe_minigpt.py", ["record", folder, *NOISY, "--check-sync"])()
     return next(out for out in nodes if "world size 2 " in out), folder
 
 

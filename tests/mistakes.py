@@ -1171,6 +1171,45 @@ CATALOGUE = [
               "\n    loss_fn = functools.partial(share_of_loss, averaged_over=CP)")],
             "the loss multiplied by cp alone: FSDP averages over dp x cp, so at dp 2 every gradient "
             "is half", "times dp x cp, the ranks FSDP averages over", **page_run("4d")),
+
+    # issue 59: switches a real run sets, proven by launches that set them
+    Mistake("fsdp-weight-decay-fixed", 7, C7,
+            [('    groups = [{"params": decay, "weight_decay": args.weight_decay},',
+              '    groups = [{"params": decay, "weight_decay": 0.1},')],
+            "AdamW's weight decay written as the default 0.1: --weight-decay is parsed and ignored",
+            '"weight_decay": args.weight_decay',
+            [T_FSDP + "test_with_dropout_a_binding_clip_and_padding_fsdp_logs_ddps_numbers"],
+            ["--weight-decay", "0.3"]),
+    Mistake("pp-val-fraction-fixed", 9, C9,
+            [("        n_val, itos = int(len(tokens) * args.val_fraction), None",
+              "        n_val, itos = int(len(tokens) * 0.1), None")],
+            "the validation tail written as 10% of the data: --val-fraction is parsed and ignored",
+            "int(len(tokens) * args.val_fraction)",
+            [T_PP + "test_bf16_compiled_at_pp2_logs_one_processs_bf16_numbers"],
+            ["--val-fraction", "0.25"]),
+    Mistake("cp-vocabulary-read-off-the-ids", 10, C10,
+            [('    return read_ids(args.data, args.vocab_size, "--vocab-size"), args.vocab_size',
+              '    tokens = read_ids(args.data, args.vocab_size, "--vocab-size")\n'
+              '    return tokens, int(tokens.max()) + 1')],
+            "the vocabulary taken as the largest id in a .bin plus one, not --vocab-size: a "
+            "tokenizer's ids that the data never uses get no row, and the model is another",
+            "the vocabulary --vocab-size gives",
+            [T_CP + "test_bf16_compiled_at_cp2_logs_one_processs_bf16_numbers"]),
+    Mistake("4d-loss-in-bf16", 11, C11,
+            [("    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())  # PP 1",
+              "    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # PP 1")],
+            "the last stage's training loss computed from bf16 logits under --amp bf16: the "
+            "log-softmax over the vocabulary rounds in bf16", "cross_entropy(logits...float(), ...)",
+            [T_4D + "test_bf16_compiled_at_pp2_x_tp2_logs_one_processs_bf16_numbers"],
+            ["--amp", "bf16"]),
+    Mistake("moe-grad-sync-at-the-first-micro-batch", 12, C12,
+            [("model.set_requires_gradient_sync(every or i == len(batches) - 1)",
+              "model.set_requires_gradient_sync(every or i == 0)")],
+            "under --grad-sync last, the reduce-scatter switched on for the first micro-batch, not "
+            "the last: the later micro-batches' gradients are never reduced",
+            "set_requires_gradient_sync(every or i == len(batches) - 1)",
+            [T_MOE + "test_bf16_with_recomputation_at_ep_2_logs_one_processs_bf16_numbers"],
+            ["--grad-sync", "last"]),
 ]
 
 

@@ -86,3 +86,32 @@ def test_the_exemption_table_names_only_switches_the_scripts_have():
         flag, _, value = switch.partition(" ")
         flags = switches(script)
         assert flag in flags and (not value or value in (flags[flag][0] or ())), (script, switch)
+
+
+@pytest.mark.parametrize("chapter", sorted(CHAPTERS))
+def test_every_compile_backend_reaches_torch_compile_as_given(chapter, monkeypatch):
+    """--compile-backend's value is what torch.compile receives, whole model or block by block, for
+    every choice: the launches run aot_eager (and chapter 3 every CPU backend), and a script that
+    named its own backend would fail here for the other choices. The control: without --compile
+    nothing is compiled."""
+    import argparse
+    import types
+
+    import torch
+    from helpers import trainer
+    module, seen = trainer(CHAPTERS[chapter]), []
+    monkeypatch.setattr(torch, "compile", lambda model, backend: seen.append(backend) or model)
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, backend: seen.append(backend))
+    monkeypatch.setattr(module, "DDP", lambda model, device_ids: model, raising=False)
+    blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    model = types.SimpleNamespace(blocks=blocks if chapter == 8 else
+                                  torch.nn.ModuleDict({"0": blocks[0], "1": blocks[1]}))
+    choices = switches(CHAPTERS[chapter])["--compile-backend"][0]
+    for backend in choices:
+        args = argparse.Namespace(compile=True, compile_backend=backend)
+        module.wrap_model(types.SimpleNamespace(args=args, device=torch.device("cpu")), model)
+        assert seen and set(seen) == {backend}, (backend, seen)
+        seen.clear()
+    module.wrap_model(types.SimpleNamespace(args=argparse.Namespace(
+        compile=False, compile_backend="eager"), device=torch.device("cpu")), model)
+    assert seen == []
