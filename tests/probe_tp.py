@@ -8,7 +8,9 @@ Launched under torchrun in place of the script; the course never imports it:
         in that step, "peak_saved_bytes": the most bytes of activations it held for backward at
         once in that step (tensors saved by autograd, each storage counted once, the weights left
         out), "dropout_mask": a hash of its first dropout mask (the embeddings'), "fsdp": FSDP's
-        {"reduce_scatters", "all_gathers"} in that step (c10d's calls)}; after the
+        {"reduce_scatters", "all_gathers"} in that step (c10d's calls), "sums": [name, dtype,
+        elements] of each of DTensor's reductions (all-reduce, reduce-scatter) in that step, and
+        "fsdp_sum_dtypes": the dtype of each of FSDP's reduce-scatters}; after the
         closing sample OUT_DIR/sample{RANK}.json: the token ids it drew (every rank samples: each
         forward is a collective of its tp row)
     torchrun ... tests/probe_tp.py drift STEP:RANK OUT_DIR [trainer flags]
@@ -38,12 +40,27 @@ def record(out_dir, drift_at=None):
     drift_step, drift_rank = drift_at or (None, None)
     fsdp = {"reduce_scatters": 0, "all_gathers": 0, "on": False}  # FSDP's c10d calls, not DTensor's
     count_calls(trainer.dist, FSDP_CALLS, fsdp, lambda: fsdp["on"])
+    # FSDP's sum over dp, and in which dtype: torch 2.14 calls reduce_scatter_single, older
+    # releases reduce_scatter_tensor (one of them is noted, so no call is noted twice)
+    name = next(n for n in ("reduce_scatter_single", "reduce_scatter_tensor")
+                if hasattr(trainer.dist, n))
+    scatter = getattr(trainer.dist, name)
+
+    def noted_scatter(*args, **kwargs):
+        if fsdp["on"]:
+            grad = kwargs["input"] if "input" in kwargs else args[1]
+            seen["fsdp_sum_dtypes"].append(str(grad.dtype))
+        return scatter(*args, **kwargs)
+    setattr(trainer.dist, name, noted_scatter)
 
     class Collectives(TorchDispatchMode):  # what DTensor sends: its functional collectives
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == "_c10d_functional" and func.__name__.split(".")[0] in (
+            name = func.__name__.split(".")[0]
+            if func.namespace == "_c10d_functional" and name in (
                     "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
-                seen["collectives"].append([func.__name__.split(".")[0], args[0].numel()])
+                seen["collectives"].append([name, args[0].numel()])
+                if name != "all_gather_into_tensor":
+                    seen["sums"].append([name, str(args[0].dtype), args[0].numel()])
             return func(*args, **(kwargs or {}))
 
     mask_hash = dropout_mask_hook(seen)
@@ -56,7 +73,8 @@ def record(out_dir, drift_at=None):
         if os.path.exists(path):  # after the first step this process takes
             return train_step(run, model, optimizer, windows, step)
         seen.update({f"{dim}_group": sorted(trainer.dist.get_process_group_ranks(
-            run.mesh[dim].get_group())) for dim in ("tp", "dp")}, collectives=[])
+            run.mesh[dim].get_group())) for dim in ("tp", "dp")}, collectives=[], sums=[],
+            fsdp_sum_dtypes=[])
         saved.model, hook = model, model.drop.register_forward_hook(mask_hash)
         fsdp["on"] = True
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, unpack), Collectives():

@@ -86,6 +86,7 @@ def runs(tmp_path_factory):
         (d / sub).mkdir()
     drift = command("tests/probe_tp.py", ["drift", "2:1", d / "drift", *TINY_GPT, "--tp", 2,
                                           "--check-sync", "--dropout", 0.1, "--grad-checkpointing",
+                                          "--amp", "bf16",  # its sums' dtypes recorded
                                           "--max-steps", 4, "--save", d / "sp", "--save-every", 1,
                                           "--export", ""], nproc=2)  # saves step 1, then drifts
     drifting = start(drift, REPO)
@@ -94,7 +95,8 @@ def runs(tmp_path_factory):
                   "--export", ""], nproc=4),  # 13 windows: rows of 7 and 6, one padded
               "sp dropout": command("tests/probe_tp.py", [
                   "record", d / "sp dropout", *SHARDED, "--tp", 2, "--max-steps", 1, "--dropout",
-                  0.1, "--grad-sync", "last", "--save", "", "--export", ""], nproc=4)}
+                  0.1, "--grad-sync", "last", "--amp", "bf16", "--save", "", "--export", ""],
+                  nproc=4)}
     beside["bf16"] = command(TP, [*bf16(), "--batch-size", 12, "--tp", 2, "--sequence-parallel",
                                   "off", "--reshard-after-forward", "no", "--dist-timeout", 600,
                                   "--debug", "--export", ""], nproc=2)
@@ -194,6 +196,26 @@ def test_sequence_parallel_masks_differ_across_rows_too(runs):
     seeded by tp rank instead of rank, the two rows would repeat each other's masks."""
     masks = [rank_record(runs["dir"] / "sp dropout", rank)["dropout_mask"] for rank in range(4)]
     assert len(set(masks)) == 4, masks
+
+
+def test_under_bf16_fsdp_sums_in_fp32_and_tp_sums_each_gradient_in_its_own_dtype(runs):
+    """The dtype of every sum over tp and dp that a step runs, recorded in the run
+    (tests/probe_tp.py), as docs/tp.md's table says, under --amp bf16 with sequence parallelism.
+    With --grad-sync every (the drift run, dp 1 x tp 2, one micro-batch) DTensor sums the norms'
+    gradients over tp in bf16 (shape (32,): 2 blocks of 2 norms and the final one, a weight and a
+    bias each) and reduce-scatters the activations' gradients in bf16; at dp 1 FSDP sums nothing.
+    With --grad-sync last over 2 micro-batches (the sp dropout run, dp 2 x tp 2) the norms' sums
+    run once, on FSDP's fp32 buffer, and FSDP's reduce-scatters over dp run in fp32: the control
+    that the record tells the dtypes apart."""
+    every, last = (rank_record(runs["dir"] / name, 0) for name in ("drift", "sp dropout"))
+    assert every["fsdp_sum_dtypes"] == []
+    assert last["fsdp_sum_dtypes"] and set(last["fsdp_sum_dtypes"]) == {"torch.float32"}, last
+    for rec in (every, last):
+        scattered = {dtype for name, dtype, _ in rec["sums"] if name == "reduce_scatter_tensor"}
+        assert scattered == {"torch.bfloat16"}, rec
+    norms = [[dtype for name, dtype, n in rec["sums"] if name == "all_reduce" and n == 32]
+             for rec in (every, last)]
+    assert norms == [["torch.bfloat16"] * 10, ["torch.float32"] * 10], norms
 
 
 def test_fsdp_under_tp_reduce_scatters_as_grad_sync_says_and_keeps_the_last_block(runs):
@@ -364,7 +386,8 @@ def test_the_traffic_line_counts_the_collectives_a_step_makes(runs, name, flags)
     in a rank's first step (tests/probe_tp.py), at batch x context x width elements (tp 2: an
     all-gather's input is half), in three runs: with sequence parallelism (all-gathers and
     reduce-scatters), also under --grad-checkpointing (backward's recompute), and without it
-    (all-reduces): 20 and 20, 14 and 14, 20 (a formula off by one term fails two of them)."""
+    (all-reduces): 20 and 20, 14 and 14, 20 (a formula off by one term fails two of them); the
+    size in MiB, of fp32 activations and under --amp bf16 (the drift run) of bf16 ones."""
     out = {"grid": runs["grid"], "drift": runs["drift"].stdout, "dropout": runs["tp dropout"]}[name]
     batch = 16 if name == "drift" else 6  # TINY_GPT's default, SHARDED's
     tensor = batch * 32 * 32  # batch x context x width
@@ -376,7 +399,8 @@ def test_the_traffic_line_counts_the_collectives_a_step_makes(runs, name, flags)
     logged = ({"all_reduce": int(reduces)} if reduces else
               {"all_gather_into_tensor": int(gathers), "reduce_scatter_tensor": int(scatters)})
     assert counted == logged, (flags, counted, logged)
-    assert float(mib) == round(tensor * 4 / 2**20, 2)  # fp32
+    size = 2 if name == "drift" else 4  # the drift run in bf16: the activations in 2 bytes
+    assert float(mib) == round(tensor * size / 2**20, 2)
     recomputed = types.SimpleNamespace(args=tp.parse_args(SHARDED + [  # off, checkpointing:
         "--tp", "2", "--grad-checkpointing", "--sequence-parallel", "off"]), amp="off")  # 1 more
     assert tp.traffic_line(recomputed).startswith("TP traffic per rank: 24 all-reduces of ")
