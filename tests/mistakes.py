@@ -1210,6 +1210,13 @@ CATALOGUE = [
             "set_requires_gradient_sync(every or i == len(batches) - 1)",
             [T_MOE + "test_bf16_with_recomputation_at_ep_2_logs_one_processs_bf16_numbers"],
             ["--grad-sync", "last"]),
+    Mistake("moe-memory-line-counts-held-experts-as-whole", 12, C12,
+            [("    full = whole_model_size(model)  # EP 2: the experts of the other ranks of my row too",
+              "    full = sum(p.numel() for p in model.parameters())")],
+            "the memory line's whole model counted from what this rank built: at --ep 2 the other "
+            "rank's experts are missing, and DDP's cost looks half what it is",
+            "whole_model_size(model): every expert, held or not",
+            [T_MOE + "test_the_size_lines_are_what_the_test_counts_at_every_layout"]),
 ]
 
 

@@ -38,13 +38,19 @@
    chapter 11 refuses its sizes.
 7. the layer itself, in one plain process: each token's output is the gate-weighted sum of its
    K likeliest experts' outputs (gates rescaled to add up to 1; the control: unscaled, it
-   differs), and the router gets a gradient through the gates with no balance loss.
+   differs), and the router gets a gradient through the gates with no balance loss;
+8. the size lines against counts written out in the test, at 1, 2 and 4 processes (--ep 1, 2, 4
+   and 2 edp x 2 ep): the model's parameters, every expert counted, the experts line (a token's
+   share, the experts rank 0 holds, a capacity's cap), each rank's memory and the gradients its
+   reduce-scatters take in; under bf16 with recomputation, compiled, with --grad-sync last, on a
+   file of token ids, --ep 2 logs one process's bf16 numbers and the data line the test computes.
 The eight launches run side by side in one module fixture while the one-process references run in
 this process.
 """
 import ast
 import difflib
 import json
+import math
 import re
 
 import pytest
@@ -192,6 +198,44 @@ def test_no_experts_is_the_dense_model_and_dropout_draws_ddps_masks(runs):
     assert val_losses(noisy) == pytest.approx(val_losses(ep1), abs=1e-4)
     assert abs(losses(noisy)[4] - losses(dense)[4]) > 1e-3  # the control: experts differ
     assert abs(losses(dense)[1] - losses(runs["one"]["still"])[1]) > 1e-3  # dropout was on
+
+
+def test_the_size_lines_are_what_the_test_counts_at_every_layout(runs):
+    """What rank 0 prints of the model, the experts, its memory and its accumulation, against
+    counts written out here, at five layouts: one process, --ep 1 at 2 processes (each expert
+    sharded over its column of 2, a shared expert too), --ep 2 (2 experts a rank, whole), --ep 4
+    and 2 edp x 2 ep (one expert's worth a rank); and the capacity line at --ep 2. A block holds
+    2 norms, qkv and proj with biases, a router of 4 scores without bias, and 4 experts of two
+    matrices (32 x 64 and 64 x 32: 4 x 32 hidden units over a token's 2 experts) with biases.
+    FSDP shards the dense weights over every rank and each expert over its column, and every
+    size here divides, so each rank holds 1/world of the model; its reduce-scatters take in the
+    whole fp32 gradients of the dense units and of the experts in its row. The control: a run
+    without a capacity prints no capacity."""
+    c, hidden, vocab, context, blocks, experts, k = 32, 64, 256, 32, 2, 4, 2
+    expert = 2 * c * hidden + hidden + c
+    dense = (vocab * c + context * c + 2 * c
+             + blocks * (2 * 2 * c + 3 * c * c + 3 * c + c * c + c + c * experts))
+    layouts = {  # name: (world, ep, shared expert, what it printed)
+        "one": (1, 1, False, runs["one"]["moe"]), "noisy ep1": (2, 1, True, runs["noisy ep1"]),
+        "ep2": (2, 2, False, runs["ep2"]), "ep4": (4, 4, False, runs["ep4"]),
+        "grid": (4, 2, False, runs["grid"])}
+    for name, (world, ep, shared, out) in layouts.items():
+        whole = dense + blocks * (experts + shared) * expert
+        mine = whole // world
+        assert f"model {whole:,} parameters | 2 layers, 2 heads, 32 wide, context 32" in out, name
+        assert (f"experts 4 per block, 2 per token, each 64 wide: a token uses {k * expert:,} of "
+                f"their {experts * expert:,} parameters (the dense MLP: {8 * c * c + 5 * c:,}) | "
+                f"rank 0 holds experts 0-{experts // ep - 1}") in out, name
+        assert (f"weights, gradients and AdamW state {16 * mine / 2**20:.2f} MiB ({mine:,} of "
+                f"{whole:,} parameters; DDP: {16 * whole / 2**20:.2f} MiB)") in out, name
+        # a reduce-scatter takes a unit's whole fp32 gradient: the dense ones and its experts'
+        held = whole - blocks * (experts - experts // ep) * expert
+        assert (f"the {4 * held / 2**20:.2f} MiB of them reduce-scattered 2 times per step"
+                in out), name
+    copies = 6 * 32 * k  # a rank's micro-batch: 6 sequences of 32 tokens, each sent to k experts
+    assert (f"capacity 1.0: at most {math.ceil(copies / experts)} of a rank's {copies} copies "
+            "per expert, the rest dropped") in runs["capacity"]
+    assert "at most 96 of a rank's 384 copies" not in runs["ep2"]  # the control: no capacity
 
 
 def test_bf16_with_recomputation_at_ep_2_logs_one_processs_bf16_numbers(runs):
