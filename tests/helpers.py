@@ -781,6 +781,7 @@ def assert_bf16_run_is_one_processs(out, dropout=True, tolerances=(5e-3, 1.5e-2,
     v, t, c, layers = VOCAB, 32, 32, 2
     block = 2 * 2 * c + (3 * c * c + 3 * c) + (c * c + c) + (4 * c * c + 4 * c) + (4 * c * c + c)
     assert f"model {v * c + t * c + layers * block + 2 * c:,} parameters | " in out, out
+    assert f"| {12 * t * 2} tokens per step (" in out, out  # 12 sequences, 2 micro-batches
     steps, (loss, norm, val) = [1, 2, 3, 4, 5, 6], tolerances
     assert sorted(logged_losses(out)) == sorted(logged_grad_norms(out)) == steps, out
     for step in steps:
