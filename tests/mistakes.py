@@ -81,6 +81,7 @@ EIGHT_EQUAL = T_4D + "test_pp2_cp2_tp2_at_8_processes_computes_what_one_process_
 T_CLS = "tests/test_classifier.py::"
 T_GPT, T_FSDP, T_TP = "tests/test_minigpt.py::", "tests/test_fsdp.py::", "tests/test_tp.py::"
 T_PP, T_CP = "tests/test_pp.py::", "tests/test_cp.py::"
+CP_LINES = T_CP + "test_the_world_memory_accumulation_and_split_lines_are_what_the_test_counts"
 T_IL = (T_PP  # chapter 9's interleaved run
         + "test_interleaved_stages_compute_what_one_process_computes_from_chapter_7s_checkpoint")
 T_LAUNCH, T_FAULTS = "tests/test_launcher.py::", "tests/test_faults.py::"
@@ -1217,6 +1218,41 @@ CATALOGUE = [
             "rank's experts are missing, and DDP's cost looks half what it is",
             "whole_model_size(model): every expert, held or not",
             [T_MOE + "test_the_size_lines_are_what_the_test_counts_at_every_layout"]),
+
+    # a CP practitioner's review (issue 59): the numbers chapter 10's start-up lines print
+    Mistake("cp-split-line-in-fp32-under-bf16", 10, C10,
+            [('    width = 2 if run.amp in ("bfloat16", "float16") else 4', "    width = 4")],
+            "the split line counts K and V in 4 bytes under bf16: a GPU's run reads 1.5x the "
+            "traffic it sends", "width = 2 under a 16-bit autocast",
+            [CP_LINES], ["--amp", "bf16"]),
+    Mistake("cp-world-line-counts-ranks-as-replicas", 10, C10,
+            [('f"{run.dp_size} replicas)")  # CP 2', 'f"{world_size} replicas)")  # CP 2')],
+            "the world line's replicas counted as ranks: at dp 2 x cp 2 it says x 4 replicas "
+            "beside 768 tokens per step", "run.dp_size: a row's ranks share each batch",
+            [CP_LINES]),
+    Mistake("cp-memory-line-without-gradients", 10, C10,
+            [('            f"{16 * mine / 2**20:.2f} MiB "', '            f"{12 * mine / 2**20:.2f} MiB "')],
+            "the memory line counts 12 bytes a parameter: the gradient forgotten beside the weight "
+            "and AdamW's two moments", "16 bytes: weight, gradient and two moments in fp32",
+            [CP_LINES]),
+    Mistake("cp-accumulation-line-counts-the-shard", 10, C10,
+            [("    whole = 4 * sum(p.numel() for p in model.parameters()) / 2**20  # fp32 gradients",
+              "    whole = 4 * sum(p.to_local().numel() for p in model.parameters()) / 2**20  #")],
+            "the accumulation line counts this rank's shard of the gradients, where a reduce-scatter "
+            "takes the whole gradient in (and --grad-sync last holds it whole)",
+            "p.numel(): the whole gradient", [CP_LINES], ["--grad-sync", "last"]),
+    Mistake("cp-vocabulary-check-off-by-one", 10, C10,
+            [("    if len(tokens) and int(tokens.max()) >= vocab_size:",
+              "    if len(tokens) and int(tokens.max()) > vocab_size:")],
+            "an id equal to --vocab-size let through: no row of the embedding holds it, and the run "
+            "fails mid-step (a device assert on a GPU) instead of in one line",
+            "ids must be below the vocabulary size",
+            [T_BAD + "test_a_token_id_equal_to_the_vocabulary_size_is_one_line"]),
+    Mistake("cp-mfu-peak-of-the-replicas", 10, C10,
+            [("    return peak * 1e12 * run.world_size, note", "    return peak * 1e12 * run.dp_size, note")],
+            "MFU's peak counted over the dp rows alone: at cp 8 MFU reads 8x what the GPUs do",
+            "the peak of every GPU of the job",
+            [T_BAD + "test_mfu_counts_the_peak_of_every_gpu_of_the_job"]),
 ]
 
 

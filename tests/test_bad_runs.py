@@ -446,3 +446,30 @@ def test_a_full_disk_at_the_classifiers_save_stops_every_rank_with_one_line(laun
                                      r"left on device\)$")
     assert "done | val loss" in result.stdout  # training finished; only the save failed
     assert not list(folder.iterdir())  # no checkpoint, and no temporary file left behind
+
+
+@pytest.mark.parametrize("script", [GPT, *SHARDED_TRAINERS])
+def test_a_token_id_equal_to_the_vocabulary_size_is_one_line(script, tmp_path):
+    """A .bin whose largest id is --vocab-size itself has no row in the embedding: refused in one
+    line before any model is built (past the check it would fail in the embedding mid-run, a
+    device assert on a GPU). The control: one more entry in the vocabulary reads it."""
+    module, path = trainer(script), tmp_path / "ids.bin"
+    torch.tensor([0, 5, 300], dtype=torch.int16).numpy().astype("uint16").tofile(path)
+    with pytest.raises(module.InputError, match=r"holds token id 300, not below the vocabulary "
+                                                r"size 300 \(--vocab-size\)$"):
+        module.read_ids(str(path), 300, "--vocab-size")
+    assert list(module.read_ids(str(path), 301, "--vocab-size")) == [0, 5, 300]
+
+
+@pytest.mark.parametrize("script", [GPT, *SHARDED_TRAINERS])
+def test_mfu_counts_the_peak_of_every_gpu_of_the_job(script, monkeypatch):
+    """MFU's denominator is one GPU's peak times every GPU of the job, whatever the layout: at 4
+    processes of dp 1 (all cp, tp, pp or ep), 4 x an H100's 989 bf16 TFLOPS, or 4 x the
+    --gpu-peak-tflops given; a layout's replicas alone would overstate MFU by the other sizes."""
+    module = trainer(script)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    for given, peak in ((None, 989), (100.0, 100)):
+        run = types.SimpleNamespace(device=torch.device("cuda", 0), amp="bfloat16", world_size=4,
+                                    dp_size=1, args=types.SimpleNamespace(gpu_peak_tflops=given))
+        flops, note = module.gpu_peak_flops(run)
+        assert flops == peak * 1e12 * 4 and f"MFU against {peak:g} TFLOPS per GPU" in note

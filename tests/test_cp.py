@@ -257,6 +257,32 @@ def test_bf16_compiled_at_cp2_logs_one_processs_bf16_numbers(runs):
     assert_bf16_run_is_one_processs(runs["bf16"], dropout=False)
 
 
+def test_the_world_memory_accumulation_and_split_lines_are_what_the_test_counts(runs):
+    """What rank 0 prints at start-up, against numbers written out here. The world line of dp 2 x
+    cp 2: 768 tokens per step, 6 sequences x 32 tokens x 2 micro-batches x 2 replicas (the rows,
+    not the 4 ranks). The memory line: 16 bytes (weights, gradients, AdamW's two moments) for a
+    quarter of the model's 34,688 parameters (every size divides 4), and for a half at cp 2; the
+    accumulation line: the whole fp32 gradients each reduce-scatter takes in. The split line's
+    bytes per block and micro-batch: a rank's K and V (12 sequences x 16 tokens x 32 values each)
+    go to the other rank twice (forward, and backward's gather again or recompute), in 4 bytes
+    at fp32 (the killed run) and in 2 under bf16, and their gradients once, in fp32."""
+    whole = 256 * 32 + 32 * 32 + 2 * 32 + 2 * (4 * 32 + 3 * 32 * 32 + 3 * 32 + 32 * 32 + 32
+                                                + 2 * 4 * 32 * 32 + 4 * 32 + 32)
+    assert whole == 34_688
+    grid = runs["grid"]
+    assert "| 768 tokens per step (6 x 32 x 2 accumulation x 2 replicas)" in grid
+    for out, world in ((grid, 4), (runs["restarted"], 2)):
+        mine = whole // world
+        assert (f"weights, gradients and AdamW state {16 * mine / 2**20:.2f} MiB ({mine:,} of "
+                f"{whole:,} parameters; DDP: {16 * whole / 2**20:.2f} MiB)") in out, world
+    assert f"gradients, {4 * whole / 2**20:.2f} MiB, from the first micro-batch" in grid  # last
+    assert f"the {4 * whole / 2**20:.2f} MiB of them reduce-scattered 2 times" in runs["restarted"]
+    values = 2 * 12 * 16 * 32  # K and V of a rank's tokens
+    for out, size in ((runs["restarted"], 4), (runs["bf16"], 2)):
+        sent = values * (2 * size + 4) / 2**20
+        assert f"| sent per block and micro-batch: {sent:.2f} MiB, K, V all-gathered" in out, size
+
+
 def test_a_ring_under_bf16_sends_keys_in_bf16_and_their_gradients_in_fp32(runs):
     """--amp bf16 (FSDP's policy: bf16 compute) at cp 2: the ring runs, its outputs cast back to
     the compute dtype, with losses near one process's fp32 ones; the bytes it sends are K, V in
