@@ -1253,6 +1253,14 @@ CATALOGUE = [
             "MFU's peak counted over the dp rows alone: at cp 8 MFU reads 8x what the GPUs do",
             "the peak of every GPU of the job",
             [T_BAD + "test_mfu_counts_the_peak_of_every_gpu_of_the_job"]),
+    Mistake("cp-ring-recompute-not-counted", 10, C10,
+            [("    kv_sends, grad_sends = (cp - 1) * (2 + args.grad_checkpointing * ring), cp - 1 + ring",
+              "    kv_sends, grad_sends = (cp - 1) * 2, cp - 1 + ring")],
+            "the split line forgets that a recomputed block runs its forward ring again: with "
+            "--cp-rotate ring and --grad-checkpointing it under-reports cp - 1 passes",
+            "3 passes of K, V when the block is recomputed",
+            [T_CP + "test_a_ring_under_bf16_sends_keys_in_bf16_and_their_gradients_in_fp32"],
+            ["--cp-rotate", "ring", "--grad-checkpointing"]),
 ]
 
 

@@ -56,7 +56,11 @@ torchrun launches on CPU/gloo. These tests prove:
    (aot_eager), --reshard-after-forward no and --debug, on a file of token ids (--data,
    --vocab-size, --val-fraction), logs chapter 3's one-process bf16 numbers within bf16's
    rounding, and the data and parameter lines the test computes; the clipped and dropout runs
-   set --weight-decay, --dist-timeout and --amp off too.
+   set --weight-decay, --dist-timeout and --amp off too;
+9. the start-up lines' numbers, against numbers the test writes out: the world line's tokens and
+   replicas at dp 2 x cp 2, each rank's memory at 2 and 4 ranks, the gradients a reduce-scatter
+   takes in (--grad-sync every and last), the bytes the split line says a block sends in fp32,
+   in bf16, and for a recomputed ring (its passes counted by the probe too).
 """
 import json
 import types
@@ -133,8 +137,8 @@ def runs(tmp_path_factory):
     proc = start(ring, REPO)
     (d / "ring16").mkdir()
     ring16 = command("tests/probe_cp.py", ["record", d / "ring16", *ONE, "--cp", 2, "--cp-rotate",
-                                           "ring", "--amp", "bf16", "--max-steps", 2, "--save", "",
-                                           "--export", ""], nproc=2)
+                                           "ring", "--amp", "bf16", "--grad-checkpointing",
+                                           "--max-steps", 2, "--save", "", "--export", ""], nproc=2)
     proc16 = start(ring16, REPO)
     (d / "noisy").mkdir()  # dropout and a padded evaluation at dp 2 x cp 2, --grad-sync every
     noisy = command("tests/probe_cp.py", ["record", d / "noisy", *NOISY, "--cp", 2, "--export", ""],
@@ -284,9 +288,10 @@ def test_the_world_memory_accumulation_and_split_lines_are_what_the_test_counts(
 
 
 def test_a_ring_under_bf16_sends_keys_in_bf16_and_their_gradients_in_fp32(runs):
-    """--amp bf16 (FSDP's policy: bf16 compute) at cp 2: the ring runs, its outputs cast back to
-    the compute dtype, with losses near one process's fp32 ones; the bytes it sends are K, V in
-    bf16 and dK, dV in fp32 (all in bf16, or all in fp32, would count other bytes)."""
+    """--amp bf16 (FSDP's policy: bf16 compute) at cp 2 with --grad-checkpointing: the ring runs,
+    its outputs cast back to the compute dtype, with losses near one process's fp32 ones; the
+    bytes it sends are K, V in bf16 and dK, dV in fp32 (all in bf16, or all in fp32, would count
+    other bytes), and the recomputed forward sends K, V round again, as the split line says."""
     out, (one, _) = runs["ring16"], runs["one"]
     assert sorted(losses(out)) == [1, 2]
     for step, loss in losses(out).items():  # bf16 against fp32: close, not equal
@@ -294,10 +299,14 @@ def test_a_ring_under_bf16_sends_keys_in_bf16_and_their_gradients_in_fp32(runs):
     unit = 2 * 12 * 16 * 32  # K and V of a rank: 12 sequences, 16 tokens, width 32 (values)
     for rank in range(2):
         seen = json.loads((runs["dir"] / "ring16" / f"rank{rank}.json").read_text())
-        # per block (2) and micro-batch (2): K, V once forward and once backward, in bf16, and
-        # their gradients twice (to the next rank, then home), in fp32
-        assert seen["passes"] == 2 * 2 * 4, seen
-        assert seen["passed_bytes"] == 2 * 2 * (2 * unit * 2 + 2 * unit * 4), seen
+        # per block (2) and micro-batch (2): K, V in forward, again in the recomputed forward and
+        # once in backward, in bf16, and their gradients twice (to the next rank, then home), in
+        # fp32
+        assert seen["passes"] == 2 * 2 * 5, seen
+        assert seen["passed_bytes"] == 2 * 2 * (3 * unit * 2 + 2 * unit * 4), seen
+    sent = (3 * unit * 2 + 2 * unit * 4) / 2**20  # a block's micro-batch
+    assert (f"| sent per block and micro-batch: {sent:.2f} MiB, K, V in 3 ring passes and their "
+            "fp32 gradients in 2") in out
 
 
 def test_dp2_x_cp2_on_two_nodes_logs_ddps_losses_and_gradient_norms(runs):
