@@ -1261,6 +1261,13 @@ CATALOGUE = [
             "3 passes of K, V when the block is recomputed",
             [T_CP + "test_a_ring_under_bf16_sends_keys_in_bf16_and_their_gradients_in_fp32"],
             ["--cp-rotate", "ring", "--grad-checkpointing"]),
+    Mistake("cp-data-check-counts-ranks", 10, C10,
+            [("load_data(args, run.dp_size)  # CP 2: sized for a batch per row",
+              "load_data(args, run.world_size)  # CP 2: sized for a batch per row")],
+            "the data check sized for a batch per rank, where a row's ranks share one: at cp 8 in "
+            "one row, data that is enough is refused 8x too early",
+            "a batch per replica (row)",
+            [T_BAD + "test_the_data_check_counts_the_replicas_where_a_rows_ranks_share_a_batch"]),
 ]
 
 

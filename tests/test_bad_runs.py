@@ -22,6 +22,9 @@ processes on CPU/gloo (and in process for what needs no launch). These tests pro
    not the byte lists restore_rng reads (the control: the whole run.json reads); --sample of
    weights whose config does not fit them (another width, no n_head, heads that do not divide
    the width; the control: their own config samples).
+6. in every GPT chapter a .bin id equal to --vocab-size is refused in one line, and MFU counts
+   the peak of every GPU of the job (a GPU faked); in chapters 8-11 the data check asks for a
+   batch per replica, not per rank (the control: 4 replicas are refused).
 A write that fails half-way (the partial file removed) is in test_faults.py.
 """
 import json
@@ -473,3 +476,25 @@ def test_mfu_counts_the_peak_of_every_gpu_of_the_job(script, monkeypatch):
                                     dp_size=1, args=types.SimpleNamespace(gpu_peak_tflops=given))
         flops, note = module.gpu_peak_flops(run)
         assert flops == peak * 1e12 * 4 and f"MFU against {peak:g} TFLOPS per GPU" in note
+
+
+@pytest.mark.parametrize("script", ["train_tp_minigpt.py", "train_pp_minigpt.py",
+                                    "train_cp_minigpt.py", "train_4d_minigpt.py"])
+def test_the_data_check_counts_the_replicas_where_a_rows_ranks_share_a_batch(script, tmp_path):
+    """Where the ranks of a row (tp, pp, cp) read one batch, the data must hold a batch per
+    replica, not per rank: 4 ranks in one row start on 30 training tokens, enough for one batch of
+    2 windows of 8 (plus a window's offset), where 4 batches would need 80. The control: at 4
+    replicas the same data is refused in one line."""
+    module, path = trainer(script), tmp_path / "tiny.txt"
+    path.write_bytes(bytes(range(65, 105)))  # 40 tokens: 30 to train on, 10 to validate
+    args = module.parse_args(["--data", str(path), "--val-fraction", "0.25", "--batch-size", "2",
+                              "--block-size", "8"])
+    for replicas in (1, 4):
+        run = types.SimpleNamespace(args=args, world_size=4, dp_size=replicas, dp_rank=0, rank=0,
+                                    is_main=False)
+        if replicas == 1:
+            assert len(module.build_data(run).val) == 10
+            continue
+        with pytest.raises(module.InputError, match=r"30 training and 10 validation tokens: too "
+                                                    r"few for 4 replica\(s\)"):
+            module.build_data(run)
