@@ -673,16 +673,16 @@ def ddp_reference():
 # A weight decay of 0.3, not the default 0.1, a timeout of 600 seconds and --amp off spelled out:
 # switches a user's run sets, carried by every launch that uses NOISY or CLIPPED and by the
 # references they are compared with (--val-fraction: the bf16 runs, on their own data).
-SET = ["--weight-decay", "0.3", "--dist-timeout", "600", "--amp", "off"]
+USER_SWITCHES = ["--weight-decay", "0.3", "--dist-timeout", "600", "--amp", "off"]
 NOISY = SHARDED + ["--dropout", "0.1", "--clip", "2.0", "--eval-windows", "13", "--max-steps", "4",
-                   "--eval-every", "4", "--save", "", *SET]
+                   "--eval-every", "4", "--save", "", *USER_SWITCHES]
 
 
 # A clip of 2.0 that binds in steps 1 and 2 and not in 3 and 4, and 13 validation windows (7 and 6
 # on 2 replicas: one padded batch), no dropout: chapters 9, 10 and 11 at 2 replicas of 6 sequences
 # against one_process_clipped().
 CLIPPED = SHARDED + ["--clip", "2.0", "--eval-windows", "13", "--max-steps", "4", "--eval-every",
-                     "4", "--save", "", *SET]
+                     "4", "--save", "", *USER_SWITCHES]
 
 
 @functools.cache

@@ -8,11 +8,14 @@ The module's name sorts last, so pytest runs it after every launch of the suite.
 a -k or -m selection, it has not seen the suite's launches and skips; the README's test command runs
 the whole suite and so runs it. The control: a launch list without one flag or one value is refused.
 """
+import argparse
 import re
+import types
 from pathlib import Path
 
 import pytest
-from helpers import LAUNCHED, launched_values, switches
+import torch
+from helpers import LAUNCHED, launched_values, switches, trainer
 
 CHAPTERS = {3: "train_ddp_minigpt.py", 7: "train_fsdp_minigpt.py", 8: "train_tp_minigpt.py",
             9: "train_pp_minigpt.py", 10: "train_cp_minigpt.py", 11: "train_4d_minigpt.py",
@@ -94,11 +97,6 @@ def test_every_compile_backend_reaches_torch_compile_as_given(chapter, monkeypat
     every choice: the launches run aot_eager (and chapter 3 every CPU backend), and a script that
     named its own backend would fail here for the other choices. The control: without --compile
     nothing is compiled."""
-    import argparse
-    import types
-
-    import torch
-    from helpers import trainer
     module, seen = trainer(CHAPTERS[chapter]), []
     monkeypatch.setattr(torch, "compile", lambda model, backend: seen.append(backend) or model)
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, backend: seen.append(backend))
