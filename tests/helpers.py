@@ -12,6 +12,7 @@ import functools
 import importlib
 import io
 import json
+import math
 import os
 import re
 import runpy
@@ -580,6 +581,18 @@ def one_process_group(extra=None):
         torch.set_num_threads(threads)
 
 
+@contextlib.contextmanager
+def fake_world(world_size):
+    """A process group of `world_size` ranks in this process, which is rank 0, whose collectives
+    send nothing and return nothing (torch's "fake" backend): enough to build a chapter's sharded
+    model at a layout no launch runs and read what its rank 0 would log of its shards."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    with one_process_group():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        yield
+
+
 def in_process(script, args, env=None):
     """Run a trainer's main(args) in this process, as one process of a torchrun world of one (no
     launch, no torch import to wait for), on the CPU unless args say otherwise, and return what it
@@ -763,6 +776,30 @@ def assert_data_line(out):
             f"baseline loss {baseline:.4f}") in out, out
 
 
+def gpt_shapes(vocab=256, context=32, width=32, layers=2):
+    """The shapes of the GPT's parameters, written out here (TINY_GPT's by default): the tied
+    embedding (the head's matrix too, so once), the positions, each block's two norms (weight,
+    bias), qkv, proj and the MLP's two layers (weight, bias), and the final norm."""
+    c = width
+    block = [(c,), (c,), (3 * c, c), (3 * c,), (c, c), (c,),  # ln1, qkv, proj
+             (c,), (c,), (4 * c, c), (4 * c,), (c, 4 * c), (c,)]  # ln2, the MLP
+    return [(vocab, c), (context, c), *block * layers, (c,), (c,)]
+
+
+def first_rank_share(shapes, ranks):
+    """How many values rank 0 holds of parameters of these shapes, each split on dim 0 over
+    `ranks` as FSDP2 splits it: ceil(rows / ranks) rows to each rank from the first, so the last
+    ranks may hold fewer (at 3 ranks, 256 rows are 86, 86 and 84)."""
+    return sum(-(-shape[0] // ranks) * math.prod(shape[1:]) for shape in shapes)
+
+
+def memory_words(mine, whole):
+    """The memory line's figures for a rank holding `mine` of `whole` parameters: weights,
+    gradients and AdamW's two moments, 4 fp32 copies, 16 bytes a parameter; and DDP's."""
+    return f"{16 * mine / 2**20:.2f} MiB ({mine:,} of {whole:,} parameters; DDP: " \
+           f"{16 * whole / 2**20:.2f} MiB)"
+
+
 def assert_bf16_run_is_one_processs(out, dropout=True, tolerances=(5e-3, 1.5e-2, 2e-3)):
     """A bf16 run of bf16(dropout) logs one_process_bf16(dropout)'s losses, gradient norms and
     validation losses within `tolerances` (absolute), and the data and parameter lines the test
@@ -839,6 +876,59 @@ def assert_bf16_policy_reduces_in_fp32(module):
                                                                 torch.float32)
     name, policy = module.mixed_precision("off", torch.device("cpu"))
     assert (name, policy.param_dtype, policy.reduce_dtype) == ("off", None, torch.float32)
+
+
+def built_in_a_fake_world(script, flags, world_size=4):
+    """A chapter's model as its rank 0 builds it in a world of `world_size` (fake_world: no
+    launch), with the script's own make_run and build_model; what the other ranks would have told
+    rank 0 through all_gather_object is rank 0's own answer. Returns (model, what it printed)."""
+    import torch
+    import torch.distributed as dist
+    module, printed = trainer(script), io.StringIO()
+    args = module.parse_args([*map(str, flags), "--device", "cpu"])
+
+    def gather_own(out, obj, group=None):
+        out[:] = [obj] * len(out)
+    with fake_world(world_size), contextlib.redirect_stdout(printed), \
+            unittest.mock.patch.object(dist, "all_gather_object", gather_own):
+        run = module.make_run(args, torch.device("cpu"), 0, world_size)
+        model = module.build_model(run, 256)[0]
+    return model, printed.getvalue()
+
+
+def fsdp_units(model):
+    """(name, compute dtype, reduce dtype, parameters) of every FSDP unit of a model, read off
+    FSDP's own state (private: torch 2.14 keeps a list of parameter groups, older releases one).
+    A pipeline rank's stages (`model.parts`, a plain list) are units of their own."""
+    from torch.distributed.fsdp import FSDPModule
+    units, modules = [], dict(model.named_modules())
+    for k, part in enumerate(getattr(model, "parts", [])):
+        modules.update({f"parts.{k}.{name}": m for name, m in part.named_modules()
+                        if all(m is not seen for seen in modules.values())})
+    for name, module in modules.items():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            for group in groups if groups is not None else [state._fsdp_param_group]:
+                if group is not None:
+                    policy = group.mp_policy
+                    units.append((name, policy.param_dtype, policy.reduce_dtype,
+                                  len(group.fsdp_params)))
+    return units
+
+
+def assert_every_unit_computes_in_bf16_and_reduces_in_fp32(script, flags):
+    """Under --amp bf16, each FSDP unit of rank 0's model (built at 4 ranks in a fake world), read
+    off the model: its weights gathered in bf16 and its gradients reduced in fp32, and together
+    the units hold every parameter, so none is left outside a policy. The control: under --amp
+    off every unit computes in its parameters' fp32 (no cast)."""
+    import torch
+    for amp, compute in (("bf16", torch.bfloat16), ("off", None)):
+        model = built_in_a_fake_world(script, [*flags, "--amp", amp])[0]
+        units = fsdp_units(model)
+        assert len(units) > 1 and sum(n for *_, n in units) == len(list(model.parameters()))
+        assert {(dtype, reduce) for _, dtype, reduce, _ in units} == {(compute, torch.float32)}, \
+            (amp, units)
 
 
 @functools.cache

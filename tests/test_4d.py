@@ -53,6 +53,7 @@ import pytest
 import torch
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import kills, logged_val_losses as val_losses
+from helpers import assert_every_unit_computes_in_bf16_and_reduces_in_fp32
 from helpers import assert_bf16_policy_reduces_in_fp32
 from helpers import CLIPPED, assert_clipped_run_is_one_processs, one_process_clipped
 from helpers import assert_bf16_run_is_one_processs, bf16, one_process_bf16
@@ -649,3 +650,4 @@ def test_key_and_value_gradients_are_summed_in_fp32(monkeypatch):
 def test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32():
     """FSDP's policy in this chapter: bf16 weights for compute, fp32 gradient reductions."""
     assert_bf16_policy_reduces_in_fp32(trainer(FOURD))
+    assert_every_unit_computes_in_bf16_and_reduces_in_fp32(FOURD, SHARDED + ["--pp", 2, "--cp", 1, "--tp", 2])  # read off it

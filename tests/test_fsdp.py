@@ -12,8 +12,9 @@ These tests prove:
    bytes read from FSDP's state), with the same losses; both print what they hold and send; FSDP
    gathers 4 times per micro-batch of 2 blocks: the root and the last block stay whole from
    forward to backward (a counting probe), 3 times with --reshard-after-forward no;
-3. memory: each of 2 ranks holds about half the parameters (and so of the gradients and AdamW
-   state) that 1 process holds;
+3. memory: the memory line gives rank 0's share of the parameters (and so of the gradients
+   and AdamW state) as the test counts it from the model's shapes split on dim 0, at 1, 2 and 3
+   processes and on a 300-token vocabulary;
 4. checkpoints are shards that resume at another world size: saved at 2 processes (step 14) and
    at 3 (step 2, of the full-disk run below), resumed at 1, with the same global batch, the next
    losses are the uninterrupted 2-process run's (the windows of each global batch are the same;
@@ -56,8 +57,10 @@ import pytest
 import torch
 from helpers import kills, logged_val_losses as val_losses
 from helpers import assert_bf16_run_is_one_processs, bf16, one_process_bf16
+from helpers import assert_every_unit_computes_in_bf16_and_reduces_in_fp32
 from helpers import assert_bf16_policy_reduces_in_fp32, assert_dropout_run_is_ddps, streams_restored
-from helpers import (CONSTANT_LR, EVAL_6, GPT, NOISY, REPO, SHARDED, TINY_GPT, command,
+from helpers import first_rank_share, gpt_shapes, memory_words
+from helpers import (CONSTANT_LR, EVAL_6, GPT, NOISY, REPO, SHARDED, TINY_GPT, VOCAB, command,
                      ddp_dropout_reference, ddp_reference, finish, hostile_shell, in_process, ok,
                      start, start_two_nodes, summary, trainer)
 
@@ -196,6 +199,7 @@ def test_the_policy_computes_in_bf16_and_reduces_gradients_in_fp32():
     reduce-scattered in fp32 (in bf16 the sums would round, more with more ranks). The control:
     with --amp off the weights stay fp32."""
     assert_bf16_policy_reduces_in_fp32(fsdp)
+    assert_every_unit_computes_in_bf16_and_reduces_in_fp32(FSDP, SHARDED)  # read off it
 
 
 def test_a_padded_evaluation_counts_each_window_once(runs):
@@ -277,15 +281,21 @@ def test_random_streams_come_back_only_at_the_layout_that_saved_them(monkeypatch
     assert restored == []
 
 
-def test_each_of_two_ranks_holds_half_the_parameters(runs):
-    out1 = in_process(FSDP, FLAGS + ["--max-steps", 1, "--save", "", "--export", ""])
-    pattern = (r"memory per rank \(cpu\): .* ([\d.]+) MiB \(([\d,]+) of ([\d,]+) parameters; "
-               r"DDP: ([\d.]+) MiB\)")
-    one, two = (re.search(pattern, out).groups() for out in (out1, runs["fsdp"].stdout))
-    count = lambda text: int(text.replace(",", ""))  # noqa: E731
-    assert count(one[1]) == count(one[2]) == count(two[2])  # one process holds everything
-    assert abs(count(two[1]) / count(two[2]) - 0.5) < 0.01  # two: half each (dim-0 padding aside)
-    assert float(two[0]) < 0.51 * float(two[3])
+def test_the_memory_line_is_rank_0s_share_at_one_two_and_three_processes(runs):
+    """The memory line gives rank 0's parameters, counted here from the model's shapes split on
+    dim 0 as FSDP2 splits them: all 34,688 at one process, 17,344 at two, 11,728 at three (86 of
+    the embedding's 256 rows, 11 of the 32 positions...), and at two on the bf16 run's 300-token
+    vocabulary, 16 bytes each (fp32 weights, gradients and AdamW's two moments), against DDP's
+    whole copy. The control: a third of the model at three processes would be 11,562."""
+    one = in_process(FSDP, FLAGS + ["--max-steps", 1, "--save", "", "--export", ""])
+    for out, shapes, ranks in [(one, gpt_shapes(), 1), (runs["fsdp"].stdout, gpt_shapes(), 2),
+                               (runs["nospace"].stdout, gpt_shapes(), 3),
+                               (runs["bf16"].stdout, gpt_shapes(vocab=VOCAB), 2)]:
+        whole = first_rank_share(shapes, 1)
+        said = memory_words(first_rank_share(shapes, ranks), whole)
+        assert f"memory per rank (cpu): weights, gradients and AdamW state {said}; every " \
+               "parameter is sharded, the embeddings too" in out, (ranks, out)
+    assert first_rank_share(gpt_shapes(), 3) != 34_688 // 3
 
 
 def test_a_rank_killed_while_it_saves_is_restarted_and_the_job_resumes_from_its_shards(runs):

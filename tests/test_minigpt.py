@@ -24,7 +24,9 @@ CPU/gloo), with a small model on the default corpus. These tests prove:
    goes on in one process with the uninterrupted run's next steps;
 9. on two nodes of one process, with dropout, each rank reads its own windows and draws its own
    masks (recorded by the probe: the two ranks' differ);
-10. with --amp bf16 the matrix products run in bf16 while DDP all-reduces fp32 gradients.
+10. with --amp bf16 the matrix products run in bf16 while DDP all-reduces fp32 gradients, and
+    2 processes under bf16 with recomputation, on a file of token ids, log the one-process
+    bf16 run's numbers at the same global batch within bf16's rounding.
 Bad inputs are in test_minigpt_inputs.py; --check-sync and timeouts in test_debugging.py.
 """
 import contextlib
@@ -39,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
+from helpers import assert_bf16_run_is_one_processs, bf16
 from helpers import (GPT, REPO, SHARDED, TINY_GPT, command, ddp_dropout_reference, ddp_reference,
                      in_process, ok, one_process_group, started, summary, trainer, weights)
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -93,6 +96,26 @@ def three(tmp_path_factory):
                               REPO, None)})
     yield lambda: (ok(wait()["three"]), ckpt)
     wait()  # never leave it running
+
+
+@pytest.fixture(scope="module", autouse=True)
+def bf16_pair():
+    """The module's third launch, started as the module starts: 2 processes of 6 sequences under
+    --amp bf16 with --grad-checkpointing on a file of token ids (helpers.bf16, no dropout). Call
+    it for what it printed."""
+    wait = started({"bf16": (command(GPT, [*bf16(dropout=False), "--batch-size", 6], nproc=2),
+                             REPO, None)})
+    yield lambda: ok(wait()["bf16"])
+    wait()  # never leave it running
+
+
+def test_two_ddp_processes_in_bf16_log_one_processs_bf16_numbers(bf16_pair):
+    """DDP at 2 processes under bf16 with recomputation logs chapter 3's one-process bf16 run at
+    the same global batch (12 sequences), within the tolerances helpers.assert_bf16_run_is_one_
+    processs argues (its control: dropout flipped differs by more), and the data, parameter and
+    tokens-per-step lines the test computes. Without dropout: each DDP rank draws its own masks,
+    where one process draws one stream."""
+    assert_bf16_run_is_one_processs(bf16_pair(), dropout=False)
 
 
 def test_three_processes_log_one_processs_norms_and_validation_and_resume_at_one(three):

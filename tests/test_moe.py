@@ -38,7 +38,9 @@
    chapter 11 refuses its sizes.
 7. the layer itself, in one plain process: each token's output is the gate-weighted sum of its
    K likeliest experts' outputs (gates rescaled to add up to 1; the control: unscaled, it
-   differs), and the router gets a gradient through the gates with no balance loss;
+   differs), and the router gets a gradient through the gates with no balance loss; the log's
+   balance loss, expert shares and dropped copies over two micro-batches are what the test
+   counts from the routers, at a capacity that drops;
 8. the size lines against counts written out in the test, at 1, 2 and 4 processes (--ep 1, 2, 4
    and 2 edp x 2 ep): the model's parameters, every expert counted, the experts line (a token's
    share, the experts rank 0 holds, a capacity's cap), each rank's memory and the gradients its
@@ -60,6 +62,7 @@ from helpers import kills, logged_val_losses as val_losses
 from helpers import NOISY, SHARDED, as_script, command, finish, in_process, ok, start, trainer
 from helpers import REPO, ddp_dropout_reference, start_two_nodes, summary, run_single
 import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
+from helpers import assert_every_unit_computes_in_bf16_and_reduces_in_fp32
 from helpers import assert_bf16_policy_reduces_in_fp32, assert_dropout_run_is_ddps
 from helpers import assert_data_line, token_data
 
@@ -262,6 +265,7 @@ def test_the_policy_computes_in_bf16_and_reduces_gradients_in_fp32():
     """The one policy of every unit, the experts' included (the control: --amp off casts
     nothing)."""
     assert_bf16_policy_reduces_in_fp32(moe)
+    assert_every_unit_computes_in_bf16_and_reduces_in_fp32(MOE, SHARDED + [*EXPERTS, "--ep", 2])  # read off it
 
 
 def test_two_nodes_restarted_after_a_kill_and_resumed_at_ep_1_log_the_uninterrupted_losses(runs):
@@ -385,6 +389,36 @@ def test_the_layer_sends_each_token_to_its_k_experts_and_the_router_learns_throu
         f = torch.bincount(probs.topk(2, dim=-1).indices.flatten(), minlength=4) / 20
         ref = 4 * (f * probs.float().mean(dim=0)).sum()
         assert (layer.aux.item() == pytest.approx(ref.item(), rel=1e-6)) == same
+
+
+def test_the_log_lines_balance_loss_shares_and_drops_are_what_the_test_counts():
+    """The log's ` | aux | expert share min max | dropped` after two micro-batches through two
+    layers (one plain process), against counts made here from each layer's router: the mean of
+    the layers' last balance losses (E x sum_e f_e P_e of the last micro-batch); the smallest and
+    largest share of the copies routed to any expert of any layer, over both micro-batches; and,
+    at a capacity factor of 0.75 (an expert takes at most ceil(0.75 x 20 / 4) = 4 of a
+    micro-batch's 20 copies), the copies left out over those routed. The control: the last
+    micro-batch's shares alone differ from both micro-batches'."""
+    torch.manual_seed(1)
+    layers = [moe.MixtureOfExperts(8, experts=4, top_k=2, held=range(4)) for _ in range(2)]
+    routed, kept, aux = torch.zeros(2, 4), torch.zeros(2, 4), [0.0, 0.0]
+    for _ in range(2):  # micro-batches
+        x = torch.randn(2, 5, 8)
+        for i, layer in enumerate(layers):
+            layer.capacity_factor = 0.75
+            layer(x)
+            probs = layer.router(x.view(10, 8)).softmax(dim=-1).detach()
+            counts = torch.bincount(probs.topk(2, dim=-1).indices.flatten(), minlength=4)
+            routed[i], kept[i] = routed[i] + counts, kept[i] + counts.clamp(max=4)
+            aux[i] = 4 * (counts / 20 * probs.mean(dim=0)).sum().item()
+    last = counts / 20  # the control: the last layer's last micro-batch alone
+    shares = routed / routed.sum(dim=1, keepdim=True)
+    dropped = 1 - kept.sum() / routed.sum()
+    assert 0 < dropped < 0.5
+    assert [float(last.min()), float(last.max())] != [float(shares.min()), float(shares.max())]
+    assert moe.expert_shares(layers) == (
+        f" | aux {sum(aux) / 2:.4f} | expert share min {100 * float(shares.min()):.1f}% max "
+        f"{100 * float(shares.max()):.1f}% | dropped {100 * float(dropped):.1f}%")
 
 
 @pytest.mark.parametrize("flags,words", [

@@ -28,7 +28,10 @@ real torchrun launches on CPU/gloo. These tests prove:
    stage 0 holds 2 micro-batches' activations for backward and GPipe's 4, nothing more; the last
    stage keeps no logits after a step; FSDP reduce-scatters and all-gathers once per group and
    step, with --compile too (blocks compiled in place) and by default (--reshard-after-forward
-   no); the traffic line counts the activations per micro-batch;
+   no); the traffic line counts the activations per micro-batch; the memory line's parameters
+   per stage are replica 0's, as the test counts them from the model's shapes at six layouts
+   (pp 2, dp 2 x pp 2, pp 3, two and three ranks of two interleaved stages, a 300-token
+   vocabulary);
 6. bad input is one line and exit code 2: a --pp that does not divide the world size, more stages
    than blocks, fewer micro-batches than stages under 1F1B, an unknown schedule;
 7. benchmark_scaling.py reads its summary: the global batch counts the dp columns, not the ranks;
@@ -46,9 +49,11 @@ import pytest
 import torch
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import kills, logged_val_losses as val_losses
+from helpers import assert_every_unit_computes_in_bf16_and_reduces_in_fp32
 from helpers import assert_bf16_policy_reduces_in_fp32
 from helpers import CLIPPED, assert_clipped_run_is_one_processs, one_process_clipped
 from helpers import assert_bf16_run_is_one_processs, bf16, one_process_bf16
+from helpers import VOCAB, first_rank_share, gpt_shapes
 from helpers import (GPT, NEEDS_PP, REPO, SHARDED, TINY_GPT, as_script, command, ddp_reference,
                      finish, in_process, needs_torch, ok, one_process_reference, start,
                      start_two_nodes, summary, trainer)
@@ -326,6 +331,47 @@ def test_each_stage_holds_its_part_and_the_traffic_line_counts_activations(runs)
             f"MiB of their gradients back, per micro-batch (4 per step)") in runs["nodes"]
 
 
+def counted_stages(stages, vocab=256, dp=1):
+    """The memory line's stages, counted here from the model's shapes (helpers.gpt_shapes):
+    `stages` is (label, parts, blocks) for each rank of replica 0; a stage with the embeddings
+    holds the tied matrix and the positions, one with the head the final norm and its own copy
+    of the tied matrix; each of its blocks 12 tensors. Replica 0's share at dp replicas."""
+    layers = sum(len(blocks) for _, _, blocks in stages)
+    shapes = gpt_shapes(vocab=vocab, layers=layers)
+    words = []
+    for label, parts, blocks in stages:
+        held = [*shapes[:2] * parts.startswith("embeddings"),
+                *(shape for i in blocks for shape in shapes[2 + 12 * i:14 + 12 * i]),
+                *(shapes[-2:] + shapes[:1]) * parts.endswith("head")]
+        n = first_rank_share(held, dp)
+        words.append(f"{label} ({parts}) {16 * n / 2**20:.2f} MiB, {n:,} parameters")
+    whole = first_rank_share(shapes, 1)
+    return f"{'; '.join(words)} (of {whole:,}; DDP: {16 * whole / 2**20:.2f} MiB)"
+
+
+def test_the_memory_line_holds_each_stages_parameters_as_the_test_counts_them(runs):
+    """What the memory line gives for each stage of replica 0, counted from the model's shapes at
+    five layouts: pp 2 (two nodes), dp 2 x pp 2 (replica 0's half of each stage), pp 3 over 3
+    blocks, 2 ranks of two interleaved stages over 4 blocks, 3 ranks of two over 6, and pp 2 on
+    the bf16 run's 300-token vocabulary. The control: the grid's line is not the one-replica
+    count of its stages."""
+    first, last = "embeddings, block 0", "block 1, final norm and head"
+    pp2 = [("stage 0", first, [0]), ("stage 1", last, [1])]
+    for name, stages, vocab, dp in [
+            ("nodes", pp2, 256, 1), ("grid", pp2, 256, 2), ("bf16", pp2, VOCAB, 1),
+            ("restarted", [("stage 0", first, [0]), ("stage 1", "block 1", [1]),
+                           ("stage 2", "block 2, final norm and head", [2])], 256, 1),
+            ("interleaved", [("stages 0, 2", "embeddings, blocks 0, 2", [0, 2]),
+                             ("stages 1, 3", "blocks 1, 3, final norm and head", [1, 3])], 256, 1),
+            ("six", [("stages 0, 3", "embeddings, blocks 0, 3", [0, 3]),
+                     ("stages 1, 4", "blocks 1, 4", [1, 4]),
+                     ("stages 2, 5", "blocks 2, 5, final norm and head", [2, 5])], 256, 1)]:
+        out = runs[name].stdout if name == "restarted" else runs[name]
+        said = f"weights, gradients and AdamW state: {counted_stages(stages, vocab, dp)}; inside"
+        assert said in out, (name, out)
+    assert counted_stages(pp2, dp=1) not in runs["grid"]
+
+
 def test_1f1b_holds_two_micro_batches_gpipe_four_and_the_last_stage_keeps_no_logits(runs):
     """At 4 micro-batches, GPipe's stage 0 (of 3) holds all 4 micro-batches' activations before
     its first backward; 1F1B's (of 2) holds 2 (its warm-up forward and one more), nothing else
@@ -517,3 +563,4 @@ def test_benchmark_scaling_reads_the_pp_trainers_summary(runs):
 def test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32():
     """FSDP's policy in this chapter: bf16 weights for compute, fp32 gradient reductions."""
     assert_bf16_policy_reduces_in_fp32(pp)
+    assert_every_unit_computes_in_bf16_and_reduces_in_fp32(PP, SHARDED + ["--pp", 2])  # read off it

@@ -19,10 +19,13 @@ launches on CPU/gloo. These tests prove:
    process's losses;
 3. what each rank holds and sends: a tp row is consecutive ranks, a dp column every tp-th
    (each rank's groups recorded by tests/probe_tp.py), and a row's ranks draw the same closing
-   sample (every rank samples: each token's forward is the row's collective); at dp 2 x tp 2 a
-   rank holds a quarter of what TP splits and half of the rest; the TP traffic line's counts are
-   the activations' collectives the probe saw DTensor make in a step, with and without sequence
-   parallelism and under --grad-checkpointing; the model gives chapter 3's logits from chapter
+   sample (every rank samples: each token's forward is the row's collective); the memory and
+   accumulation lines give rank 0's share as the test counts it from the model's shapes: at dp 2
+   x tp 2 a quarter of what TP splits and half of the rest, at dp 1 x tp 2 half and all, and at
+   tp 4 (built in a fake group of 4) a quarter and all, on 256 and 300 tokens; the TP traffic
+   line's counts are the activations' collectives the probe saw DTensor make in a step, with and
+   without sequence parallelism and under --grad-checkpointing, its MiB sent what they send, and
+   at tp 4 the test's own count; the model gives chapter 3's logits from chapter
    3's weights (head-by-head qkv); sampling pads on the right and draws GPT.generate's tokens;
    an SP checkpoint with dropout resumed without SP keeps a row's copies equal (--check-sync);
 4. with --dropout 0.1 and 13 validation windows (one row padded), dp 2 x tp 2 without sequence
@@ -35,7 +38,10 @@ launches on CPU/gloo. These tests prove:
 6. benchmark_scaling.py reads its summary: the global batch counts the dp rows, not the ranks.
 """
 import collections
+import contextlib
+import io
 import json
+import math
 import os
 import re
 import shutil
@@ -45,7 +51,9 @@ import pytest
 import torch
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import kills, logged_val_losses as val_losses
+from helpers import assert_every_unit_computes_in_bf16_and_reduces_in_fp32
 from helpers import assert_bf16_policy_reduces_in_fp32
+from helpers import VOCAB, fake_world, first_rank_share, gpt_shapes, memory_words
 from helpers import assert_bf16_run_is_one_processs, bf16, one_process_bf16
 from helpers import (EVAL_6, GPT, NOISY, REPO, SHARDED, TINY_GPT, command, ddp_dropout_reference,
                      ddp_reference, finish, in_process, ok, one_process_reference, run, start,
@@ -365,17 +373,43 @@ def test_the_model_computes_chapter_3s_logits_from_its_weights():
     assert not torch.allclose(ours(x)[0], theirs(x)[0], atol=1e-3)
 
 
+def tp_split(shapes):
+    """Which of helpers.gpt_shapes() TP splits (by vocabulary, columns or rows): the tied
+    embedding, and in each block qkv (weight and bias), proj's weight, the MLP's first layer
+    (weight and bias) and its second's weight. The positions and the norms stay whole."""
+    block = [False, False, True, True, True, False, False, False, True, True, True, False]
+    return [True, False, *block * ((len(shapes) - 4) // 12), False, False]
+
+
+def tp_share(shapes, dp, tp):
+    """Rank 0's values at dp x tp, counted here: 1 / tp of what TP splits, then FSDP's dim-0 share
+    over dp of that and of the rest (every size here divides evenly)."""
+    split = [(math.prod(shape) // tp,) for shape, cut in zip(shapes, tp_split(shapes)) if cut]
+    return first_rank_share(split, dp) + first_rank_share(
+        [shape for shape, cut in zip(shapes, tp_split(shapes)) if not cut], dp)
+
+
 def test_each_rank_holds_its_share(runs):
-    """At dp 2 x tp 2 a rank holds a quarter of what TP splits (each block's matrices, the
-    column-wise layers' biases, the tied embedding and head, split by vocabulary) and half of the
-    rest (FSDP's share)."""
-    model = trainer(GPT).GPT(256, 32, 2, 2, 32, 0.0)
-    split = sum(p.numel() for name, p in model.named_parameters()
-                if re.search(r"\.(qkv|proj|mlp\.[02])\.weight$|\.(qkv|mlp\.0)\.bias$|^tok_emb",
-                             name))
-    total = sum(p.numel() for p in model.parameters())
-    mine = split // 4 + (total - split) // 2
-    assert f"({mine:,} of {total:,} parameters; DDP:" in runs["grid"]
+    """The memory line is rank 0's share, counted here from the model's shapes: at dp 2 x tp 2 a
+    quarter of what TP splits (each block's matrices, the column-wise layers' biases, the tied
+    embedding and head, split by vocabulary) and half of the rest (FSDP's share): 9,040; at dp 1 x
+    tp 2 (the resumed row, and the bf16 run on a 300-token vocabulary) half of what TP splits and
+    all the rest (1,472): 18,080 on 256 tokens. The accumulation line's whole gradients are a
+    rank's tp part at dp 2 and at dp 1, in fp32 under bf16 too (--grad-sync last's line:
+    test_the_whole_gradients_a_rank_holds_are_its_tp_part). The control: the model split evenly
+    over the ranks, 8,672 and 17,344."""
+    for out, shapes, dp, sync in [(runs["grid"], gpt_shapes(), 2, "every"),
+                                  (runs["row"], gpt_shapes(), 1, "last"),
+                                  (runs["bf16"], gpt_shapes(vocab=VOCAB), 1, "every")]:
+        mine, whole = tp_share(shapes, dp, 2), first_rank_share(shapes, 1)
+        assert f"memory per rank (cpu): weights, gradients and AdamW state " \
+               f"{memory_words(mine, whole)}" in out, (dp, out)
+        assert mine != first_rank_share(shapes, 2 * dp)  # the control
+        part = 4 * tp_share(shapes, 1, 2) / 2**20  # fp32 gradients of a rank's tp part
+        every = (f"--grad-sync every: gradients stay sharded between micro-batches; the {part:.2f}"
+                 " MiB of them reduce-scattered 2 times per step")
+        assert (every in out) == (sync == "every"), (dp, out)
+    assert (tp_share(gpt_shapes(), 2, 2), tp_share(gpt_shapes(), 1, 2)) == (9_040, 18_080)
 
 
 @pytest.mark.parametrize("name, flags", [("grid", "sequence parallel, 2 micro-batches"),
@@ -387,7 +421,9 @@ def test_the_traffic_line_counts_the_collectives_a_step_makes(runs, name, flags)
     all-gather's input is half), in three runs: with sequence parallelism (all-gathers and
     reduce-scatters), also under --grad-checkpointing (backward's recompute), and without it
     (all-reduces): 20 and 20, 14 and 14, 20 (a formula off by one term fails two of them); the
-    size in MiB, of fp32 activations and under --amp bf16 (the drift run) of bf16 ones."""
+    size in MiB, of fp32 activations and under --amp bf16 (the drift run) of bf16 ones; the MiB
+    sent, what those collectives send from a rank as rings (0.44 to 0.47 MiB: a factor of 2 off
+    is far outside the 0.005 allowed)."""
     out = {"grid": runs["grid"], "drift": runs["drift"].stdout, "dropout": runs["tp dropout"]}[name]
     batch = 16 if name == "drift" else 6  # TINY_GPT's default, SHARDED's
     tensor = batch * 32 * 32  # batch x context x width
@@ -401,11 +437,59 @@ def test_the_traffic_line_counts_the_collectives_a_step_makes(runs, name, flags)
     assert counted == logged, (flags, counted, logged)
     size = 2 if name == "drift" else 4  # the drift run in bf16: the activations in 2 bytes
     assert float(mib) == round(tensor * size / 2**20, 2)
+    # What a rank sends of each, as a ring sends it at tp 2: an all-reduce twice half its tensor,
+    # an all-gather its own input (half the tensor), a reduce-scatter half its input.
+    half = {"all_reduce": tensor, "all_gather_into_tensor": tensor // 2,
+            "reduce_scatter_tensor": tensor // 2}
+    sent = sum(half[op] * n for op, n in counted.items()) * size / 2**20
+    said = re.search(r"MiB per step, ([\d.]+) MiB sent \(tp 2, sequence parallel", out).group(1)
+    assert float(said) == pytest.approx(sent, abs=0.005) and sent > 0.1, (said, sent)
     recomputed = types.SimpleNamespace(args=tp.parse_args(SHARDED + [  # off, checkpointing:
         "--tp", "2", "--grad-checkpointing", "--sequence-parallel", "off"]), amp="off")  # 1 more
     assert tp.traffic_line(recomputed).startswith("TP traffic per rank: 24 all-reduces of ")
     recomputed.args.dropout = 0.1  # the MLP's reduction too: dropout's mask after it is drawn again
     assert tp.traffic_line(recomputed).startswith("TP traffic per rank: 28 all-reduces of ")
+
+
+def test_at_tp_4_the_traffic_line_is_what_the_test_counts():
+    """At tp 4 (4 heads; no launch), the traffic line against a count written out here: per
+    micro-batch 4 collectives of the activations a block and 2 for the ends, 2 micro-batches; a
+    rank sends 3/4 of each tensor, twice for an all-reduce, once for each of an all-gather and a
+    reduce-scatter; in fp32 and in bf16, with sequence parallelism and without. The control:
+    at tp 2 a rank sends 1/2 of each, a third less."""
+    for amp, width in (("off", 4), ("bfloat16", 2)):
+        for sp in ("on", "off"):
+            lines = [tp.traffic_line(types.SimpleNamespace(amp=amp, args=tp.parse_args(
+                SHARDED + ["--tp", str(ranks), "--n-head", "4", "--sequence-parallel", sp])))
+                for ranks in (4, 2)]
+            ops, tensor = (4 * 2 + 2) * 2, 6 * 32 * 32 * width  # B x T x C, in the compute dtype
+            what = (f"{ops} all-gathers and {ops} reduce-scatters" if sp == "on" else
+                    f"{ops} all-reduces")
+            assert lines[0] == (f"TP traffic per rank: {what} of {tensor / 2**20:.2f} MiB per "
+                                f"step, {2 * ops * tensor * 3 / 4 / 2**20:.2f} MiB sent (tp 4, "
+                                f"sequence parallel {sp})"), lines
+            assert f", {2 * ops * tensor / 2 / 2**20:.2f} MiB sent (tp 2," in lines[1]
+
+
+def test_at_tp_4_rank_0_holds_and_logs_a_quarter_of_what_tp_splits():
+    """At dp 1 x tp 4 (4 heads), the model built in this process as rank 0 of a fake group of 4
+    (no launch; the fake collectives send nothing, and building sends nothing anyway): its memory
+    and accumulation lines give a quarter of what TP splits and all the rest, as counted here,
+    on 256 and on 300 tokens. The control: at dp 2 x tp 2, also 4 ranks, rank 0 holds another
+    share, and the line says so."""
+    for vocab in (256, VOCAB):
+        for dp, ranks in ((1, 4), (2, 2)):
+            args = tp.parse_args(SHARDED + ["--tp", str(ranks), "--n-head", "4", "--device",
+                                            "cpu"])
+            printed = io.StringIO()
+            with fake_world(4), contextlib.redirect_stdout(printed):
+                tp.build_model(tp.make_run(args, torch.device("cpu"), 0, 4), vocab)
+            shapes = gpt_shapes(vocab=vocab)
+            mine, whole = tp_share(shapes, dp, ranks), first_rank_share(shapes, 1)
+            part = 4 * tp_share(shapes, 1, ranks) / 2**20
+            assert memory_words(mine, whole) in printed.getvalue(), printed.getvalue()
+            assert f"the {part:.2f} MiB of them reduce-scattered 2 times" in printed.getvalue()
+    assert tp_share(gpt_shapes(), 1, 4) != tp_share(gpt_shapes(), 2, 2)
 
 
 def test_a_tp_that_does_not_divide_is_one_line(capsys):
@@ -446,3 +530,4 @@ def test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32():
     bf16 sum over many ranks would round at every addition); --amp off: no cast at all. The
     policy does not reach TP's sums over tp (the norms' gradients): those run in bf16."""
     assert_bf16_policy_reduces_in_fp32(tp)
+    assert_every_unit_computes_in_bf16_and_reduces_in_fp32(TP, SHARDED + ["--tp", 2])  # read off it
