@@ -138,11 +138,17 @@ class Model:
     mla: tuple = ()  # DeepSeek's latent attention: (q rank, kv rank, nope, rope, value dims)
 
 
+SHAPE = ("layers", "width", "heads", "kv_heads", "mlp_width", "mlp", "vocab", "experts", "top_k",
+         "shared")
+
+
 def model_from(args):
     """The Model of --preset, each flag given replacing the preset's number; then its checks."""
     fields = dict(PRESETS[args.preset or "course-gpt"])
-    for name in ("layers", "width", "heads", "kv_heads", "mlp_width", "mlp", "vocab", "seq_len",
-                 "tokens_per_step", "experts", "top_k", "shared"):
+    shape = any(getattr(args, name) is not None for name in SHAPE)
+    if shape and not args.preset:  # a model of your own: sequences and steps of a large one
+        fields.update(seq_len=4096, tokens_per_step=2**22)
+    for name in SHAPE + ("seq_len", "tokens_per_step"):
         value = getattr(args, name)
         if value is not None:
             fields[name] = value
@@ -152,7 +158,7 @@ def model_from(args):
         fields["mlp_width"] = 4 * fields["width"]
     if fields.get("experts") and not fields.get("top_k"):
         fields["top_k"] = 1
-    model = Model(args.preset or "custom", **fields)
+    model = Model(args.preset or ("custom" if shape else "course-gpt"), **fields)
     check_model(model)
     return model
 
@@ -601,14 +607,13 @@ def group_bytes(m, layout, part, steps):
     qk, v = head_dims(m)
     kv = tokens * (m.heads if m.mla else m.kv_heads) * (qk + v) * BF16 / tp  # K and V
     moe = part.moe_layers
-    tied = (m.vocab * m.width * FP32 / (layout.dp * cp * tp)
-            * (gpt_style(m) and layout.pp > 1 and (part.first or part.last)))
-    hops = 2 * layout.v * (layout.pp > 1)
+    tied, hops = tied_bytes(m, layout, part), 2 * layout.v * (layout.pp > 1)
     return {
         "tp": (steps * halves * stream * (tp - 1) / tp, lambda: (
             f"{steps} micro-batches x {halves} halves x {stream / 1e6:,.1f} MB x ({tp}-1)/{tp}")),
         "cp": (steps * n * (cp - 1) * kv * 4, lambda: (
-            f"{steps} x {n} layers x ({cp}-1) x K,V {kv / 1e6:,.2f} MB x (2 gathers + fp32 grads)")),
+            f"{steps} x {n} layers x ({cp}-1) x K,V {kv / 1e6:,.2f} MB x (2 gathers + fp32 "
+            "gradients)")),
         "ep": (steps * moe * 4 * tokens / tp * m.top_k * m.width * BF16 * (ep - 1) / ep, lambda: (
             f"{steps} x {moe} layers x 4 all-to-alls x {tokens / tp:,.0f} tokens x {m.top_k} "
             f"copies x {m.width} x 2 B x ({ep}-1)/{ep}")),
@@ -616,6 +621,12 @@ def group_bytes(m, layout, part, steps):
             f"{steps} x {hops} sends x {stream / tp / 1e6:,.1f} MB"
             + (f" + the tied gradient's {tied / 1e6:,.1f} MB" if tied else ""))),
         "dp": fsdp_bytes(layout, part, steps)}
+
+
+def tied_bytes(m, layout, part):
+    """The course's tied matrix under a pipeline: the end stages all-reduce its gradient shard."""
+    ends = gpt_style(m) and layout.pp > 1 and (part.first or part.last)
+    return m.vocab * m.width * FP32 / (layout.dp * layout.cp * layout.tp) * ends
 
 
 def fsdp_bytes(layout, part, steps):
@@ -640,7 +651,7 @@ def fsdp_bytes(layout, part, steps):
 # --------------------------------------------------------------------------------- the output
 def report(m, c, fitting, misses, tried):
     """The table of the layouts that fit, best first, and the fastest that do not."""
-    head = (f"{m.name}: {total_params(m) / 1e9:,.3g}B parameters ({active_params(m) / 1e9:,.3g}B "
+    head = (f"{m.name}: {count(total_params(m))} parameters ({count(active_params(m))} "
             f"a token), {m.tokens_per_step:,} tokens a step of {m.seq_len:,} | {c.gpus:,} x "
             f"{c.name} ({c.gpus_per_node} a node, {c.gpu_memory_gb:g} GB, {USABLE:.0%} usable) "
             f"| {len(fitting):,} shown of the layouts that fit, of {tried:,} tried (estimates)")
@@ -658,6 +669,13 @@ def report(m, c, fitting, misses, tried):
     return "\n".join(lines)
 
 
+def count(n):
+    """842,496, 124M, 70.6B: a parameter count as people say it."""
+    if n < 1e6:
+        return f"{n:,}"
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
 def row(p):
     """One plan's cells, after its number."""
     lay, sec = dataclasses.asdict(p["layout"]), p["seconds"]
@@ -666,8 +684,12 @@ def row(p):
     across = ",".join(g for g in GROUPS if p["across_nodes"][g] and p["bytes"][g]) or "none"
     return (str(lay["pp"]), str(lay["dp"]), str(lay["cp"]), str(lay["tp"]), str(lay["ep"]),
             schedule, f"{lay['micro']} x {p['micro_batches']}", lay["recompute"], lay["sync"],
-            f"{p['memory']['total'] / 1e9:,.1f}", f"{p['step_s']:,.3g}", f"{p['mfu']:.1%}",
+            gigabytes(p["memory"]["total"]), f"{p['step_s']:,.3g}", f"{p['mfu']:.1%}",
             f"{p['bubble']:.1%}", exposed, across, p["runs_in"])
+
+
+def gigabytes(n):
+    return f"{n / 1e9:,.1f}" if n >= 0.95e9 else f"{n / 1e9:.2g}"
 
 
 def table(rows):
@@ -722,7 +744,7 @@ def write_outputs(args, model, cluster, fitting, misses, plans):
                   "layout": dataclasses.asdict(p["layout"])} for p in fitting + misses]
         doc = {"model": dataclasses.asdict(model), "cluster": dataclasses.asdict(cluster),
                "params": total_params(model), "active_params": active_params(model),
-               "usable_share": USABLE, "fitting": clean[:len(fitting)],
+               "usable_share": USABLE, "tried": len(plans), "fitting": clean[:len(fitting)],
                "misses": clean[len(fitting):]}
         write_text(args.json, json.dumps(doc, indent=1) + "\n")
     if args.svg:
@@ -744,21 +766,21 @@ def svg_chart(plans, title, usable_gb):
     w, h, left, bottom, top = 720, 440, 80, 50, 50
     xs = [math.log10(p["step_s"]) for p in plans]
     ys = [math.log10(max(p["memory"]["total"] / 1e9, 1e-3)) for p in plans]
-    x0, x1, y0 = math.floor(min(xs)), math.ceil(max(xs)) or 1, math.floor(min(ys))
+    x0, x1, y0 = math.floor(min(xs)), math.ceil(max(xs)), math.floor(min(ys))
     y1 = max(math.ceil(max(ys)), math.ceil(math.log10(usable_gb)))
-    x1, y1 = max(x1, x0 + 1), max(y1, y0 + 1)
+    x1, y1 = max(x1, x0 + 1), max(y1, y0 + 1)  # at least one power of 10 each way
 
     def at(x, y):  # the picture's coordinates of log values x, y
         return (left + (w - left - 20) * (x - x0) / (x1 - x0),
                 h - bottom - (h - bottom - top) * (y - y0) / (y1 - y0))
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-             f'font-family="sans-serif" font-size="12">', f'<rect width="{w}" height="{h}" '
-             'fill="white"/>', f'<text x="{w / 2}" y="22" text-anchor="middle" font-size="15">'
-             f'{escape(title)}: memory per GPU against step time (estimates)</text>']
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family='
+             f'"sans-serif" font-size="12"><rect width="{w}" height="{h}" fill="white"/><text x='
+             f'"{w / 2}" y="22" text-anchor="middle" font-size="15">{escape(title)}: memory per '
+             'GPU against step time (estimates)</text>']
     parts += axes(at, (x0, x1, y0, y1), (w, h, left, bottom))
-    line_y = at(x0, math.log10(usable_gb))[1]
-    parts.append(f'<line x1="{left}" x2="{w - 20}" y1="{line_y:.1f}" y2="{line_y:.1f}" '
-                 f'stroke="#c33" stroke-dasharray="5,4"/>')
+    usable_y = at(x0, math.log10(usable_gb))[1]
+    parts.append(f'<line x1="{left}" x2="{w - 20}" y1="{usable_y:.1f}" y2="{usable_y:.1f}" '
+                 'stroke="#c33" stroke-dasharray="5,4"/>')
     for p, x, y in sorted(zip(plans, xs, ys), key=lambda t: t[0]["fits"]):  # fits on top
         cx, cy = at(x, y)
         parts.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="2.5" fill="'
