@@ -656,7 +656,7 @@ def report(m, c, fitting, misses, tried):
             f"{c.name} ({c.gpus_per_node} a node, {c.gpu_memory_gb:g} GB, {USABLE:.0%} usable) "
             f"| {len(fitting):,} shown of the layouts that fit, of {tried:,} tried (estimates)")
     rows = [("#", "pp", "dp", "cp", "tp", "ep", "schedule", "micro x m", "recompute", "sync",
-             "GB", "step s", "MFU", "bubble", "exposed tp/cp/ep/pp/dp s", "across nodes", "ch")]
+             "GB", "step s", "MFU", "bubble", "s in tp/cp/ep/pp/dp", "across nodes", "ch")]
     for i, p in enumerate(fitting, 1):
         rows.append((str(i),) + row(p))
     lines = [head, "", *table(rows)]
@@ -705,7 +705,7 @@ def explain(m, c, layout):
     """One layout, term by term: each formula with its inputs, then the step."""
     plan = estimate(m, c, layout)
     held, timed = plan["terms"]
-    lines = [f"{m.name} on {c.gpus:,} x {c.name}: {plan['name']} (estimates)",
+    lines = [f"{m.name} on {c.gpus:,} x {c.name}: {plan['name']} (estimates)", standing(m, c, plan),
              f"runs in chapter {plan['runs_in']}" if plan["runs_in"] != "-" else
              "no chapter's trainer runs this layout as a whole",
              f"memory of the fullest rank ({held['rank'][1]()}), GB:"]
@@ -723,6 +723,20 @@ def explain(m, c, layout):
         lines.append(f"  {g:<12} {seconds:10,.3f}  {sent / 1e9:,.2f} GB {where} = {how()}")
     lines += step_lines(plan, layout, timed)
     return "\n".join(lines)
+
+
+def standing(m, c, plan):
+    """Where the planner's ranking puts this layout: its place among those that fit."""
+    fitting = sorted((p for p in map(lambda lay: estimate(m, c, lay), layouts(m, c))
+                      if p["fits"]), key=speed)
+    names = [p["name"] for p in fitting]
+    if plan["name"] not in names:
+        return (f"not among the {len(names):,} layouts the planner ranks" + (
+            " (it does not fit)" if not plan["fits"] else " (not tried: see micro_sizes)")
+            + (f"; the best: {names[0]}, {fitting[0]['step_s']:,.3g} s" if names else ""))
+    best = fitting[0]
+    return (f"rank {names.index(plan['name']) + 1:,} of the {len(names):,} that fit; the best: "
+            f"{best['name']}, {best['step_s']:,.3g} s, MFU {best['mfu']:.1%}")
 
 
 def step_lines(plan, layout, timed):
