@@ -1,7 +1,4 @@
-r"""Chapter 13: which layout for my model on my cluster? This script turns the course's formulas for
-what a rank holds, sends and computes into a planner: it tries every layout the trainers can run,
-estimates each one's memory per GPU and step time, and ranks those that fit, fastest first. It
-imports no torch and needs no GPU; it answers in under a second.
+r"""Chapter 13: which layout for my model on my cluster? A planner, without torch or a GPU:
 
     python plan_layout.py --preset llama3-70b --gpus 64       # the layouts that fit, best first
     python plan_layout.py --preset llama3-405b --gpus 16384 --seq-len 131072 --top 5
@@ -10,6 +7,9 @@ imports no torch and needs no GPU; it answers in under a second.
         --mlp swiglu --vocab 128256 --gpus 16 --cluster a100-80gb --json plans.json --svg plans.svg
     python plan_layout.py --chapter-lines 11 --world-size 8 -- --n-layer 2 --n-head 2 \
         --n-embd 32 --block-size 32 --batch-size 6 --grad-accum 2   # chapter 11's rank 0 lines
+
+It tries every layout the course's trainers can run, estimates each one's memory per GPU and step
+time from the course's formulas, and ranks those that fit, fastest first, in under a second.
 
 Terms. A rank is one process and its GPU. A layout cuts the GPUs into a mesh of pp x dp x cp x tp
 ranks: pp pipeline stages, dp replicas (data parallelism), cp context ranks (each holds a part of
@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import sys
 
 USABLE = 0.9  # of a GPU's memory; the rest is the CUDA context, NCCL's buffers, fragmentation
@@ -795,12 +796,16 @@ def svg_chart(plans, title, usable_gb):
     usable_y = at(x0, math.log10(usable_gb))[1]
     parts.append(f'<line x1="{left}" x2="{w - 20}" y1="{usable_y:.1f}" y2="{usable_y:.1f}" '
                  'stroke="#c33" stroke-dasharray="5,4"/>')
-    for p, x, y in sorted(zip(plans, xs, ys), key=lambda t: t[0]["fits"]):  # fits on top
-        cx, cy = at(x, y)
-        parts.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="2.5" fill="'
-                     f'{"#3b73b9" if p["fits"] else "#bbb"}"><title>{escape(p["name"])}'
-                     f'</title></circle>')
+    parts += [dot(p, *at(x, y)) for p, x, y in sorted(zip(plans, xs, ys),
+                                                      key=lambda t: t[0]["fits"])]  # fits on top
     return "\n".join(parts + ["</svg>"]) + "\n"
+
+
+def dot(plan, cx, cy):
+    """One layout's dot, its name shown on hover."""
+    return (f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="2.5" fill="'
+            f'{"#3b73b9" if plan["fits"] else "#bbb"}"><title>{escape(plan["name"])}</title>'
+            '</circle>')
 
 
 def axes(at, bounds, frame):
@@ -927,8 +932,9 @@ def fits_any(m, c):
 
 # ------------------------------------------------------- the numbers the chapters' rank 0 prints
 # Each chapter's flags that change its lines, with that chapter's defaults; its other flags
-# are ignored. The byte data (the default) has 256 token values; --data FILE.bin --vocab-size N
-# has N. --device auto is read as a CPU (fp32 under --amp auto): the planner cannot look.
+# are ignored. The byte data (the default, or a text file) has 256 token values; --data FILE.bin
+# or a folder of ids with --vocab-size N has N (a folder's meta.pkl is not read). --device auto
+# is read as a CPU (fp32 under --amp auto): the planner cannot look for a GPU.
 COMMON = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=16, grad_accum=1,
               amp="auto", device="auto", grad_checkpointing=False, dropout=0.0, vocab_size=None,
               data=None)
@@ -954,7 +960,8 @@ def chapter_lines(chapter, world, flags):
         raise InputError(f"--chapter-lines {chapter}: a chapter 7-12 or one of "
                          + ", ".join(SCRIPTS))
     a = chapter_args(number, flags)
-    a.vocab = a.vocab_size if a.data and a.vocab_size else 256
+    ids = a.data and (a.data.endswith(".bin") or os.path.isdir(a.data))  # token ids, not bytes
+    a.vocab = a.vocab_size if ids and a.vocab_size else 256
     a.width = 2 if a.amp == "bf16" or (a.amp == "auto" and a.device == "cuda") else 4
     a.where = "cuda" if a.device == "cuda" else "cpu"
     return {7: fsdp_lines, 8: tp_lines, 9: pp_lines, 10: cp_lines, 11: mesh_lines,
@@ -1243,7 +1250,8 @@ def parse_args(argv):
     a("--layout", metavar="K=V,...", help="explain one layout term by term: pp=2,tp=8,dp=4,cp=1,"
       "ep=1,schedule=1f1b,v=1,micro=1,recompute=full,sync=last (dp: what is left)")
     a("--top", type=positive_int, default=15, help="the layouts that fit to list (default: 15)")
-    a("--misses", type=int, default=5, help="the fastest that do not fit to list (default: 5)")
+    a("--misses", type=lambda text: positive_int(text) if text != "0" else 0, default=5,
+      help="the fastest that do not fit to list, 0 for none (default: 5)")
     a("--json", metavar="FILE", help="also write every plan that fits, for tools")
     a("--svg", metavar="FILE", help="also draw memory against step time, every layout a dot")
     a("--chapter-lines", metavar="CHAPTER", help="print the lines chapter 7-12's rank 0 prints "
