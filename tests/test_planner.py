@@ -17,14 +17,16 @@ seconds. These tests prove:
 5. the chapter lines: for two layouts of each of chapters 7 to 12, on the tests' tiny GPT (2
    layers, 32 wide, context 32, the 256 byte values), the text of the lines that chapter's rank 0
    prints about what a rank holds and sends, written out here; each against a control (another
-   world size or flag) whose text differs.
+   world size or flag) whose text differs; and at the default flags, the lines the docs quote
+   from real runs of chapters 7, 8, 9 and 10 (docs/fsdp.md, tp.md, pp.md, cp.md), the control
+   chapter 7 at 4 processes.
 """
 import json
 import xml.etree.ElementTree as ElementTree
 
 import pytest
 
-from helpers import as_script, trainer
+from helpers import REPO, as_script, trainer
 
 PLAN = "plan_layout.py"
 planner = trainer(PLAN)
@@ -239,3 +241,21 @@ def test_chapter_lines_refuse_sizes_that_do_not_divide():
     assert "--tp 2 does not divide the world size 3" in refused(
         ["--chapter-lines", "8", "--world-size", "3", "--", *TINY])
     assert "a chapter 7-12" in refused(["--chapter-lines", "5", "--world-size", "2"])
+
+
+def quoted(page, start):
+    """The line of docs/PAGE that starts with `start`: what a real run printed, quoted there."""
+    text = (REPO / "docs" / page).read_text()
+    return next(line for line in text.splitlines() if line.startswith(start))
+
+
+def test_chapter_lines_are_those_the_docs_quote_from_real_runs():
+    memory, every = planner.chapter_lines("7", 2, ["--grad-accum", "4"])
+    assert memory == quoted("fsdp.md", "memory per rank (cpu)")
+    assert every == quoted("fsdp.md", "--grad-sync every")
+    assert planner.chapter_lines("7", 2, ["--grad-accum", "4", "--grad-sync", "last"])[1] == \
+        quoted("fsdp.md", "--grad-sync last")
+    assert planner.chapter_lines("8", 2, [])[-1] == quoted("tp.md", "TP traffic per rank")
+    assert planner.chapter_lines("9", 2, [])[1] == quoted("pp.md", "PP traffic per rank")
+    assert planner.chapter_lines("10", 2, [])[0] == quoted("cp.md", "CP split")
+    assert planner.chapter_lines("7", 4, [])[0] != memory  # the control: a quarter, not half
