@@ -918,7 +918,7 @@ def nearest_change(m, c, plans):
         m, dataclasses.replace(c, gpus=n))), None)
     seq = next((s for s in (m.seq_len // 2**k for k in range(1, 12)) if s >= 2 and fits_any(
         dataclasses.replace(m, seq_len=s), c)), None)
-    options = ([f"--gpus {gpus:,}"] if gpus else []) + ([f"--seq-len {seq:,}"] if seq else [])
+    options = ([f"--gpus {gpus}"] if gpus else []) + ([f"--seq-len {seq}"] if seq else [])
     return (f"no layout of {m.name} fits {c.gpus:,} GPUs of {c.gpu_memory_gb:g} GB, full "
             f"recomputation tried: the least memory is {least['memory']['total'] / 1e9:,.1f} GB "
             f"({least['name']}; {least['breaks']} "
@@ -964,6 +964,9 @@ def chapter_lines(chapter, world, flags):
     a.vocab = a.vocab_size if ids and a.vocab_size else 256
     a.width = 2 if a.amp == "bf16" or (a.amp == "auto" and a.device == "cuda") else 4
     a.where = "cuda" if a.device == "cuda" else "cpu"
+    for bad, line in chapter_problems(a):
+        if bad:
+            raise InputError(line)
     return {7: fsdp_lines, 8: tp_lines, 9: pp_lines, 10: cp_lines, 11: mesh_lines,
             12: expert_lines}[number](a, world)
 
@@ -980,9 +983,23 @@ def chapter_args(number, flags):
             p.add_argument(flag, default=default)
         else:
             p.add_argument(flag, type=float if name in ("dropout", "capacity_factor") else
-                           positive_int, default=default)
+                           whole if name == "experts" else positive_int, default=default)
     args, _ = p.parse_known_args(flags)
     return args
+
+
+def chapter_problems(a):
+    """(refused?, the line) for the sizes the chapters refuse before they print these lines."""
+    tp, cp, pp = getattr(a, "tp", 1), getattr(a, "cp", 1), getattr(a, "pp", 1)
+    stages, e = pp * getattr(a, "stages_per_rank", 1), getattr(a, "experts", 0)
+    k, sp = getattr(a, "experts_per_token", 1), getattr(a, "sequence_parallel", "off") == "on"
+    return [(a.n_embd % a.n_head, f"--n-head {a.n_head} does not divide --n-embd {a.n_embd}"),
+            (a.n_head % tp, f"--tp {tp} does not divide --n-head {a.n_head}"),
+            (stages > a.n_layer, f"{stages} stages exceed --n-layer {a.n_layer}"),
+            (a.block_size % (2 * cp) or (sp and a.block_size % (cp * tp)),
+             f"--block-size {a.block_size} is not a multiple of 2 x --cp {cp} (and of cp x tp)"),
+            (e and not 1 <= k <= e, f"--experts-per-token {k} must be between 1 and {e}"),
+            (e and (4 * a.n_embd) % k, f"--experts-per-token {k} must divide 4 x --n-embd")]
 
 
 def gpt_tensors(a, stage_parts=None, mlp=None):
@@ -1228,6 +1245,10 @@ def positive_int(text):
     return int(text)
 
 
+def whole(text):
+    return 0 if text == "0" else positive_int(text)
+
+
 def share(text):
     try:
         value = float(text)
@@ -1250,7 +1271,7 @@ def parse_args(argv):
     a("--layout", metavar="K=V,...", help="explain one layout term by term: pp=2,tp=8,dp=4,cp=1,"
       "ep=1,schedule=1f1b,v=1,micro=1,recompute=full,sync=last (dp: what is left)")
     a("--top", type=positive_int, default=15, help="the layouts that fit to list (default: 15)")
-    a("--misses", type=lambda text: positive_int(text) if text != "0" else 0, default=5,
+    a("--misses", type=whole, default=5,
       help="the fastest that do not fit to list, 0 for none (default: 5)")
     a("--json", metavar="FILE", help="also write every plan that fits, for tools")
     a("--svg", metavar="FILE", help="also draw memory against step time, every layout a dot")

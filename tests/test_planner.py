@@ -241,6 +241,10 @@ def test_chapter_lines_refuse_sizes_that_do_not_divide():
     assert "--tp 2 does not divide the world size 3" in refused(
         ["--chapter-lines", "8", "--world-size", "3", "--", *TINY])
     assert "a chapter 7-12" in refused(["--chapter-lines", "5", "--world-size", "2"])
+    assert "4 stages exceed --n-layer 2" in refused(
+        ["--chapter-lines", "9", "--world-size", "2", "--", *TINY, "--schedule",
+         "interleaved-1f1b", "--stages-per-rank", "2"])
+    assert planner.chapter_lines("9", 2, TINY)  # the control: one stage a rank runs
 
 
 def quoted(page, start):
