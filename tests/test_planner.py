@@ -1,0 +1,265 @@
+"""Chapter 13's planner, plan_layout.py, in this process: no torch, no launch, the module in
+seconds. These tests prove:
+
+1. bad input is one line on stderr and exit code 2 through the script's own __main__, never a
+   traceback: an unknown preset, a --layout whose sizes are not the GPUs, a tp that does not divide
+   the heads, an ep that does not divide the experts, and a model that fits no layout (the line
+   names the nearest change that fits: more GPUs or a shorter sequence); the control, a good
+   command, exits 0;
+2. the presets' parameter counts are their published totals (Llama 3 8B, 70B and 405B; Mixtral
+   8x7B's 46.7B and 12.9B active; DeepSeek-V3's 671B and 37B active; GPT-2's 124M; the course's
+   GPT's 842,496, chapter 11's model line), and the same shape given by flags counts the same (the
+   control: one layer fewer does not);
+3. the table ranks by the estimated step time (the control: not by memory), and every layout it
+   lists has pp x dp x cp x tp equal to the GPUs, a tp that divides the heads, an ep that divides
+   the experts and dp x cp, and fits the usable memory, while each miss it lists does not;
+4. --json parses, and --svg is well-formed XML with one dot for every layout tried;
+5. the chapter lines: for two layouts of each of chapters 7 to 12, on the tests' tiny GPT (2
+   layers, 32 wide, context 32, the 256 byte values), the text of the lines that chapter's rank 0
+   prints about what a rank holds and sends, written out here; each against a control (another
+   world size or flag) whose text differs; and at the default flags, the lines the docs quote
+   from real runs of chapters 7, 8, 9 and 10 (docs/fsdp.md, tp.md, pp.md, cp.md), the control
+   chapter 7 at 4 processes.
+"""
+import json
+import xml.etree.ElementTree as ElementTree
+
+import pytest
+
+from helpers import REPO, as_script, trainer
+
+PLAN = "plan_layout.py"
+planner = trainer(PLAN)
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
+        "--batch-size", "6", "--grad-accum", "2", "--device", "cpu", "--lr", "1e-2"]
+
+
+def refused(args):
+    """The script's one error line, after asserting exit code 2 and nothing else printed."""
+    result = as_script(PLAN, args)
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    return result.stderr
+
+
+def test_bad_input_is_one_line_and_exit_code_2():
+    assert "invalid choice: 'llama9'" in refused(["--preset", "llama9"])
+    assert "is 32 ranks, not the 64 GPUs" in refused(
+        ["--preset", "llama3-70b", "--gpus", "64", "--layout", "pp=2,tp=8,dp=2"])
+    assert "tp 3 does not divide the 64 heads" in refused(
+        ["--preset", "llama3-70b", "--gpus", "24", "--layout", "tp=3"])
+    assert "ep 3 does not divide the 8 experts" in refused(
+        ["--preset", "mixtral-8x7b", "--gpus", "48", "--layout", "tp=8,ep=3"])
+    assert "does not divide --width" in refused(["--width", "100", "--heads", "3"])
+    line = refused(["--preset", "llama3-70b", "--gpus", "8"])  # 70.6B x 16 B: 1.1 TB of state
+    assert line.startswith("error: no layout of llama3-70b fits 8 GPUs of 80 GB") and \
+        "the nearest change: --gpus 32" in line, line
+    ok = as_script(PLAN, ["--preset", "llama3-70b", "--gpus", "32", "--top", "1"])  # the control
+    assert ok.returncode == 0 and ok.stderr == "" and "llama3-70b" in ok.stdout
+
+
+def params(preset, active=False):
+    model = planner.Model(preset, **planner.PRESETS[preset])
+    return (planner.active_params if active else planner.total_params)(model)
+
+
+def test_the_presets_count_their_published_parameters():
+    assert params("llama3-8b") == pytest.approx(8.0e9, rel=0.01)
+    assert params("llama3-70b") == pytest.approx(70.6e9, rel=0.001)
+    assert params("llama3-405b") == pytest.approx(405e9, rel=0.005)
+    assert params("mixtral-8x7b") == pytest.approx(46.7e9, rel=0.001)
+    assert params("mixtral-8x7b", active=True) == pytest.approx(12.9e9, rel=0.002)
+    assert params("deepseek-v3") == pytest.approx(671e9, rel=0.001)
+    assert params("deepseek-v3", active=True) == pytest.approx(37e9, rel=0.02)
+    assert params("gpt2-124m") == 124_439_808
+    assert params("course-gpt") == 842_496  # chapter 11's model line at its defaults
+    flags = ["--layers", "32", "--width", "4096", "--heads", "32", "--kv-heads", "8",
+             "--mlp-width", "14336", "--mlp", "swiglu", "--vocab", "128256"]
+    assert planner.total_params(planner.model_from(planner.parse_args(flags))) == \
+        params("llama3-8b")
+    flags[1] = "31"  # the control: a layer fewer
+    assert planner.total_params(planner.model_from(planner.parse_args(flags))) != \
+        params("llama3-8b")
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("plans")
+    args = ["--preset", "mixtral-8x7b", "--gpus", "64", "--top", "40", "--misses", "5",
+            "--json", folder / "plans.json", "--svg", folder / "plans.svg"]
+    result = as_script(PLAN, args)
+    assert result.returncode == 0, result.stderr
+    return json.loads((folder / "plans.json").read_text()), folder / "plans.svg", result.stdout
+
+
+def test_the_table_ranks_by_step_time_and_lists_layouts_that_divide_and_fit(plans):
+    doc, _, out = plans
+    fitting, usable = doc["fitting"], doc["usable_share"] * doc["cluster"]["gpu_memory_gb"] * 1e9
+    times = [p["step_s"] for p in fitting]
+    assert len(fitting) > 40 and times == sorted(times)
+    memory = [p["memory"]["total"] for p in fitting]
+    assert memory != sorted(memory)  # the control: the order is not the memory's
+    for p in fitting:
+        lay = p["layout"]
+        assert lay["pp"] * lay["dp"] * lay["cp"] * lay["tp"] == 64
+        assert 32 % lay["tp"] == 0 and 8 % lay["ep"] == 0
+        assert (lay["dp"] * lay["cp"]) % lay["ep"] == 0
+        assert p["fits"] and p["memory"]["total"] <= usable
+    assert doc["misses"] and all(p["memory"]["total"] > usable for p in doc["misses"])
+    rows = [line for line in out.splitlines() if line[:3].strip().isdigit()]
+    assert len(rows) == 40 and rows[0].split()[1:6] == [str(fitting[0]["layout"][k])
+                                                       for k in ("pp", "dp", "cp", "tp", "ep")]
+
+
+def test_the_svg_is_well_formed_with_a_dot_per_layout(plans):
+    doc, svg, _ = plans
+    root = ElementTree.parse(svg).getroot()
+    dots = root.findall(".//{http://www.w3.org/2000/svg}circle")
+    assert root.tag.endswith("svg") and len(dots) == doc["tried"] > len(doc["fitting"])
+
+
+def lines(chapter, world, *flags):
+    return planner.chapter_lines(str(chapter), world, TINY + list(flags))
+
+
+# What rank 0 holds, by hand for chapter 7 at 3 ranks: FSDP gives rank 0 ceil(rows / 3) rows of
+# each parameter: the embedding 86 x 32, positions 11 x 32, per block 2 x 11 (ln1), 32 x 32 + 32
+# (qkv), 11 x 32 + 11 (proj), 2 x 11 (ln2), 43 x 32 + 43, 11 x 128 + 11 (the MLP), the final norm
+# 2 x 11: 2,752 + 352 + 2 x 4,301 + 22 = 11,728 of the 34,688; 16 B each is 0.18 MiB.
+EXPECTED = {
+    (7, 3, "--grad-sync", "last"): [
+        "memory per rank (cpu): weights, gradients and AdamW state 0.18 MiB (11,728 of 34,688 "
+        "parameters; DDP: 0.53 MiB); every parameter is sharded, the embeddings too",
+        "--grad-sync last: every rank holds the whole gradients, 0.13 MiB, from the first "
+        "micro-batch to the last; reduce-scattered once per step"],
+    (7, 2): [
+        "memory per rank (cpu): weights, gradients and AdamW state 0.26 MiB (17,344 of 34,688 "
+        "parameters; DDP: 0.53 MiB); every parameter is sharded, the embeddings too",
+        "--grad-sync every: gradients stay sharded between micro-batches; the 0.13 MiB of them "
+        "reduce-scattered 2 times per step, unit by unit"],
+    (8, 4, '--tp', '2'): [
+        'memory per rank (cpu): weights, gradients and AdamW state 0.14 MiB (9,040 of 34,688 '
+        'parameters; DDP: 0.53 MiB)',
+        '--grad-sync every: gradients stay sharded between micro-batches; the 0.07 MiB of '
+        'them reduce-scattered 2 times per step, unit by unit',
+        'TP traffic per rank: 20 all-gathers and 20 reduce-scatters of 0.02 MiB per step, '
+        '0.47 MiB sent (tp 2, sequence parallel on)'],
+    (8, 2, '--tp', '2', '--sequence-parallel', 'off', '--grad-sync', 'last', '--amp', 'bf16'): [
+        'memory per rank (cpu): weights, gradients and AdamW state 0.28 MiB (18,080 of 34,688 '
+        'parameters; DDP: 0.53 MiB)',
+        '--grad-sync last: every rank holds the whole gradients, 0.07 MiB, from the first '
+        'micro-batch to the last; reduce-scattered once per step',
+        'TP traffic per rank: 20 all-reduces of 0.01 MiB per step, 0.23 MiB sent (tp 2, '
+        'sequence parallel off)'],
+    (9, 4, '--pp', '2'): [
+        'memory per rank (cpu): weights, gradients and AdamW state: stage 0 (embeddings, '
+        'block 0) 0.17 MiB, 10,960 parameters; stage 1 (block 1, final norm and head) 0.16 '
+        'MiB, 10,480 parameters (of 34,688; DDP: 0.53 MiB); inside a step also the weights '
+        'gathered and the gradients whole: stage 0 0.17 MiB, stage 1 0.16 MiB, activations '
+        'aside',
+        'PP traffic per rank: 0.02 MiB of activations to the next stage and 0.02 MiB of their '
+        'gradients back, per micro-batch (2 per step); the tied matrix: an all-reduce of 0.02 '
+        'MiB per step between stage 0 and stage 1'],
+    (9, 2, '--n-layer', '4', '--pp', '2', '--schedule', 'interleaved-1f1b',
+     '--stages-per-rank', '2'): [
+        'memory per rank (cpu): weights, gradients and AdamW state: stages 0, 2 (embeddings, '
+        'blocks 0, 2) 0.53 MiB, 34,624 parameters; stages 1, 3 (blocks 1, 3, final norm and '
+        'head) 0.51 MiB, 33,664 parameters (of 60,096; DDP: 0.92 MiB); inside a step also the '
+        'weights gathered and the gradients whole: stages 0, 2 0.26 MiB, stages 1, 3 0.26 '
+        "MiB, activations aside (at most: the interleaved schedule's order decides which "
+        'stages overlap)',
+        'PP traffic per rank: 0.05 MiB of activations to the next stage and 0.05 MiB of their '
+        'gradients back, per micro-batch (2 per step); the tied matrix: an all-reduce of 0.03 '
+        'MiB per step between stage 0 and stage 3; rank 0 sends one gradient fewer, the last '
+        'rank one activation fewer'],
+    (10, 2, '--cp', '2'): [
+        'CP split: 4 chunks of 8 tokens, rank i of a row holds chunks i and 3 - i | attention '
+        'pairs per rank: 50.0%, 50.0% (contiguous shares would give 25.8%, 74.2%) | sent per '
+        'block and micro-batch: 0.07 MiB, K, V all-gathered in forward and backward and their '
+        'fp32 gradients reduce-scattered',
+        'memory per rank (cpu): weights, gradients and AdamW state 0.26 MiB (17,344 of 34,688 '
+        'parameters; DDP: 0.53 MiB); every parameter is sharded, the embeddings too',
+        '--grad-sync every: gradients stay sharded between micro-batches; the 0.13 MiB of '
+        'them reduce-scattered 2 times per step, unit by unit'],
+    (10, 4, '--cp', '4', '--cp-rotate', 'ring', '--grad-checkpointing', '--amp', 'bf16'): [
+        'CP split: 8 chunks of 4 tokens, rank i of a row holds chunks i and 7 - i | attention '
+        'pairs per rank: 25.0%, 25.0%, 25.0%, 25.0% (contiguous shares would give 6.8%, '
+        '18.9%, 31.1%, 43.2%) | sent per block and micro-batch: 0.10 MiB, K, V in 9 ring '
+        'passes and their fp32 gradients in 4',
+        'memory per rank (cpu): weights, gradients and AdamW state 0.13 MiB (8,672 of 34,688 '
+        'parameters; DDP: 0.53 MiB); every parameter is sharded, the embeddings too',
+        '--grad-sync every: gradients stay sharded between micro-batches; the 0.13 MiB of '
+        'them reduce-scattered 2 times per step, unit by unit'],
+    (11, 4, '--pp', '2', '--cp', '1', '--tp', '2'): [
+        'memory per rank (cpu): weights, gradients and AdamW state: stage 0 (embeddings, '
+        'block 0) 0.18 MiB, 11,568 parameters; stage 1 (block 1, final norm and head) 0.16 '
+        'MiB, 10,608 parameters (of 34,688; DDP: 0.53 MiB); inside a step also the weights '
+        'gathered and the gradients whole: stage 0 0.10 MiB, stage 1 0.08 MiB, activations '
+        'aside',
+        'traffic per step, rank 0 (stage 0, 1 blocks): tp 0.234 MiB | cp 0.000 MiB | pp 0.039 '
+        "MiB (tp: 10 collectives of 0.023 MiB; FSDP's gathers aside)"],
+    (11, 4, '--pp', '1', '--cp', '2', '--tp', '2', '--sequence-parallel', 'off'): [
+        'memory per rank (cpu): weights, gradients and AdamW state: stage 0 (embeddings, '
+        'blocks 0-1, final norm and head) 0.14 MiB, 9,040 parameters (of 34,688; DDP: 0.53 '
+        'MiB); inside a step also the weights gathered and the gradients whole: stage 0 0.07 '
+        'MiB, activations aside',
+        'traffic per step, rank 0 (stage 0, 2 blocks): tp 0.234 MiB | cp 0.141 MiB | pp 0.000 '
+        "MiB (tp: 20 collectives of 0.012 MiB; FSDP's gathers aside)"],
+    (12, 2, '--ep', '2'): [
+        'experts 4 per block, 2 per token, each 64 wide: a token uses 8,384 of their 16,768 '
+        'parameters (the dense MLP: 8,352) | rank 0 holds experts 0-1',
+        'memory per rank (cpu): weights, gradients and AdamW state 0.40 MiB (25,888 of 51,776 '
+        'parameters; DDP: 0.79 MiB); every parameter is sharded, the embeddings too, and each '
+        'expert over its column',
+        '--grad-sync every: gradients stay sharded between micro-batches; the 0.13 MiB of '
+        'them reduce-scattered 2 times per step, unit by unit'],
+    (12, 4, '--ep', '2', '--shared-expert', '--capacity-factor', '1.5',
+     '--experts-per-token', '1'): [
+        'experts 4 per block, 1 per token, each 128 wide: a token uses 8,352 of their 33,408 '
+        'parameters (the dense MLP: 8,352) | rank 0 holds experts 0-1 | capacity 1.5: at most '
+        "72 of a rank's 192 copies per expert, the rest dropped | a shared expert too: 16,704 "
+        'parameters a token',
+        'memory per rank (cpu): weights, gradients and AdamW state 0.39 MiB (25,440 of '
+        '101,760 parameters; DDP: 1.55 MiB); every parameter is sharded, the embeddings too, '
+        'and each expert over its column',
+        '--grad-sync every: gradients stay sharded between micro-batches; the 0.26 MiB of '
+        'them reduce-scattered 2 times per step, unit by unit'],
+}
+CONTROL = {7: 4, 8: 2, 9: 2, 10: 4, 11: 8, 12: 4}  # another world size: the numbers change
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED), ids=lambda case: " ".join(map(str, case)))
+def test_chapter_lines_are_the_numbers_each_chapter_prints(case):
+    chapter, world, *flags = case
+    assert lines(chapter, world, *flags) == EXPECTED[case]
+    other = CONTROL[chapter] if CONTROL[chapter] != world else 2 * world
+    assert lines(chapter, other, *flags) != EXPECTED[case]
+
+
+def test_chapter_lines_refuse_sizes_that_do_not_divide():
+    assert "--tp 2 does not divide the world size 3" in refused(
+        ["--chapter-lines", "8", "--world-size", "3", "--", *TINY])
+    assert "a chapter 7-12" in refused(["--chapter-lines", "5", "--world-size", "2"])
+    assert "4 stages exceed --n-layer 2" in refused(
+        ["--chapter-lines", "9", "--world-size", "2", "--", *TINY, "--schedule",
+         "interleaved-1f1b", "--stages-per-rank", "2"])
+    assert planner.chapter_lines("9", 2, TINY)  # the control: one stage a rank runs
+
+
+def quoted(page, start):
+    """The line of docs/PAGE that starts with `start`: what a real run printed, quoted there."""
+    text = (REPO / "docs" / page).read_text()
+    return next(line for line in text.splitlines() if line.startswith(start))
+
+
+def test_chapter_lines_are_those_the_docs_quote_from_real_runs():
+    memory, every = planner.chapter_lines("7", 2, ["--grad-accum", "4"])
+    assert memory == quoted("fsdp.md", "memory per rank (cpu)")
+    assert every == quoted("fsdp.md", "--grad-sync every")
+    assert planner.chapter_lines("7", 2, ["--grad-accum", "4", "--grad-sync", "last"])[1] == \
+        quoted("fsdp.md", "--grad-sync last")
+    assert planner.chapter_lines("8", 2, [])[-1] == quoted("tp.md", "TP traffic per rank")
+    assert planner.chapter_lines("9", 2, [])[1] == quoted("pp.md", "PP traffic per rank")
+    assert planner.chapter_lines("10", 2, [])[0] == quoted("cp.md", "CP split")
+    assert planner.chapter_lines("7", 4, [])[0] != memory  # the control: a quarter, not half
