@@ -800,6 +800,20 @@ def memory_words(mine, whole):
            f"{16 * whole / 2**20:.2f} MiB)"
 
 
+def assert_planned(chapter, runs, other):
+    """Chapter 13's planner (plan_layout.py's chapter_lines), given each run's world size and
+    flags, predicts the lines its rank 0 printed about what a rank holds and sends (memory,
+    accumulation, traffic...), each found whole in what the run printed. `runs`: (what it
+    printed, world size, flags) each. The control: the planner's lines for `other`, another
+    layout's (world size, flags), are not all in the first run's output."""
+    plan = trainer("plan_layout.py").chapter_lines
+    for out, world_size, flags in runs:
+        lines = plan(str(chapter), world_size, [str(f) for f in flags])
+        assert lines and all(line in out for line in lines), (world_size, flags, lines, out)
+    assert not all(line in runs[0][0] for line in plan(str(chapter), other[0],
+                                                        [str(f) for f in other[1]]))
+
+
 def assert_bf16_run_is_one_processs(out, dropout=True, tolerances=(5e-3, 1.5e-2, 2e-3)):
     """A bf16 run of bf16(dropout) logs one_process_bf16(dropout)'s losses, gradient norms and
     validation losses within `tolerances` (absolute), and the data and parameter lines the test

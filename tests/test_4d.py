@@ -58,6 +58,7 @@ from helpers import assert_bf16_policy_reduces_in_fp32
 from helpers import CLIPPED, assert_clipped_run_is_one_processs, one_process_clipped
 from helpers import assert_bf16_run_is_one_processs, bf16, one_process_bf16
 from helpers import assert_kv_gradients_summed_in_fp32, streams_restored
+from helpers import assert_planned
 from helpers import (EVAL_6, GPT, NEEDS_CP, NOISY, REPO, SHARDED, as_script, command,
                      ddp_dropout_reference, ddp_reference, finish, in_process, needs_torch, ok,
                      one_process_reference, start, start_two_nodes, summary, trainer)
@@ -89,6 +90,7 @@ CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not he
                "test_under_bf16_the_validation_loss_is_summed_in_fp32"],
     "resume": ["test_pp2_cp2_goes_on_from_the_8_process_checkpoint",
                "test_the_4d_checkpoint_resumes_in_chapters_7_to_10"],
+    "bf16": ["test_bf16_compiled_at_pp2_x_tp2_logs_one_processs_bf16_numbers"],
 }
 
 
@@ -651,3 +653,26 @@ def test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32():
     """FSDP's policy in this chapter: bf16 weights for compute, fp32 gradient reductions."""
     assert_bf16_policy_reduces_in_fp32(trainer(FOURD))
     assert_every_unit_computes_in_bf16_and_reduces_in_fp32(FOURD, SHARDED + ["--pp", 2, "--cp", 1, "--tp", 2])  # read off it
+
+
+def test_the_planner_predicts_what_each_rank_holds_and_sends(runs):
+    """Chapter 13's plan_layout.py, given each run's flags and world size, predicts its memory
+    line (each stage's parameters, and what its first rank holds inside a step) and its traffic
+    line, rank 0's bytes by group, to the character: at pp 2 x cp 2 x tp 2 and dp 2 x pp 2 x tp 2
+    (8 processes), two interleaved stages per rank, tp 2 with dropout, pp 3 over 4 blocks, cp 2 x
+    tp 2 (with and without sequence parallelism, bf16), pp 2 x cp 2 recomputed, and pp 2 x tp 2
+    in bf16 on a 300-token vocabulary. The control: its lines for dp 2 x pp 2 x tp 2 are not the
+    pp 2 x cp 2 x tp 2 run's."""
+    def mesh(pp, cp, tp):
+        return ["--pp", pp, "--cp", cp, "--tp", tp]
+    assert_planned(11, [
+        (runs["nodes"], 8, ONE + mesh(2, 2, 2)), (runs["grid"], 8, CLIPPED + mesh(2, 1, 2)),
+        (runs["interleaved"], 4, THREE + mesh(2, 1, 2) + ["--schedule", "interleaved-1f1b",
+                                                           "--stages-per-rank", 2]),
+        (runs["dropout"], 4, NOISY + mesh(1, 1, 2) + ["--sequence-parallel", "off"]),
+        (runs["three"], 3, THREE + mesh(3, 1, 1)),
+        (runs["square"], 4, ONE + mesh(1, 2, 2) + ["--sequence-parallel", "off"]),
+        (runs["sp dropout"], 4, SHARDED + mesh(1, 2, 2) + ["--dropout", 0.1, "--amp", "bf16"]),
+        (runs["pipes"], 4, ONE + mesh(2, 2, 1) + ["--schedule", "gpipe", "--grad-checkpointing"]),
+        (runs["bf16"], 4, bf16(dropout=False) + ["--batch-size", 12] + mesh(2, 1, 2))],
+        other=(8, ONE + mesh(2, 1, 2)))

@@ -77,6 +77,7 @@ from helpers import assert_bf16_policy_reduces_in_fp32
 from helpers import CLIPPED, assert_clipped_run_is_one_processs, one_process_clipped
 from helpers import assert_bf16_run_is_one_processs, bf16, one_process_bf16
 from helpers import assert_kv_gradients_summed_in_fp32
+from helpers import assert_planned
 from helpers import (EVAL_6, GPT, NEEDS_CP, NOISY, REPO, SHARDED, as_script, command,
                      ddp_dropout_reference, ddp_reference, finish, in_process, needs_torch, ok,
                      one_process_reference, start, start_two_nodes, summary, trainer)
@@ -104,6 +105,7 @@ CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not he
     "policy": ["test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32",
                "test_key_and_value_gradients_are_summed_in_fp32"],
     "resume": ["test_checkpoints_move_between_chapter_7_and_cp_and_a_killed_rank_resumes"],
+    "bf16": ["test_bf16_compiled_at_cp2_logs_one_processs_bf16_numbers"],
 }
 
 
@@ -589,3 +591,20 @@ def test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32():
     """FSDP's policy in this chapter: bf16 weights for compute, fp32 gradient reductions."""
     assert_bf16_policy_reduces_in_fp32(cp)
     assert_every_unit_computes_in_bf16_and_reduces_in_fp32(CP, SHARDED + ["--cp", 2])  # read off it
+
+
+def test_the_planner_predicts_what_each_rank_holds_and_sends(runs):
+    """Chapter 13's plan_layout.py, given each run's flags and world size, predicts its memory,
+    accumulation and split lines to the character: dp 2 x cp 2 with --grad-sync last, cp 2 with
+    recomputation, a ring of 4, a ring of 2 in bf16 with recomputation, dp 2 x cp 2 with dropout,
+    and cp 2 in bf16 on a 300-token vocabulary. The control: its lines for cp 4 are not the
+    grid's."""
+    assert_planned(10, [
+        (runs["grid"], 4, SHARDED + ["--cp", 2, "--grad-sync", "last"]),
+        (runs["restarted"], 2, ONE + ["--cp", 2, "--grad-checkpointing"]),
+        (runs["ring"], 4, ONE + ["--cp", 4, "--cp-rotate", "ring"]),
+        (runs["ring16"], 2, ONE + ["--cp", 2, "--cp-rotate", "ring", "--amp", "bf16",
+                                   "--grad-checkpointing"]),
+        (runs["noisy"], 4, NOISY + ["--cp", 2]),
+        (runs["bf16"], 2, bf16(dropout=False) + ["--batch-size", 12, "--cp", 2])],
+        other=(4, SHARDED + ["--cp", 4]))

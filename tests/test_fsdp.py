@@ -59,7 +59,7 @@ from helpers import kills, logged_val_losses as val_losses
 from helpers import assert_bf16_run_is_one_processs, bf16, one_process_bf16
 from helpers import assert_every_unit_computes_in_bf16_and_reduces_in_fp32
 from helpers import assert_bf16_policy_reduces_in_fp32, assert_dropout_run_is_ddps, streams_restored
-from helpers import first_rank_share, gpt_shapes, memory_words
+from helpers import assert_planned, first_rank_share, gpt_shapes, memory_words
 from helpers import (CONSTANT_LR, EVAL_6, GPT, NOISY, REPO, SHARDED, TINY_GPT, VOCAB, command,
                      ddp_dropout_reference, ddp_reference, finish, hostile_shell, in_process, ok,
                      start, start_two_nodes, summary, trainer)
@@ -87,6 +87,7 @@ CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not he
     "collectives": ["test_accumulation_stays_sharded_or_with_grad_sync_last_holds_whole_gradients"],
     "policy": ["test_the_policy_computes_in_bf16_and_reduces_gradients_in_fp32"],
     "resume": ["test_checkpoints_of_two_and_three_processes_resume_at_one"],
+    "bf16": ["test_bf16_compiled_with_recomputation_logs_one_processs_bf16_numbers"],
 }
 
 
@@ -507,3 +508,14 @@ def test_two_nodes_through_the_launcher_train_like_one_node(runs):
     here, that it was two agents of one process each that the launcher started."""
     out = runs["fsdp"].stdout
     assert "world size 2 |" in out and losses(out) == pytest.approx(losses(runs["ddp"]), rel=1e-5)
+
+
+def test_the_planner_predicts_what_each_rank_holds_and_sends(runs):
+    """Chapter 13's plan_layout.py, given each run's flags and world size, predicts its memory and
+    accumulation lines to the character: at 2 processes (--grad-sync every and last), at 3
+    (batch 4), and under bf16 on a 300-token vocabulary. The control: its lines for 3 processes
+    are not the 2-process run's."""
+    assert_planned(7, [(runs["fsdp"].stdout, 2, FLAGS), (runs["last"].stdout, 2, FLAGS + [
+                       "--grad-sync", "last"]), (runs["nospace"].stdout, 3, FLAGS + [
+                       "--batch-size", 4]), (runs["bf16"].stdout, 2, bf16(dropout=False))],
+                   other=(3, FLAGS))

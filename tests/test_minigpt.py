@@ -60,6 +60,7 @@ CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not he
     "policy": ["test_bf16_computes_in_bf16_while_ddp_all_reduces_fp32_gradients"],
     "resume": ["test_three_processes_log_one_processs_norms_and_validation_and_resume_at_one",
                "test_a_crashed_worker_is_restarted_and_resumes_exactly"],
+    "bf16": ["test_two_ddp_processes_in_bf16_log_one_processs_bf16_numbers"],
 }
 # Three processes of 6 sequences x 2 micro-batches (36 a step), a clip of 1.9 that binds in steps
 # 1, 3 and 6 and not in 2, 4 and 5, and 13 validation windows dealt 5, 4 and 4 to the replicas.

@@ -63,6 +63,7 @@ from helpers import NOISY, SHARDED, as_script, command, finish, in_process, ok, 
 from helpers import REPO, ddp_dropout_reference, start_two_nodes, summary, run_single
 import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
 from helpers import assert_every_unit_computes_in_bf16_and_reduces_in_fp32
+from helpers import assert_planned
 from helpers import assert_bf16_policy_reduces_in_fp32, assert_dropout_run_is_ddps
 from helpers import assert_data_line, token_data
 
@@ -89,6 +90,7 @@ CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not he
     "policy": ["test_the_policy_computes_in_bf16_and_reduces_gradients_in_fp32"],
     "resume": ["test_two_nodes_restarted_after_a_kill_and_resumed_at_ep_1_log_the_uninterrupted_"
                "losses"],
+    "bf16": ["test_bf16_with_recomputation_at_ep_2_logs_one_processs_bf16_numbers"],
 }
 
 
@@ -518,3 +520,20 @@ def test_the_ep_pieces_stand_alone_under_torchrun(tmp_path):
     assert [float(norm) > 0.7 for _, norm in one] == [True] * 3 + [False] * 3
     assert float(one[-1][0]) < float(one[0][0]) - 0.5  # it learns
     assert wrong[0][1] != one[0][1]  # the control: the experts' gradients twice too large
+
+
+def test_the_planner_predicts_what_each_rank_holds_and_sends(runs):
+    """Chapter 13's plan_layout.py, given each run's flags and world size, predicts its experts,
+    memory and accumulation lines to the character: --ep 2, --ep 4, 2 edp x 2 ep, a capacity,
+    --experts 0, a shared expert at --ep 2 and at --ep 1, and bf16 with --grad-sync last on a
+    300-token vocabulary. The control: its lines for --ep 4 are not the --ep 2 run's."""
+    assert_planned(12, [
+        (runs["ep2"], 2, FLAGS + EXPERTS + ["--ep", 2]),
+        (runs["ep4"], 4, FLAGS + EXPERTS + ["--ep", 4, "--batch-size", 3]),
+        (runs["grid"], 4, FLAGS + EXPERTS + ["--ep", 2, "--batch-size", 3]),
+        (runs["capacity"], 2, FLAGS + EXPERTS + CAPACITY + ["--ep", 2]),
+        (runs["dense"], 2, NOISY + ["--experts", 0]),
+        (runs["noisy"], 2, NOISY + SHARED + ["--ep", 2]),
+        (runs["noisy ep1"], 2, NOISY + SHARED),
+        (runs["bf16"], 2, BF16 + token_data() + ["--ep", 2, "--grad-sync", "last"])],
+        other=(4, FLAGS + EXPERTS + ["--ep", 4]))

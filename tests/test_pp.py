@@ -53,7 +53,7 @@ from helpers import assert_every_unit_computes_in_bf16_and_reduces_in_fp32
 from helpers import assert_bf16_policy_reduces_in_fp32
 from helpers import CLIPPED, assert_clipped_run_is_one_processs, one_process_clipped
 from helpers import assert_bf16_run_is_one_processs, bf16, one_process_bf16
-from helpers import VOCAB, first_rank_share, gpt_shapes
+from helpers import VOCAB, assert_planned, first_rank_share, gpt_shapes
 from helpers import (GPT, NEEDS_PP, REPO, SHARDED, TINY_GPT, as_script, command, ddp_reference,
                      finish, in_process, needs_torch, ok, one_process_reference, start,
                      start_two_nodes, summary, trainer)
@@ -97,6 +97,7 @@ CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not he
     "resume": ["test_the_grid_checkpoint_resumes_at_one_process_here_and_in_chapter_7",
                "test_gpipe_at_three_stages_computes_what_one_process_computes_and_resumes_"
                "anywhere"],
+    "bf16": ["test_bf16_compiled_at_pp2_logs_one_processs_bf16_numbers"],
 }
 
 
@@ -564,3 +565,21 @@ def test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32():
     """FSDP's policy in this chapter: bf16 weights for compute, fp32 gradient reductions."""
     assert_bf16_policy_reduces_in_fp32(pp)
     assert_every_unit_computes_in_bf16_and_reduces_in_fp32(PP, SHARDED + ["--pp", 2])  # read off it
+
+
+def test_the_planner_predicts_what_each_rank_holds_and_sends(runs):
+    """Chapter 13's plan_layout.py, given each run's flags and world size, predicts its memory
+    line (each stage's parameters, and what a rank holds inside a step) and its PP traffic line
+    to the character: pp 2 under 1F1B, dp 2 x pp 2, GPipe over 3 stages, two and three ranks of
+    two interleaved stages, dp 2 x pp 2 in bf16 with recomputation, and pp 2 in bf16 on a
+    300-token vocabulary. The control: its lines for dp 2 x pp 2 are not the pp 2 run's."""
+    assert_planned(9, [
+        (runs["nodes"], 2, COLUMN), (runs["grid"], 4, SHARDED + ["--pp", 2]),
+        (runs["restarted"].stdout, 3, THREE + ["--pp", 3, "--schedule", "gpipe"]),
+        (runs["interleaved"], 2, FOUR + INTERLEAVED),
+        (runs["six"], 3, SIX + ["--pp", 3, "--schedule", "interleaved-1f1b",
+                                "--stages-per-rank", 2]),
+        (runs["dropout"], 4, SHARDED + ["--pp", 2, "--dropout", 0.1, "--schedule", "gpipe",
+                                        "--grad-checkpointing", "--amp", "bf16"]),
+        (runs["bf16"], 2, bf16(dropout=False) + ["--batch-size", 12, "--pp", 2])],
+        other=(4, COLUMN))

@@ -53,6 +53,7 @@ from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import kills, logged_val_losses as val_losses
 from helpers import assert_every_unit_computes_in_bf16_and_reduces_in_fp32
 from helpers import assert_bf16_policy_reduces_in_fp32
+from helpers import assert_planned
 from helpers import VOCAB, fake_world, first_rank_share, gpt_shapes, memory_words
 from helpers import assert_bf16_run_is_one_processs, bf16, one_process_bf16
 from helpers import (EVAL_6, GPT, NOISY, REPO, SHARDED, TINY_GPT, command, ddp_dropout_reference,
@@ -79,6 +80,7 @@ CONTRACT = {  # tests/README.md, "One proof for every GPT chapter"; None: not he
                     "test_the_traffic_line_counts_the_collectives_a_step_makes"],
     "policy": ["test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32"],
     "resume": ["test_the_grid_checkpoint_resumes_at_dp1_x_tp2_and_at_tp1"],
+    "bf16": ["test_bf16_with_recomputation_and_dropout_logs_one_processs_numbers"],
 }
 
 
@@ -531,3 +533,21 @@ def test_fsdps_policy_computes_in_bf16_and_reduces_in_fp32():
     policy does not reach TP's sums over tp (the norms' gradients): those run in bf16."""
     assert_bf16_policy_reduces_in_fp32(tp)
     assert_every_unit_computes_in_bf16_and_reduces_in_fp32(TP, SHARDED + ["--tp", 2])  # read off it
+
+
+def test_the_planner_predicts_what_each_rank_holds_and_sends(runs):
+    """Chapter 13's plan_layout.py, given each run's flags and world size, predicts its memory,
+    accumulation and TP traffic lines to the character: dp 2 x tp 2 with sequence parallelism,
+    dp 1 x tp 2 without it and with --grad-sync last, dp 1 x tp 2 in bf16 with recomputation and
+    dropout, dp 2 x tp 2 with dropout and without sequence parallelism, and the bf16 run on a
+    300-token vocabulary. The control: its lines at dp 1 x tp 2 are not the grid's."""
+    tp2 = ["--tp", 2]
+    assert_planned(8, [
+        (runs["grid"], 4, FLAGS + tp2),
+        (runs["row"], 2, FLAGS + tp2 + ["--batch-size", 12, "--grad-sync", "last",
+                                        "--sequence-parallel", "off"]),
+        (runs["drift"].stdout, 2, TINY_GPT + tp2 + ["--dropout", 0.1, "--grad-checkpointing",
+                                                    "--amp", "bf16"]),
+        (runs["tp dropout"], 4, NOISY + tp2 + ["--sequence-parallel", "off"]),
+        (runs["bf16"], 2, bf16() + tp2 + ["--batch-size", 12, "--sequence-parallel", "off"])],
+        other=(2, FLAGS + tp2))
