@@ -1268,6 +1268,39 @@ CATALOGUE = [
             "one row, data that is enough is refused 8x too early",
             "a batch per replica (row)",
             [T_BAD + "test_the_data_check_counts_the_replicas_where_a_rows_ranks_share_a_batch"]),
+    Mistake("fsdp-memory-line-counts-an-even-split", 7, C7,
+            [("    mine = sum(p.to_local().numel() for p in model.parameters())",
+              "    mine = sum(p.numel() for p in model.parameters()) // dist.get_world_size()")],
+            "the memory line divides the model by the ranks: FSDP2 gives each rank ceil(rows / "
+            "ranks) rows of every parameter, so at 3 processes rank 0 holds 11,728 of 34,688, "
+            "not 11,562", "count the local shards: p.to_local().numel()",
+            [T_FSDP + "test_the_memory_line_is_rank_0s_share_at_one_two_and_three_processes"]),
+    Mistake("tp-traffic-sent-without-the-ring-share", 8, C8,
+            [("    sent = halves * tensor * (tp - 1) / tp", "    sent = halves * tensor")],
+            "the traffic line's MiB sent counts each half whole: a rank of a ring sends (tp - 1) / "
+            "tp of the tensor in an all-gather or a reduce-scatter, half of it at tp 2",
+            "(tp - 1) / tp of each half", [T_TP + "test_the_traffic_line_counts_the_collectives_a_"
+                                           "step_makes"]),
+    Mistake("pp-memory-line-counts-the-whole-stage", 9, C9,
+            [("    mine = sum(p.to_local().numel() for p in model.parameters())",
+              "    mine = sum(p.numel() for p in model.parameters())")],
+            "the memory line counts a stage's whole parameters where FSDP shards them over the "
+            "stage's dp ranks: at dp 2 x pp 2 each rank holds half", "p.to_local(): this rank's "
+            "shard", [T_PP + "test_the_memory_line_holds_each_stages_parameters_as_the_test_"
+                      "counts_them"], ["--n-layer", "2"]),
+    Mistake("moe-shares-of-the-last-micro-batch", 12, C12,
+            [("            self.load = counts if self.load is None else self.load + counts",
+              "            self.load = counts")],
+            "the log's expert shares and drops count the last micro-batch alone, not every "
+            "micro-batch since the last line", "add each micro-batch's counts",
+            [T_MOE + "test_the_log_lines_balance_loss_shares_and_drops_are_what_the_test_counts"]),
+    Mistake("moe-experts-without-the-policy", 12, C12,
+            [("    fully_shard(experts, mesh=run.mesh[\"edp\"], mp_policy=run.policy,",
+              "    fully_shard(experts, mesh=run.mesh[\"edp\"],")],
+            "the experts sharded without the mixed-precision policy: under bf16 they keep fp32 "
+            "weights and meet bf16 tokens", "every fully_shard call takes mp_policy=run.policy",
+            [T_MOE + "test_the_policy_computes_in_bf16_and_reduces_gradients_in_fp32"],
+            ["--amp", "bf16"]),
 ]
 
 
