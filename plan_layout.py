@@ -779,7 +779,7 @@ def compare(m, c, texts):
         sent = "/".join(gigabytes(p["bytes"][g]) for g in GROUPS)
         rows.append((text, f"{own.gpus:,}", f"{p['layout'].micro} x {p['micro_batches']}", *held,
                      "yes" if p["fits"] else "no", sent,
-                     "/".join(f"{p['seconds'][g]:.2g}" for g in GROUPS),
+                     "/".join(seconds(p["seconds"][g]) for g in GROUPS),
                      seconds(p["seconds"]["compute"]), f"{p['bubble']:.1%}",
                      seconds(p["step_s"]), f"{p['mfu']:.1%}"))
     return "\n".join([f"{m.name}: {m.tokens_per_step:,} tokens a step of {m.seq_len:,} on "
