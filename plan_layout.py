@@ -7,6 +7,10 @@ r"""Chapter 13: which layout for my model on my cluster? A planner, without torc
         --mlp swiglu --vocab 128256 --gpus 16 --cluster a100-80gb --json plans.json --svg plans.svg
     python plan_layout.py --chapter-lines 11 --world-size 8 -- --n-layer 2 --n-head 2 \
         --n-embd 32 --block-size 32 --batch-size 6 --grad-accum 2   # chapter 11's rank 0 lines
+    python plan_layout.py --preset llama3-405b --layout tp=8,pp=16,dp=128 \
+        --layout tp=8,pp=16,dp=128,recompute=full      # layouts side by side, a row each
+    python plan_layout.py --bubble 16 --micro-batches 16 64 --stages-per-rank 1 2 4
+    python plan_layout.py --chapter-lines 7 --world-size 2 8 64   # a line per world size
 
 It tries every layout the course's trainers can run, estimates each one's memory per GPU and step
 time from the course's formulas, and ranks those that fit, fastest first, in under a second.
@@ -54,12 +58,18 @@ def main(argv=None):
     """Parse, then one of: a chapter's lines, one layout explained, or the ranked table."""
     try:
         args = parse_args(argv)
+        if args.bubble:
+            print(bubble_table(args.bubble, args.micro_batches, args.stages_per_rank))
+            return 0
         if args.chapter_lines:
-            print("\n".join(chapter_lines(args.chapter_lines, args.world_size, args.rest)))
+            print("\n".join(sized_lines(args.chapter_lines, args.world_size, args.rest)))
             return 0
         model, cluster = model_from(args), cluster_from(args)
+        if args.layout and len(args.layout) > 1:
+            print(compare(model, cluster, args.layout))
+            return 0
         if args.layout:
-            print(explain(model, cluster, parse_layout(args.layout, model, cluster)))
+            print(explain(model, cluster, parse_layout(args.layout[0], model, cluster)))
             return 0
         plans = [estimate(model, cluster, layout) for layout in layouts(model, cluster)]
         fitting = sorted((p for p in plans if p["fits"]), key=speed)
@@ -752,6 +762,53 @@ def step_lines(plan, layout, timed):
             f"MFU {plan['mfu']:.1%} = the model's FLOPs a step / (step x GPUs x peak)"]
 
 
+COMPARED = ("layout", "GPUs", "micro x m", "state", "gathered", "gradients", "activations",
+            "logits", "GB", "fits", "GB sent tp/cp/ep/pp/dp", "s in tp/cp/ep/pp/dp", "compute s",
+            "bubble", "step s", "MFU")
+
+
+def compare(m, c, texts):
+    """Several --layout side by side, a row each: the fullest rank's memory terms (GB), what
+    each group sends a step (GB), the seconds. A layout naming dp runs on pp x dp x cp x tp GPUs."""
+    rows = [COMPARED]
+    for text in texts:
+        own = own_gpus(text, c)
+        p = estimate(m, own, parse_layout(text, m, own))
+        held = [gigabytes(p["memory"][k]) for k in ("state", "gathered", "gradients",
+                                                    "activations", "logits", "total")]
+        sent = "/".join(gigabytes(p["bytes"][g]) for g in GROUPS)
+        rows.append((text, f"{own.gpus:,}", f"{p['layout'].micro} x {p['micro_batches']}", *held,
+                     "yes" if p["fits"] else "no", sent,
+                     "/".join(seconds(p["seconds"][g]) for g in GROUPS),
+                     seconds(p["seconds"]["compute"]), f"{p['bubble']:.1%}",
+                     seconds(p["step_s"]), f"{p['mfu']:.1%}"))
+    return "\n".join([f"{m.name}: {m.tokens_per_step:,} tokens a step of {m.seq_len:,} on "
+                      f"{c.name}, {USABLE * c.gpu_memory_gb:g} GB usable (estimates; GB per GPU "
+                      "of the fullest rank)", *table(rows)])
+
+
+def seconds(s):
+    return f"{s:,.0f}" if s >= 1000 else f"{s:.3g}"
+
+
+def own_gpus(text, c):
+    """The cluster of a compared layout: pp x dp x cp x tp GPUs where it names dp, else --gpus."""
+    given = {k.strip(): v.strip() for k, _, v in (item.partition("=") for item in text.split(","))}
+    if "dp" not in given:
+        return c
+    sizes = [whole_number(given.get(k, "1"), k) for k in ("pp", "dp", "cp", "tp")]
+    return dataclasses.replace(c, gpus=math.prod(sizes))
+
+
+def bubble_table(pp, counts, per_rank):
+    """--bubble: the share of a step a stage idles, for each m micro-batches and V stages a rank."""
+    rows = [("m",) + tuple(f"V {v}" for v in per_rank)]
+    for m in counts:
+        rows.append((str(m),) + tuple(f"{(pp - 1) / (v * m + pp - 1):.1%}" for v in per_rank))
+    return "\n".join([f"bubble at pp {pp} = (pp - 1) / (V x m + pp - 1), m micro-batches a step, "
+                      "V stages a rank:", *table(rows)])
+
+
 def write_outputs(args, model, cluster, fitting, misses, plans):
     """--json: every layout that fits and the misses shown; --svg: the chart."""
     if args.json:
@@ -950,6 +1007,13 @@ CHAPTER_FLAGS = {
 }
 SCRIPTS = {"train_fsdp_minigpt.py": 7, "train_tp_minigpt.py": 8, "train_pp_minigpt.py": 9,
            "train_cp_minigpt.py": 10, "train_4d_minigpt.py": 11, "train_moe_minigpt.py": 12}
+
+
+def sized_lines(chapter, worlds, flags):
+    """--chapter-lines at each of the world sizes; with several, each line led by its size."""
+    if len(worlds) == 1:
+        return chapter_lines(chapter, worlds[0], flags)
+    return [f"{n} processes: {line}" for n in worlds for line in chapter_lines(chapter, n, flags)]
 
 
 def chapter_lines(chapter, world, flags):
@@ -1268,8 +1332,13 @@ def parse_args(argv):
     model_flags(p.add_argument_group("the model").add_argument)
     cluster_flags(p.add_argument_group("the cluster").add_argument)
     a = p.add_argument_group("what to print").add_argument
-    a("--layout", metavar="K=V,...", help="explain one layout term by term: pp=2,tp=8,dp=4,cp=1,"
-      "ep=1,schedule=1f1b,v=1,micro=1,recompute=full,sync=last (dp: what is left)")
+    a("--layout", metavar="K=V,...", action="append", help="explain one layout term by term: "
+      "pp=2,tp=8,dp=4,cp=1,ep=1,schedule=1f1b,v=1,micro=1,recompute=full,sync=last (dp: what is "
+      "left); given more than once, the layouts side by side, each naming dp on its own GPUs")
+    a("--bubble", metavar="PP", type=positive_int, help="the bubble at PP stages, a row for each "
+      "--micro-batches and a column for each --stages-per-rank")
+    a("--micro-batches", metavar="M", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16])
+    a("--stages-per-rank", metavar="V", type=positive_int, nargs="+", default=[1])
     a("--top", type=positive_int, default=15, help="the layouts that fit to list (default: 15)")
     a("--misses", type=whole, default=5,
       help="the fastest that do not fit to list, 0 for none (default: 5)")
@@ -1277,7 +1346,8 @@ def parse_args(argv):
     a("--svg", metavar="FILE", help="also draw memory against step time, every layout a dot")
     a("--chapter-lines", metavar="CHAPTER", help="print the lines chapter 7-12's rank 0 prints "
       "about what a rank holds and sends, for the flags after --")
-    a("--world-size", type=positive_int, help="the chapter's process count, for --chapter-lines")
+    a("--world-size", type=positive_int, nargs="+", help="the chapter's process count, for "
+      "--chapter-lines; several: a line for each, led by its count")
     args = p.parse_args(argv)
     if args.chapter_lines and not args.world_size:
         p.error("--chapter-lines needs --world-size")

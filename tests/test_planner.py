@@ -19,9 +19,20 @@ seconds. These tests prove:
    prints about what a rank holds and sends, written out here; each against a control (another
    world size or flag) whose text differs; and at the default flags, the lines the docs quote
    from real runs of chapters 7, 8, 9 and 10 (docs/fsdp.md, tp.md, pp.md, cp.md), the control
-   chapter 7 at 4 processes.
+   chapter 7 at 4 processes;
+6. the docs' numbers are the planner's: every ```bash block of docs/4d.md, pp.md, cp.md, tp.md,
+   fsdp.md and moe.md that starts `python plan_layout.py` is run here, and the plain ``` block
+   after it is its output to the character (the control: that block with one digit changed
+   fails); and no markdown table of those pages holds bytes, times or shares (GB, MiB, ms, %...)
+   unless the line above it marks it `<!-- measured -->`, a table of real runs (the control: a
+   GB table without the marker is found).
 """
+import contextlib
+import io
+import itertools
 import json
+import re
+import shlex
 import xml.etree.ElementTree as ElementTree
 
 import pytest
@@ -263,3 +274,62 @@ def test_chapter_lines_are_those_the_docs_quote_from_real_runs():
     assert planner.chapter_lines("9", 2, [])[1] == quoted("pp.md", "PP traffic per rank")
     assert planner.chapter_lines("10", 2, [])[0] == quoted("cp.md", "CP split")
     assert planner.chapter_lines("7", 4, [])[0] != memory  # the control: a quarter, not half
+
+
+PAGES = ["4d.md", "pp.md", "cp.md", "tp.md", "fsdp.md", "moe.md"]
+COMMAND = re.compile(r"^```bash\n(python plan_layout\.py .*?)^```\n\s*```\n(.*?)^```", re.M | re.S)
+NUMBERS = re.compile(r"\d\s*(?:[KMGT]i?B|ms)\b|\d%")
+MEASURED = "<!-- measured -->"
+
+
+def planned(page_text):
+    """(the commands of a planner block, the output block shown under it) of each block."""
+    found = []
+    for block in COMMAND.finditer(page_text):
+        commands = block.group(1).replace("\\\n", " ").strip().splitlines()
+        found.append((commands, block.group(2)))
+    return found
+
+
+def planner_output(commands):
+    """What the commands print, one after another, each run in this process."""
+    out = io.StringIO()
+    for command in commands:
+        with contextlib.redirect_stdout(out):
+            assert planner.main(shlex.split(command)[2:]) == 0, command
+    return out.getvalue()
+
+
+def unmarked_tables(page_text):
+    """The first line of each markdown table holding bytes, times or shares with no marker above."""
+    lines, found = page_text.splitlines(), []
+    for i, line in enumerate(lines):
+        starts = line.startswith("|") and (i == 0 or not lines[i - 1].startswith("|"))
+        if not starts:
+            continue
+        body = "\n".join(itertools.takewhile(lambda row: row.startswith("|"), lines[i:]))
+        if NUMBERS.search(body) and (i == 0 or lines[i - 1] != MEASURED):
+            found.append(line)
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_the_docs_numbers_are_the_planners_output(page):
+    text = (REPO / "docs" / page).read_text()
+    blocks = planned(text)
+    assert blocks, f"{page}: no planner command"
+    for commands, shown in blocks:
+        assert planner_output(commands) == shown, f"{page}: {commands}"
+    assert not unmarked_tables(text), f"{page}: a table of numbers with no command nor marker"
+
+
+def test_a_page_block_off_by_one_digit_and_an_unmarked_table_are_caught():
+    text = (REPO / "docs" / "4d.md").read_text()
+    commands, shown = planned(text)[0]
+    digit = re.search(r"\d", shown)
+    wrong = shown[:digit.start()] + str((int(digit.group()) + 1) % 10) + shown[digit.end():]
+    assert planner_output(commands) == shown and planner_output(commands) != wrong
+    table = "| model | state |\n|---|---|\n| 70B | 17.6 GB |\n"
+    assert unmarked_tables("Per GPU:\n" + table) == ["| model | state |"]
+    assert unmarked_tables(f"Per GPU:\n{MEASURED}\n" + table) == []
+    assert unmarked_tables("| a | b |\n|---|---|\n| x | y |\n") == []  # no numbers: no marker
