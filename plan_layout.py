@@ -763,8 +763,8 @@ def step_lines(plan, layout, timed):
 
 
 COMPARED = ("layout", "GPUs", "micro x m", "state", "gathered", "gradients", "activations",
-            "logits", "GB", "fits", "GB sent tp/cp/ep/pp/dp", "s in tp/cp/ep/pp/dp", "compute s",
-            "bubble", "step s", "MFU")
+            "logits", "GB", "fits", "rank", "GB sent tp/cp/ep/pp/dp", "s in tp/cp/ep/pp/dp",
+            "compute s", "bubble", "step s", "MFU")
 
 
 def compare(m, c, texts):
@@ -778,13 +778,23 @@ def compare(m, c, texts):
                                                     "activations", "logits", "total")]
         sent = "/".join(gigabytes(p["bytes"][g]) for g in GROUPS)
         rows.append((text, f"{own.gpus:,}", f"{p['layout'].micro} x {p['micro_batches']}", *held,
-                     "yes" if p["fits"] else "no", sent,
+                     "yes" if p["fits"] else "no", place(m, own, p), sent,
                      "/".join(seconds(p["seconds"][g]) for g in GROUPS),
                      seconds(p["seconds"]["compute"]), f"{p['bubble']:.1%}",
                      seconds(p["step_s"]), f"{p['mfu']:.1%}"))
     return "\n".join([f"{m.name}: {m.tokens_per_step:,} tokens a step of {m.seq_len:,} on "
                       f"{c.name}, {USABLE * c.gpu_memory_gb:g} GB usable (estimates; GB per GPU "
                       "of the fullest rank)", *table(rows)])
+
+
+def place(m, c, plan):
+    """The compared layout's place in the ranking of the layouts that fit its GPUs, as "3 of
+    250", or "-" where it does not fit or is not among those the planner tries."""
+    fitting = [p["name"] for p in sorted((p for p in map(lambda lay: estimate(m, c, lay),
+                                                         layouts(m, c)) if p["fits"]), key=speed)]
+    if plan["name"] not in fitting:
+        return "-"
+    return f"{fitting.index(plan['name']) + 1:,} of {len(fitting):,}"
 
 
 def seconds(s):

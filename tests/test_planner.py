@@ -21,11 +21,12 @@ seconds. These tests prove:
    from real runs of chapters 7, 8, 9 and 10 (docs/fsdp.md, tp.md, pp.md, cp.md), the control
    chapter 7 at 4 processes;
 6. the docs' numbers are the planner's: every ```bash block of docs/4d.md, pp.md, cp.md, tp.md,
-   fsdp.md and moe.md that starts `python plan_layout.py` is run here, and the plain ``` block
-   after it is its output to the character (the control: that block with one digit changed
-   fails); and no markdown table of those pages holds bytes, times or shares (GB, MiB, ms, %...)
-   unless the line above it marks it `<!-- measured -->`, a table of real runs (the control: a
-   GB table without the marker is found).
+   fsdp.md, moe.md and planner.md that starts `python plan_layout.py` is run here, and the
+   plain ``` block after it is its output to the character (the control: that block with one
+   digit changed fails); and no markdown table of those pages holds bytes, times or shares (GB,
+   MiB, ms, %...) unless the line above it marks it `<!-- measured -->`, a table of real runs
+   (the control: a GB table without the marker is found); README.md's chapter 13 output is the
+   planner's output now.
 """
 import contextlib
 import io
@@ -276,7 +277,7 @@ def test_chapter_lines_are_those_the_docs_quote_from_real_runs():
     assert planner.chapter_lines("7", 4, [])[0] != memory  # the control: a quarter, not half
 
 
-PAGES = ["4d.md", "pp.md", "cp.md", "tp.md", "fsdp.md", "moe.md"]
+PAGES = ["4d.md", "pp.md", "cp.md", "tp.md", "fsdp.md", "moe.md", "planner.md"]
 COMMAND = re.compile(r"^```bash\n(python plan_layout\.py .*?)^```\n\s*```\n(.*?)^```", re.M | re.S)
 NUMBERS = re.compile(r"\d\s*(?:[KMGT]i?B|ms)\b|\d%")
 MEASURED = "<!-- measured -->"
@@ -333,3 +334,13 @@ def test_a_page_block_off_by_one_digit_and_an_unmarked_table_are_caught():
     assert unmarked_tables("Per GPU:\n" + table) == ["| model | state |"]
     assert unmarked_tables(f"Per GPU:\n{MEASURED}\n" + table) == []
     assert unmarked_tables("| a | b |\n|---|---|\n| x | y |\n") == []  # no numbers: no marker
+
+
+def test_the_readmes_real_output_is_the_planners():
+    """README.md's chapter 13 output, a `$ python plan_layout.py ...` block, is what that command
+    prints now (the control: the block without its last line is not)."""
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"^```\n\$ (python plan_layout\.py [^\n]*)\n(.*?)^```", readme, re.M | re.S)
+    shown = block.group(2)
+    assert planner_output([block.group(1)]) == shown
+    assert planner_output([block.group(1)]) != shown[:shown.rstrip("\n").rfind("\n") + 1]
