@@ -296,6 +296,9 @@ def cluster_from(args):
     for name in fields:
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
+    if args.gpus % fields["gpus_per_node"] and args.gpus > fields["gpus_per_node"]:
+        raise InputError(f"--gpus {args.gpus} is not a whole number of nodes of "
+                         f"{fields['gpus_per_node']} (--gpus-per-node)")
     return Cluster(args.cluster, args.gpus, efficiency=args.efficiency, **fields)
 
 
@@ -528,13 +531,15 @@ def layer_bytes(m, tp, moe):
 
 def in_flight(layout, steps, rank):
     """Micro-batches whose activations a pp rank holds at once: GPipe all, 1F1B pp - rank,
-    interleaved Megatron-LM's pp - rank + (pp - 1) / V, none of them beyond m."""
+    interleaved pp + (pp - 1 - 2 x rank) / V (Megatron-LM's and torch's warm-up of 2 (pp - rank
+    - 1) + (V - 1) pp chunks, plus one, each 1 / V of a micro-batch), none of them beyond m."""
     if layout.pp == 1:
         return 1
     if layout.schedule == "gpipe":
         return steps
-    extra = (layout.pp - 1) / layout.v if layout.schedule == "interleaved-1f1b" else 0
-    return min(steps, layout.pp - rank + extra)
+    if layout.schedule == "interleaved-1f1b":  # the warm-up's chunks, plus one, V a micro-batch
+        return min(steps, layout.pp + (layout.pp - 2 * rank - 1) / layout.v)
+    return min(steps, layout.pp - rank)
 
 
 def activation_term(m, layout, part, steps):
@@ -614,10 +619,11 @@ def group_bytes(m, layout, part, steps):
     tp, cp, ep, n = layout.tp, layout.cp, layout.ep, len(part.layers)
     tokens = layout.micro * m.seq_len / cp
     stream = tokens * m.width * BF16  # a micro-batch's activations on a cp rank
-    halves = (8 + 3 * (layout.recompute == "full")) * n + 2 * part.first + 2 * (layout.pp == 1)
+    halves = (8 + 3 * (layout.recompute == "full")) * n + 2 * part.first + 2 * part.last
     qk, v = head_dims(m)
     kv = tokens * (m.heads if m.mla else m.kv_heads) * (qk + v) * BF16 / tp  # K and V
     moe = part.moe_layers
+    trades = 4 + 2 * (layout.recompute == "full")  # dispatch, combine; again if recomputed
     tied, hops = tied_bytes(m, layout, part), 2 * layout.v * (layout.pp > 1)
     return {
         "tp": (steps * halves * stream * (tp - 1) / tp, lambda: (
@@ -625,8 +631,9 @@ def group_bytes(m, layout, part, steps):
         "cp": (steps * n * (cp - 1) * kv * 4, lambda: (
             f"{steps} x {n} layers x ({cp}-1) x K,V {kv / 1e6:,.2f} MB x (2 gathers + fp32 "
             "gradients)")),
-        "ep": (steps * moe * 4 * tokens / tp * m.top_k * m.width * BF16 * (ep - 1) / ep, lambda: (
-            f"{steps} x {moe} layers x 4 all-to-alls x {tokens / tp:,.0f} tokens x {m.top_k} "
+        "ep": (steps * moe * trades * tokens / tp * m.top_k * m.width * BF16 * (ep - 1) / ep,
+               lambda: (
+            f"{steps} x {moe} layers x {trades} all-to-alls x {tokens / tp:,.0f} tokens x {m.top_k} "
             f"copies x {m.width} x 2 B x ({ep}-1)/{ep}")),
         "pp": (steps * hops * stream / tp + tied, lambda: (
             f"{steps} x {hops} sends x {stream / tp / 1e6:,.1f} MB"
@@ -1323,6 +1330,17 @@ def whole(text):
     return 0 if text == "0" else positive_int(text)
 
 
+def amount(text):
+    """A size or a speed: a finite number above 0 (a link of 0 GB/s would divide by zero)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
+    return value
+
+
 def share(text):
     try:
         value = float(text)
@@ -1385,10 +1403,10 @@ def cluster_flags(a):
     a("--cluster", choices=sorted(CLUSTERS), default="h100-sxm", help="(default: h100-sxm)")
     a("--gpus", type=positive_int, default=8, help="GPUs in all (default: 8)")
     a("--gpus-per-node", type=positive_int)
-    a("--gpu-memory-gb", type=float)
-    a("--peak-tflops", type=float, help="dense bf16 TFLOPS of one GPU")
-    a("--intra-node-gbps", type=float, help="GB/s (bytes) one GPU sends one way in its node")
-    a("--inter-node-gbps", type=float, help="GB/s (bytes) one GPU sends one way across nodes")
+    a("--gpu-memory-gb", type=amount)
+    a("--peak-tflops", type=amount, help="dense bf16 TFLOPS of one GPU")
+    a("--intra-node-gbps", type=amount, help="GB/s (bytes) one GPU sends one way in its node")
+    a("--inter-node-gbps", type=amount, help="GB/s (bytes) one GPU sends one way across nodes")
     a("--efficiency", type=share, default=0.6,
       help="the share of the peak a layer's matrix products reach (default: 0.6, assumed)")
 

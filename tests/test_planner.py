@@ -344,3 +344,93 @@ def test_the_readmes_real_output_is_the_planners():
     shown = block.group(2)
     assert planner_output([block.group(1)]) == shown
     assert planner_output([block.group(1)]) != shown[:shown.rstrip("\n").rfind("\n") + 1]
+
+
+# A model of the course's kind small enough to count by hand: 8 layers, 512 wide, 8 heads of 64,
+# a 2,048-wide MLP, 1,024 tokens of vocabulary, sequences of 1,024, 64 sequences a step.
+C, L, V, S = 512, 8, 1024, 1024
+SMALL = ["--layers", L, "--width", C, "--heads", 8, "--mlp-width", 4 * C, "--mlp", "gelu",
+         "--vocab", V, "--seq-len", S, "--tokens-per-step", 64 * S]
+LAYER = 12 * C * C + 13 * C  # qkv and proj with biases (4C^2 + 4C), the MLP (8C^2 + 5C), 2 norms
+WHOLE = L * LAYER + V * C + S * C + 2 * C  # the tied embedding once, positions, the final norm
+
+
+def planned_parts(flags, layout):
+    """(model, cluster, layout, its Parts by pp rank, micro-batches a step) of the planner."""
+    args = planner.parse_args([str(f) for f in flags])
+    m, c = planner.model_from(args), planner.cluster_from(args)
+    lay = planner.parse_layout(layout, m, c)
+    parts = {p.rank: p for p in planner.parts_of(m, lay.pp, lay.v, lay.tp)}
+    return m, c, lay, parts, m.tokens_per_step // m.seq_len // lay.dp // lay.micro
+
+
+def test_the_estimates_are_the_formulas_written_out_here():
+    """One term at a time, against arithmetic written here for a small GPT (SMALL, 8 GPUs a node):
+    the parameters; the bubble (pp - 1) / (V m + pp - 1); the micro-batches in flight on rank 0
+    (GPipe m, 1F1B pp, interleaved pp + (pp - 1) / V) and on the last rank of an interleaved
+    pipeline (pp - (pp - 1) / V); recomputation's 4/3 of a stage's FLOPs; FSDP's bytes at pp 1,
+    (g - 1) / g of the parameters in bf16 twice and fp32 once a micro-batch; TP's 8 halves a
+    layer and 2 for each end, (tp - 1) / tp of each; CP's K and V gathered twice in bf16 and
+    their gradients in fp32; the tied gradient's all-reduce only under a pipeline; the logits
+    split by tp; which groups cross nodes at 16 GPUs. The control: each formula with one term
+    changed gives another number."""
+    m, c, lay, parts, steps = planned_parts(SMALL + ["--gpus", 8], "pp=4,dp=2,micro=1")
+    assert planner.total_params(m) == WHOLE and steps == 32
+    for schedule, v, bubble in (("1f1b", 1, 3 / 35), ("gpipe", 1, 3 / 35),
+                                ("interleaved-1f1b", 2, 3 / 67)):
+        _, _, lay, _, _ = planned_parts(SMALL, f"pp=4,dp=2,schedule={schedule},v={v}")
+        plan = planner.estimate(m, c, lay)
+        assert plan["bubble"] == pytest.approx(bubble) and bubble != 3 / (32 * v), schedule
+        held = {rank: planner.in_flight(lay, 32, rank) for rank in (0, 3)}
+        assert held == {"1f1b": {0: 4, 3: 1}, "gpipe": {0: 32, 3: 32},
+                        "interleaved-1f1b": {0: 4 + 3 / 2, 3: 4 - 3 / 2}}[schedule], held
+    _, _, full, parts, _ = planned_parts(SMALL, "pp=4,dp=2,recompute=full")
+    _, _, none, _, _ = planned_parts(SMALL, "pp=4,dp=2")
+    middle = parts[1]  # no head: its layers alone
+    assert (planner.compute_term(m, c, full, middle)[0]
+            == pytest.approx(4 / 3 * planner.compute_term(m, c, none, middle)[0]))
+    m, c, lay, parts, steps = planned_parts(SMALL + ["--gpus", 8], "dp=8,micro=1")
+    sent = planner.group_bytes(m, lay, parts[0], steps)
+    assert sent["dp"][0] == pytest.approx(7 / 8 * WHOLE * 8 * (2 + 2 + 4))  # 8 micro-batches
+    assert sent["pp"][0] == 0 and sent["tp"][0] == 0 and sent["cp"][0] == 0
+    m, c, lay, parts, steps = planned_parts(SMALL + ["--gpus", 8], "tp=2,cp=2,dp=2,micro=1")
+    sent = planner.group_bytes(m, lay, parts[0], steps)
+    stream = S // 2 * C * 2  # a cp rank's half of a sequence, bf16
+    assert steps == 32 and sent["tp"][0] == pytest.approx(32 * (8 * L + 4) * stream / 2)
+    kv = S // 2 * 2 * C * 2 / 2  # K and V of its tokens, bf16, its tp half of the heads
+    assert sent["cp"][0] == pytest.approx(32 * L * 1 * kv * (2 + 2))  # 2 gathers, fp32 gradients
+    logits = planner.logits_term(m, lay, parts[0])[0]
+    assert logits == pytest.approx(S // 2 * V / 2 * (2 + 4))  # bf16 and the loss's fp32 copy
+    crossing = {}
+    for gpus, layout in ((8, "tp=2,dp=4"), (16, "tp=2,dp=8"), (16, "tp=8,dp=2"),
+                         (16, "pp=2,tp=8"), (16, "tp=4,cp=4")):
+        _, cluster, lay, _, _ = planned_parts(SMALL + ["--gpus", gpus], layout)
+        crossing[layout] = sorted(group for group, yes in planner.estimate(
+            m, cluster, lay)["across_nodes"].items() if yes)
+    assert crossing == {"tp=2,dp=4": [], "tp=2,dp=8": ["dp"], "tp=8,dp=2": ["dp"],
+                        "pp=2,tp=8": ["pp"], "tp=4,cp=4": ["cp", "dp"]}, crossing  # FSDP: dp x cp
+
+
+def test_experts_send_and_count_as_written_out_here():
+    """A mixture of 8 experts, 2 a token, each as wide as the MLP, at ep 4 within dp 8 (8 GPUs):
+    the all-to-alls send each micro-batch's tokens' 2 copies, 4 times a layer (dispatch and
+    combine, forward and backward), 6 with recomputation, (ep - 1) / ep of them; FSDP shards an
+    expert over dp / ep ranks; MFU counts the 2 experts a token uses, not the 8 (16 experts give
+    the same FLOPs). The control: without the copies, or over all dp ranks, the bytes differ."""
+    flags = SMALL + ["--experts", 8, "--experts-per-token", 2, "--gpus", 8]
+    m, c, lay, parts, steps = planned_parts(flags, "dp=8,ep=4,micro=1")
+    expert = 2 * C * 4 * C + 4 * C + C  # one expert: the MLP's two matrices and biases
+    assert steps == 8 and planner.total_params(m) == WHOLE + L * (7 * expert + 8 * C)  # routers
+    sent = planner.group_bytes(m, lay, parts[0], steps)
+    tokens = S * 2 * C * 2  # a micro-batch's 2 copies of each token, bf16
+    assert sent["ep"][0] == pytest.approx(8 * L * 4 * tokens * 3 / 4)
+    _, _, again, _, _ = planned_parts(flags, "dp=8,ep=4,micro=1,recompute=full")
+    assert planner.group_bytes(m, again, parts[0], steps)["ep"][0] == pytest.approx(
+        8 * L * 6 * tokens * 3 / 4)
+    dense, experts = WHOLE + L * (8 * C - expert), L * 8 * expert  # the routers, not the MLP
+    assert sent["dp"][0] == pytest.approx(8 * (2 + 2 + 4) * (  # edp = dp 8 / ep 4 = 2 ranks
+        7 / 8 * dense + 1 / 2 * experts / 4))
+    more = planner.model_from(planner.parse_args([str(f) for f in flags[:-6]] + [
+        "--experts", "16", "--experts-per-token", "2"]))
+    routers = 6 * L * 8 * C  # 8 more routers' FLOPs; no more experts a token
+    assert planner.model_flops(more) - planner.model_flops(m) == routers
