@@ -65,6 +65,13 @@ C7, C8, C9, C10 = ("train_fsdp_minigpt.py", "train_tp_minigpt.py", "train_pp_min
                    "train_cp_minigpt.py")
 C11, T_4D = "train_4d_minigpt.py", "tests/test_4d.py::"
 C12, T_MOE = "train_moe_minigpt.py", "tests/test_moe.py::"
+C13, T_PLAN = "plan_layout.py", "tests/test_planner.py::"
+PLAN_TERMS = T_PLAN + "test_the_estimates_are_the_formulas_written_out_here"
+PLAN_EXPERTS = T_PLAN + "test_experts_send_and_count_as_written_out_here"
+PLAN_405B = [sys.executable, "plan_layout.py", "--preset", "llama3-405b", "--gpus", "16384",
+             "--layout", "pp=16,tp=8,dp=128,schedule=interleaved-1f1b,v=4,recompute=full"]
+PLAN_DSV3 = [sys.executable, "plan_layout.py", "--preset", "deepseek-v3", "--gpus", "2048",
+             "--layout", "pp=16,dp=128,ep=64,recompute=full"]
 MOE_EQUAL = T_MOE + "test_expert_parallel_runs_compute_what_one_process_computes"
 PAGE_7, PAGE_11 = "docs/fsdp_in_your_trainer.md", "docs/4d_in_your_trainer.md"  # copy pages
 
@@ -1301,6 +1308,45 @@ CATALOGUE = [
             "weights and meet bf16 tokens", "every fully_shard call takes mp_policy=run.policy",
             [T_MOE + "test_the_policy_computes_in_bf16_and_reduces_gradients_in_fp32"],
             ["--amp", "bf16"]),
+    Mistake("plan-bubble-ignores-the-stages-per-rank", 13, C13,
+            [("    bubble = (layout.pp - 1) / (layout.v * steps + layout.pp - 1)",
+              "    bubble = (layout.pp - 1) / (steps + layout.pp - 1)")],
+            "the bubble of an interleaved schedule counted as 1F1B's: V stages a rank divide the "
+            "fill and drain by V", "(pp - 1) / (V m + pp - 1)", [PLAN_TERMS],
+            command=PLAN_405B, pick=r"^bubble ([\d.]+%)"),
+    Mistake("plan-interleaved-in-flight-times-v", 13, C13,
+            [("layout.pp + (layout.pp - 2 * rank - 1) / layout.v)",
+              "layout.pp + (layout.pp - 2 * rank - 1) * layout.v)")],
+            "an interleaved rank's extra micro-batches in flight multiplied by V, not divided: each "
+            "warm-up chunk is 1 / V of a micro-batch", "pp + (pp - 1 - 2r) / V", [PLAN_TERMS],
+            command=PLAN_405B, pick=r"^  activations +([\d.]+)"),
+    Mistake("plan-recomputation-costs-no-flops", 13, C13,
+            [('    again = 4 / 3 if layout.recompute == "full" else 1', "    again = 1")],
+            "recomputation costs memory only: the forward run again in backward is 2 of a "
+            "parameter's 6 FLOPs more", "4/3 of the layers' FLOPs", [PLAN_TERMS],
+            command=PLAN_405B, pick=r"^  compute +([\d.]+)"),
+    Mistake("plan-fsdp-reduces-in-bf16", 13, C13,
+            [('        per, how = BF16 + FP32, "(2 + 4) B once"',
+              '        per, how = BF16 + BF16, "(2 + 4) B once"')],
+            "FSDP's reduce-scatter counted in bf16: the course's policy reduces gradients in fp32",
+            "4 bytes a gradient", [PLAN_TERMS], command=PLAN_405B, pick=r"^  dp +([\d.]+)"),
+    Mistake("plan-ep-without-the-copies", 13, C13,
+            [("        \"ep\": (steps * moe * trades * tokens / tp * m.top_k * m.width",
+              "        \"ep\": (steps * moe * trades * tokens / tp * m.width")],
+            "the all-to-alls send each token once: a token goes to K experts, K copies",
+            "tokens x K copies", [PLAN_EXPERTS], command=PLAN_DSV3, pick=r"^  ep +([\d.]+)"),
+    Mistake("plan-logits-whole-on-every-tp-rank", 13, C13,
+            [("    value = tokens * m.vocab / layout.tp * (BF16 + FP32) * part.last",
+              "    value = tokens * m.vocab * (BF16 + FP32) * part.last")],
+            "the last stage's logits counted whole: TP's head splits them by vocabulary",
+            "vocab / tp of each token's logits", [PLAN_TERMS], command=PLAN_405B,
+            pick=r"^  logits +([\d.]+)"),
+    Mistake("plan-groups-cross-nodes-by-their-size", 13, C13,
+            [('             "dp": (layout.tp, layout.dp * layout.cp)}',
+              '             "dp": (1, layout.dp * layout.cp)}')],
+            "a dp group judged by its size alone: its ranks stand tp apart, so 2 of them cross "
+            "nodes at tp 8", "stride x size against the GPUs of a node", [PLAN_TERMS],
+            command=PLAN_405B, pick=r"^  dp +[\d.]+ +[\d.,]+ GB (\w+ \w+)"),
 ]
 
 
@@ -1454,7 +1500,7 @@ def selected(which):
 CHAPTERS = {2: "DDP", 3: "a GPT under DDP", 4: "many nodes", 5: "faults",
             6: "speed and debugging", 7: "FSDP", 8: "tensor parallelism",
             9: "pipeline parallelism", 10: "context parallelism", 11: "every parallelism at once",
-            12: "mixture of experts"}
+            12: "mixture of experts", 13: "the planner"}
 
 
 def markdown(results, note):

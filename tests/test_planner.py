@@ -401,6 +401,18 @@ def test_the_estimates_are_the_formulas_written_out_here():
     assert sent["cp"][0] == pytest.approx(32 * L * 1 * kv * (2 + 2))  # 2 gathers, fp32 gradients
     logits = planner.logits_term(m, lay, parts[0])[0]
     assert logits == pytest.approx(S // 2 * V / 2 * (2 + 4))  # bf16 and the loss's fp32 copy
+    m, c, lay, parts, steps = planned_parts(SMALL + ["--gpus", 8],
+                                            "pp=2,tp=2,dp=2,micro=1,recompute=full")
+    stream = S * C * 2  # a micro-batch's activations, bf16
+    for rank in (0, 1):  # each end: 4 layers of 8 halves and 3 more recomputed, 2 for its end
+        sent = planner.group_bytes(m, lay, parts[rank], steps)
+        assert sent["tp"][0] == pytest.approx(32 * ((8 + 3) * 4 + 2) * stream / 2), rank
+    kept = planner.activation_term(m, lay, parts[0], steps)[0] - S * parts[0].act_max
+    assert kept == pytest.approx(2 * S * 4 * 2 * C / 2)  # 1F1B: 2 in flight, 4 inputs, tp's half
+    _, _, lay, parts, steps = planned_parts(SMALL + ["--gpus", 8], "pp=2,dp=4,micro=1")
+    first = V * C + S * C + 4 * LAYER  # the embeddings and 4 layers
+    assert planner.group_bytes(m, lay, parts[0], steps)["dp"][0] == pytest.approx(
+        3 / 4 * first * (2 + 4))  # once a step: gathered in bf16, reduce-scattered in fp32
     crossing = {}
     for gpus, layout in ((8, "tp=2,dp=4"), (16, "tp=2,dp=8"), (16, "tp=8,dp=2"),
                          (16, "pp=2,tp=8"), (16, "tp=4,cp=4")):
@@ -434,3 +446,15 @@ def test_experts_send_and_count_as_written_out_here():
         "--experts", "16", "--experts-per-token", "2"]))
     routers = 6 * L * 8 * C  # 8 more routers' FLOPs; no more experts a token
     assert planner.model_flops(more) - planner.model_flops(m) == routers
+
+
+def test_a_gpu_run_of_a_chapter_counts_bf16_activations():
+    """On a GPU a chapter's --amp auto means bf16: the TP traffic line's tensor is half the CPU's
+    fp32 one at the same flags (the control: --amp off on the GPU gives the fp32 size)."""
+    tensor = {}
+    for name, extra in (("gpu", ["--device", "cuda"]), ("cpu", []),
+                        ("gpu off", ["--device", "cuda", "--amp", "off"])):
+        line = planner.chapter_lines("8", 2, TINY + ["--tp", "2", "--n-embd", "256",
+                                                     "--batch-size", "16"] + extra)[-1]
+        tensor[name] = float(re.search(r"of ([\d.]+) MiB per step", line).group(1))
+    assert tensor["gpu"] * 2 == tensor["cpu"] == tensor["gpu off"] == 0.5, tensor
