@@ -743,10 +743,16 @@ def explain(m, c, layout):
     return "\n".join(lines)
 
 
+@functools.lru_cache(maxsize=None)
+def ranked(m, c):
+    """Every layout that fits, fastest first: the ranking, made once per model and cluster."""
+    return tuple(sorted((p for p in map(lambda lay: estimate(m, c, lay), layouts(m, c))
+                         if p["fits"]), key=speed))
+
+
 def standing(m, c, plan):
     """Where the planner's ranking puts this layout: its place among those that fit."""
-    fitting = sorted((p for p in map(lambda lay: estimate(m, c, lay), layouts(m, c))
-                      if p["fits"]), key=speed)
+    fitting = ranked(m, c)
     names = [p["name"] for p in fitting]
     if plan["name"] not in names:
         return (f"not among the {len(names):,} layouts the planner ranks" + (
@@ -797,8 +803,7 @@ def compare(m, c, texts):
 def place(m, c, plan):
     """The compared layout's place in the ranking of the layouts that fit its GPUs, as "3 of
     250", or "-" where it does not fit or is not among those the planner tries."""
-    fitting = [p["name"] for p in sorted((p for p in map(lambda lay: estimate(m, c, lay),
-                                                         layouts(m, c)) if p["fits"]), key=speed)]
+    fitting = [p["name"] for p in ranked(m, c)]
     if plan["name"] not in fitting:
         return "-"
     return f"{fitting.index(plan['name']) + 1:,} of {len(fitting):,}"
