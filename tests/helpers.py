@@ -892,7 +892,7 @@ def assert_bf16_policy_reduces_in_fp32(module):
     assert (name, policy.param_dtype, policy.reduce_dtype) == ("off", None, torch.float32)
 
 
-def built_in_a_fake_world(script, flags, world_size=4):
+def built_in_a_fake_world(script, flags, world_size=4, vocab_size=256):
     """A chapter's model as its rank 0 builds it in a world of `world_size` (fake_world: no
     launch), with the script's own make_run and build_model; what the other ranks would have told
     rank 0 through all_gather_object is rank 0's own answer. Returns (model, what it printed)."""
@@ -906,7 +906,7 @@ def built_in_a_fake_world(script, flags, world_size=4):
     with fake_world(world_size), contextlib.redirect_stdout(printed), \
             unittest.mock.patch.object(dist, "all_gather_object", gather_own):
         run = module.make_run(args, torch.device("cpu"), 0, world_size)
-        model = module.build_model(run, 256)[0]
+        model = module.build_model(run, vocab_size)[0]
     return model, printed.getvalue()
 
 

@@ -38,8 +38,6 @@ launches on CPU/gloo. These tests prove:
 6. benchmark_scaling.py reads its summary: the global batch counts the dp rows, not the ranks.
 """
 import collections
-import contextlib
-import io
 import json
 import math
 import os
@@ -54,7 +52,7 @@ from helpers import kills, logged_val_losses as val_losses
 from helpers import assert_every_unit_computes_in_bf16_and_reduces_in_fp32
 from helpers import assert_bf16_policy_reduces_in_fp32
 from helpers import assert_planned
-from helpers import VOCAB, fake_world, first_rank_share, gpt_shapes, memory_words
+from helpers import VOCAB, built_in_a_fake_world, first_rank_share, gpt_shapes, memory_words
 from helpers import assert_bf16_run_is_one_processs, bf16, one_process_bf16
 from helpers import (EVAL_6, GPT, NOISY, REPO, SHARDED, TINY_GPT, command, ddp_dropout_reference,
                      ddp_reference, finish, in_process, ok, one_process_reference, run, start,
@@ -481,16 +479,13 @@ def test_at_tp_4_rank_0_holds_and_logs_a_quarter_of_what_tp_splits():
     share, and the line says so."""
     for vocab in (256, VOCAB):
         for dp, ranks in ((1, 4), (2, 2)):
-            args = tp.parse_args(SHARDED + ["--tp", str(ranks), "--n-head", "4", "--device",
-                                            "cpu"])
-            printed = io.StringIO()
-            with fake_world(4), contextlib.redirect_stdout(printed):
-                tp.build_model(tp.make_run(args, torch.device("cpu"), 0, 4), vocab)
+            printed = built_in_a_fake_world(TP, SHARDED + ["--tp", ranks, "--n-head", 4],
+                                            vocab_size=vocab)[1]
             shapes = gpt_shapes(vocab=vocab)
             mine, whole = tp_share(shapes, dp, ranks), first_rank_share(shapes, 1)
             part = 4 * tp_share(shapes, 1, ranks) / 2**20
-            assert memory_words(mine, whole) in printed.getvalue(), printed.getvalue()
-            assert f"the {part:.2f} MiB of them reduce-scattered 2 times" in printed.getvalue()
+            assert memory_words(mine, whole) in printed, printed
+            assert f"the {part:.2f} MiB of them reduce-scattered 2 times" in printed
     assert tp_share(gpt_shapes(), 1, 4) != tp_share(gpt_shapes(), 2, 2)
 
 
