@@ -11,7 +11,9 @@
    batch it means the same way: per process, and the same global batch;
 5. every link from the docs into a script (``[`code`](../script.py)``) quotes code that the
    script holds (a name, a tag such as `# DDP 4`, a line), no link points at a line number (those
-   break with every edit), and every `tests/FILE.py::test_name` the docs cite exists.
+   break with every edit), and every `tests/FILE.py::test_name` the docs cite exists;
+6. the numbers a page works out in its prose (bytes of logits, of gradients, of all-to-alls) are
+   the arithmetic written out in the test, rounded as printed.
 """
 import ast
 import contextlib
@@ -132,3 +134,38 @@ def test_every_statement_of_the_batch_equivalence_says_which_batch_it_means():
                         f"{name}: say which batch (per process, the same global batch):\n{sentence}"
     assert {"README.md", "docs/concepts.md", "docs/troubleshooting.md", "tests/README.md",
             "test_classifier.py", "test_cluster_paths.py"} <= set(found), found
+
+
+# The worked numbers in the docs' prose, each beside the arithmetic that gives it (sizes from the
+# models' configurations: GPT-2's 50,257 tokens and 768 wide, Llama 3's 128,256 and 8,192 wide).
+GPT2_ROOT = 50_257 * 768 + 1_024 * 768 + 2 * 768  # tied embedding, positions, final norm
+GPT2_BLOCK = 12 * 768 ** 2 + 13 * 768  # attention and MLP matrices with biases, two norms
+MOE_EP_BYTES = 4 * 2_048 * 128 * 4  # half of 4,096 copies, out and back, forward and backward
+MOE_FSDP_BYTES = 263_680 // 2 * 4 * 3  # half of the experts, two all-gathers, a reduce-scatter
+WORKED = [
+    ("4d.md", "that is {:.1f} GB of fp32 per rank where {:.1f} GB was counted at tp 8",
+     [128_256 * 8_192 * 4 / 1e9, 128_256 * 8_192 * 4 / 8 / 1e9]),
+    ("pp.md", "m x B x T x vocab floats, {:.0f} MiB at m = 8, B = 16 and T = 128 here, {:.1f} GiB "
+              "a micro-batch for Llama 3's 128,256-token vocabulary at B = 1 and T = 8192",
+     [8 * 16 * 128 * 256 * 4 / 2**20, 8_192 * 128_256 * 4 / 2**30]),
+    ("tp.md", "a micro-batch of 16 x 1,024 tokens has {:.1f} GiB of fp32 logits",
+     [16 * 1_024 * 50_257 * 4 / 2**30]),
+    ("fsdp.md", "({:.0f}M parameters, {:.1f}M of them the root's embeddings) the root alone is "
+                "about {:.1f} blocks' worth", [(GPT2_ROOT + 12 * GPT2_BLOCK) / 1e6,
+                                               GPT2_ROOT / 1e6, GPT2_ROOT / GPT2_BLOCK]),
+    ("moe.md", "4 x 2,048 x 128 x 4 bytes = {:.1f} MB", [MOE_EP_BYTES / 1e6]),
+    ("moe.md", "this block's experts instead: {:,} parameters, half of them received per "
+               "all-gather at 2 ranks, two all-gathers and one reduce-scatter, about {:.1f} MB",
+     [4 * (2 * 128 * 256 + 256 + 128), MOE_FSDP_BYTES / 1e6]),
+    ("moe.md", "it moves {:.1f} times the bytes, above: {:.1f} MB against {:.1f} MB a block",
+     [MOE_EP_BYTES / MOE_FSDP_BYTES, MOE_EP_BYTES / 1e6, MOE_FSDP_BYTES / 1e6]),
+]
+
+
+@pytest.mark.parametrize("page,words,values", WORKED)
+def test_a_worked_number_in_the_prose_is_its_arithmetic(page, words, values):
+    """Each number a page works out in a sentence is the arithmetic written out here, rounded as
+    printed (the page's line breaks aside). The control: one value a tenth off is not on the page."""
+    text = " ".join((REPO / "docs" / page).read_text().split())
+    assert words.format(*values) in text, words.format(*values)
+    assert words.format(*[values[0] * 1.1, *values[1:]]) not in text
