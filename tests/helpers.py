@@ -6,6 +6,7 @@ chapter 2 runs that several test modules compare against (run once per test sess
 Tests import what they use from here by name; there is no conftest.py.
 """
 import argparse
+import collections
 import contextlib
 import errno
 import functools
@@ -23,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import unittest.mock
 from pathlib import Path
 
@@ -602,6 +604,57 @@ def in_process(script, args, env=None):
         trainer(script).main(["--device", "cpu", *map(str, args)])
     record([script, "--device", "cpu", *map(str, args)], 0)
     return printed.getvalue()
+
+
+class FakeClock:
+    """time for a trainer's module, whose perf_counter reads a clock that only the test moves."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+    def __getattr__(self, name):  # sleep, time, strftime...: the real ones
+        return getattr(time, name)
+
+
+def assert_the_schedule_is_applied_and_logged_and_the_clock_is_training(script, flags, tmp_path):
+    """A sharded chapter's main(), in this process as a world of one (`flags` make the layout
+    one rank), applies and logs the schedule worked out by hand in chapter 3's test (TINY_GPT:
+    1e-2 after 2 warmup steps, then a cosine over steps 2 and 3 towards 3e-4: 5e-3, 1e-2, 1e-2,
+    5.15e-3), and its ms/step counts training only. The clock is the test's: each step moves it
+    1 s, each evaluation and each save 100 s, so every step logs 1000.0 ms/step exactly; the
+    control is that evaluations and saves ran between logged steps (a counted one would log
+    101000.0)."""
+    module, clock, applied, calls = trainer(script), FakeClock(), [], collections.Counter()
+
+    def recorded(*args):
+        optimizer = make(*args)
+        optimizer.register_step_pre_hook(
+            lambda opt, *_: applied.append(opt.param_groups[0]["lr"]))
+        return optimizer
+
+    def moving(function, seconds):
+        def moved(*args):
+            calls[function.__name__] += 1
+            result = function(*args)
+            clock.now += seconds
+            return result
+        return moved
+    make = module.make_optimizer
+    with unittest.mock.patch.multiple(
+            module, time=clock, make_optimizer=recorded, train_step=moving(module.train_step, 1),
+            evaluate=moving(module.evaluate, 100),
+            save_checkpoint=moving(module.save_checkpoint, 100)):
+        out = in_process(script, [*TINY_GPT, *flags, "--max-steps", 4, "--eval-every", 2,
+                                  "--eval-windows", 2, "--save", tmp_path / "ck", "--save-every",
+                                  2, "--export", "", "--max-new-tokens", 1])
+    assert applied == pytest.approx([5e-3, 1e-2, 1e-2, 5.15e-3], rel=1e-9)
+    logged = re.findall(r"^step \d/4 \| loss \S+ \| lr (\S+) \| .* \| (\S+) ms/step", out, re.M)
+    assert logged == [("5.00e-03", "1000.0"), ("1.00e-02", "1000.0"), ("1.00e-02", "1000.0"),
+                      ("5.15e-03", "1000.0")], out
+    assert calls == {"train_step": 4, "evaluate": 3, "save_checkpoint": 2}, calls
 
 
 # ----------------------------------------------------------------------------------------- data

@@ -61,6 +61,9 @@ torchrun launches on CPU/gloo. These tests prove:
    replicas at dp 2 x cp 2, each rank's memory at 2 and 4 ranks, the gradients a reduce-scatter
    takes in (--grad-sync every and last), the bytes the split line says a block sends in fp32,
    in bf16, and for a recomputed ring (its passes counted by the probe too).
+The schedule and the clock, in this process as a world of one: each step applies and logs
+the warmup and cosine worked out by hand, and ms/step leaves out evaluation and saving (the
+test moves the clock: 1 s a step, 100 s an evaluation or a save).
 """
 import json
 import types
@@ -69,6 +72,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from helpers import assert_the_schedule_is_applied_and_logged_and_the_clock_is_training
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import kills, logged_val_losses as val_losses
 from helpers import streams_restored
@@ -608,3 +612,10 @@ def test_the_planner_predicts_what_each_rank_holds_and_sends(runs):
         (runs["noisy"], 4, NOISY + ["--cp", 2]),
         (runs["bf16"], 2, bf16(dropout=False) + ["--batch-size", 12, "--cp", 2])],
         other=(4, SHARDED + ["--cp", 4]))
+
+
+def test_each_step_applies_and_logs_the_schedule_and_times_training_only(tmp_path):
+    """The warmup and cosine by hand, applied and logged at each step; ms/step leaves out the
+    evaluations and saves (a clock the test moves), as a world of one with --cp 1."""
+    assert_the_schedule_is_applied_and_logged_and_the_clock_is_training(
+        CP, ["--cp", "1"], tmp_path)

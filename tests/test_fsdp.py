@@ -44,6 +44,9 @@ These tests prove:
    computes; the dropout runs of 1 and 4 set --weight-decay, --dist-timeout and --amp off too.
 The launches run side by side in one module fixture (`runs`); the counted run of 1-3 is the
 two-node run of 6; --grad-sync last is a counted run of 4 steps beside it.
+The schedule and the clock, in this process as a world of one: each step applies and logs
+the warmup and cosine worked out by hand, and ms/step leaves out evaluation and saving (the
+test moves the clock: 1 s a step, 100 s an evaluation or a save).
 """
 import json
 import logging
@@ -55,6 +58,7 @@ import types
 
 import pytest
 import torch
+from helpers import assert_the_schedule_is_applied_and_logged_and_the_clock_is_training
 from helpers import kills, logged_val_losses as val_losses
 from helpers import assert_bf16_run_is_one_processs, bf16, one_process_bf16
 from helpers import assert_every_unit_computes_in_bf16_and_reduces_in_fp32
@@ -519,3 +523,10 @@ def test_the_planner_predicts_what_each_rank_holds_and_sends(runs):
                        "--grad-sync", "last"]), (runs["nospace"].stdout, 3, FLAGS + [
                        "--batch-size", 4]), (runs["bf16"].stdout, 2, bf16(dropout=False))],
                    other=(3, FLAGS))
+
+
+def test_each_step_applies_and_logs_the_schedule_and_times_training_only(tmp_path):
+    """The warmup and cosine by hand, applied and logged at each step; ms/step leaves out the
+    evaluations and saves (a clock the test moves), as a world of one with one rank."""
+    assert_the_schedule_is_applied_and_logged_and_the_clock_is_training(
+        FSDP, [], tmp_path)

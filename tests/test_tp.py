@@ -36,6 +36,9 @@ launches on CPU/gloo. These tests prove:
    whose copies of a replicated parameter differ with one line per rank and exit code 3 (a probe
    nudges one rank's copy);
 6. benchmark_scaling.py reads its summary: the global batch counts the dp rows, not the ranks.
+The schedule and the clock, in this process as a world of one: each step applies and logs
+the warmup and cosine worked out by hand, and ms/step leaves out evaluation and saving (the
+test moves the clock: 1 s a step, 100 s an evaluation or a save).
 """
 import collections
 import json
@@ -47,6 +50,7 @@ import types
 
 import pytest
 import torch
+from helpers import assert_the_schedule_is_applied_and_logged_and_the_clock_is_training
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import kills, logged_val_losses as val_losses
 from helpers import assert_every_unit_computes_in_bf16_and_reduces_in_fp32
@@ -546,3 +550,10 @@ def test_the_planner_predicts_what_each_rank_holds_and_sends(runs):
         (runs["tp dropout"], 4, NOISY + tp2 + ["--sequence-parallel", "off"]),
         (runs["bf16"], 2, bf16() + tp2 + ["--batch-size", 12, "--sequence-parallel", "off"])],
         other=(2, FLAGS + tp2))
+
+
+def test_each_step_applies_and_logs_the_schedule_and_times_training_only(tmp_path):
+    """The warmup and cosine by hand, applied and logged at each step; ms/step leaves out the
+    evaluations and saves (a clock the test moves), as a world of one with --tp 1."""
+    assert_the_schedule_is_applied_and_logged_and_the_clock_is_training(
+        TP, ["--tp", "1"], tmp_path)
