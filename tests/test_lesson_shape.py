@@ -46,6 +46,7 @@
    the line that makes the call; a block that only rewords comments is words, not code (the
    control: an untagged line of code is caught, a reworded comment is not); the README's chapter
    has a row (F1.., T1.., P1.., C1.., D1..) for each.
+The README's count of each twin's changed lines is lesson_diff's count now.
 """
 import ast
 import difflib
@@ -469,14 +470,36 @@ def test_every_changed_block_holds_its_tag_and_the_readme_has_every_row(
     ("train_pp_minigpt.py", "train_4d_minigpt.py", 289),
     ("train_fsdp_minigpt.py", "train_moe_minigpt.py", 86)])  # 86: with capacity and export
 def test_each_twins_lesson_section_differs_from_its_parents_within_budget(parent, child, limit):
-    def lesson(name):  # main() and its steps, up to the plumbing's marker, the model aside
+    count = lesson_diff(parent, child)
+    assert 0 < count <= limit, f"{child}: {count} changed lines in the lesson section"
+
+
+def lesson_diff(parent, child):
+    """The lines removed and added between two scripts' lesson sections (main() and its steps, up
+    to the plumbing's marker, the model aside)."""
+    def lesson(name):
         lesson, model, beyond, plumbing = section_lines(name)
         text = lines(name)
         return text[lesson - 1:model - 1] + text[beyond - 1:plumbing - 1]
     matcher = difflib.SequenceMatcher(None, lesson(parent), lesson(child), autojunk=False)
-    count = sum((i2 - i1) + (j2 - j1) for tag, i1, i2, j1, j2 in matcher.get_opcodes()
-                if tag != "equal")
-    assert 0 < count <= limit, f"{child}: {count} changed lines in the lesson section"
+    return sum((i2 - i1) + (j2 - j1) for tag, i1, i2, j1, j2 in matcher.get_opcodes()
+               if tag != "equal")
+
+
+def test_the_readme_says_how_many_lines_each_lesson_differs_by():
+    """Each chapter's "Its lesson differs from chapter N's by K lines" in the README is the count
+    lesson_diff makes now. The control: every chapter's sentence is found (six)."""
+    said = []
+    for section in (REPO / "README.md").read_text().split("\n## Chapter ")[1:]:
+        found = re.search(r"Its lesson differs from (?:chapter )?(\d+)'s by (\d+) lines",
+                          " ".join(section.split()))
+        said += [(section.split()[0].rstrip(":"), *found.groups())] if found else []
+    scripts = {3: "train_ddp_minigpt.py", 7: "train_fsdp_minigpt.py", 8: "train_tp_minigpt.py",
+               9: "train_pp_minigpt.py", 10: "train_cp_minigpt.py", 11: "train_4d_minigpt.py",
+               12: "train_moe_minigpt.py"}
+    assert [int(c) for c, _, _ in said] == [7, 8, 9, 10, 11, 12], said
+    for chapter, parent, count in said:
+        assert int(count) == lesson_diff(scripts[int(parent)], scripts[int(chapter)]), chapter
 
 
 def prose(source):
