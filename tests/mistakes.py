@@ -73,6 +73,7 @@ PLAN_405B = [sys.executable, "plan_layout.py", "--preset", "llama3-405b", "--gpu
 PLAN_DSV3 = [sys.executable, "plan_layout.py", "--preset", "deepseek-v3", "--gpus", "2048",
              "--layout", "pp=16,dp=128,ep=64,recompute=full"]
 MOE_EQUAL = T_MOE + "test_expert_parallel_runs_compute_what_one_process_computes"
+SCHEDULE = "test_each_step_applies_and_logs_the_schedule_and_times_training_only"
 PAGE_7, PAGE_11 = "docs/fsdp_in_your_trainer.md", "docs/4d_in_your_trainer.md"  # copy pages
 
 
@@ -1275,6 +1276,42 @@ CATALOGUE = [
             "one row, data that is enough is refused 8x too early",
             "a batch per replica (row)",
             [T_BAD + "test_the_data_check_counts_the_replicas_where_a_rows_ranks_share_a_batch"]),
+    Mistake("fsdp-lr-set-after-the-step", 7, C7,
+            [('    for group in optimizer.param_groups:\n        group["lr"] = lr_at(step, args)\n'
+              '    grad_norm = nn.utils.clip_grad_norm_(',
+              '    grad_norm = nn.utils.clip_grad_norm_('),
+             ("    optimizer.step()  # FSDP 1: no scaler; each rank steps its shards\n",
+              "    optimizer.step()  # FSDP 1: no scaler; each rank steps its shards\n"
+              "    for group in optimizer.param_groups:\n"
+              '        group["lr"] = lr_at(step, args)\n')],
+            "the learning rate set after optimizer.step(): each step applies the one before's, and "
+            "the first the peak --lr, not the warmup's first", "lr_at(step) before the step",
+            [T_FSDP + SCHEDULE]),
+    Mistake("fsdp-warmup-from-zero", 7, C7,
+            [("return args.lr * (step + 1) / args.warmup_steps",
+              "return args.lr * step / args.warmup_steps")],
+            "the warmup starts at lr 0: the first step changes nothing but AdamW's moments",
+            "(step + 1) / warmup_steps: step 0 moves the weights", [T_FSDP + SCHEDULE]),
+    Mistake("fsdp-lr-logged-off-by-one", 7, C7,
+            [("lr_at(step - 1, self.args):.2e}", "lr_at(step, self.args):.2e}")],
+            "the log shows the learning rate of the step after the one it reports",
+            "the log's lr: lr_at(done - 1)", [T_FSDP + SCHEDULE]),
+    Mistake("fsdp-clock-runs-through-evaluation", 7, C7,
+            [("        meter.stop_clock()  # evaluation and checkpoints are not training time\n",
+              ""),
+             ("  # a collective\n        meter.start_clock()\n    # Cleanup", "  # a collective\n"
+              "    # Cleanup")],
+            "the training clock left running through evaluation and saving: ms/step and tokens/s "
+            "count them, worse the more often a run evaluates",
+            "stop_clock() before evaluating, start_clock() after saving", [T_FSDP + SCHEDULE]),
+    Mistake("fsdp-root-policy-without-a-reduce-dtype", 7, C7,
+            [("fully_shard(model, mesh=mesh, mp_policy=run.policy)",
+              "fully_shard(model, mesh=mesh,\n"
+              "                mp_policy=MixedPrecisionPolicy(run.policy.param_dtype))")],
+            "the root's policy built again with only the compute dtype: the embedding's and final "
+            "norm's gradients reduce-scatter in bf16", "mp_policy=run.policy on the root too",
+            [T_FSDP + "test_the_policy_computes_in_bf16_and_reduces_gradients_in_fp32"],
+            ["--amp", "bf16"]),
     Mistake("fsdp-memory-line-counts-an-even-split", 7, C7,
             [("    mine = sum(p.to_local().numel() for p in model.parameters())",
               "    mine = sum(p.numel() for p in model.parameters()) // dist.get_world_size()")],
