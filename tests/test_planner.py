@@ -34,6 +34,8 @@ import itertools
 import json
 import re
 import shlex
+import subprocess
+import sys
 import xml.etree.ElementTree as ElementTree
 
 import pytest
@@ -66,9 +68,76 @@ def test_bad_input_is_one_line_and_exit_code_2():
     assert "does not divide --width" in refused(["--width", "100", "--heads", "3"])
     line = refused(["--preset", "llama3-70b", "--gpus", "8"])  # 70.6B x 16 B: 1.1 TB of state
     assert line.startswith("error: no layout of llama3-70b fits 8 GPUs of 80 GB") and \
-        "the nearest change: --gpus 32" in line, line
-    ok = as_script(PLAN, ["--preset", "llama3-70b", "--gpus", "32", "--top", "1"])  # the control
+        "the nearest change: --gpus 24, the fewest that fit" in line, line
+    ok = as_script(PLAN, ["--preset", "llama3-70b", "--gpus", "24", "--top", "1"])  # the control
     assert ok.returncode == 0 and ok.stderr == "" and "llama3-70b" in ok.stdout
+
+
+def test_the_nearest_change_is_the_fewest_whole_nodes_that_fit():
+    """70B on 4 GPUs: 24 fits (pp 3 x tp 8), not only the doublings 8, 16, 32; the control: 16,
+    the node count before it, fits no layout."""
+    line = refused(["--preset", "llama3-70b", "--gpus", "4"])
+    assert "the nearest change: --gpus 24, the fewest that fit" in line, line
+    assert "the nearest change: --gpus 24" in refused(["--preset", "llama3-70b", "--gpus", "16"])
+    best = as_script(PLAN, ["--preset", "llama3-70b", "--gpus", "24", "--top", "1"]).stdout
+    assert re.search(r"^1 +3 +1 +1 +8 ", best, re.M), best
+
+
+def test_input_that_used_to_pass_unnoticed_is_one_line_and_exit_code_2(tmp_path):
+    """A key given twice, --world-size without --chapter-lines, a negative --misses (its line says
+    0 is allowed), --svg beside --layout or --json beside --bubble (nothing to write)."""
+    seventy = ["--preset", "llama3-70b", "--gpus", "64"]
+    assert "pp given twice in 'pp=2,pp=4'" in refused(seventy + ["--layout", "pp=2,pp=4"])
+    assert "--world-size goes with --chapter-lines" in refused(["--world-size", "4"])
+    assert "must be a whole number, 0 or more, got '-1'" in refused(["--misses", "-1"])
+    assert "--svg draws every layout tried" in refused(
+        seventy + ["--layout", "tp=8", "--svg", tmp_path / "x.svg"])
+    assert "--bubble makes none" in refused(["--bubble", "4", "--json", tmp_path / "x.json"])
+    ok = as_script(PLAN, ["--misses", "0", "--top", "1"])  # the control: 0 misses is allowed
+    assert ok.returncode == 0 and ok.stderr == "" and "fastest that do not fit" not in ok.stdout
+
+
+def test_layout_with_json_writes_each_explained_plan(tmp_path):
+    """--layout ... --json FILE writes the plan it explains (its layout, memory, seconds, place),
+    and for several layouts one plan each, on its own GPUs where it names dp."""
+    seventy, path = ["--preset", "llama3-70b", "--gpus", "64"], tmp_path / "plans.json"
+    one = as_script(PLAN, seventy + ["--layout", "pp=2,tp=8,dp=4,recompute=full", "--json", path])
+    [plan] = json.loads(path.read_text())["layouts"]
+    assert one.returncode == 0 and plan["layout"]["pp"] == 2 and plan["layout"]["dp"] == 4
+    assert plan["fits"] and f"{plan['step_s']:,.3f} s" in one.stdout
+    assert f"place {plan['place'].replace(' of', ' of the')}" in one.stdout
+    two = as_script(PLAN, seventy + ["--layout", "tp=8,dp=1", "--layout", "tp=8", "--json", path])
+    gpus = [p["cluster"]["gpus"] for p in json.loads(path.read_text())["layouts"]]
+    assert two.returncode == 0 and gpus == [8, 64]  # the control: dp named, its own GPUs
+
+
+def test_a_reader_that_closes_the_pipe_gets_no_traceback():
+    """`plan_layout.py ... | head -1`: the pipe closes before the table is written; the planner
+    stops quietly with SIGPIPE's exit code 141 (the control: an open pipe gets the table)."""
+    command = [sys.executable, str(REPO / PLAN), "--top", "3"]
+    closed = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    closed.stdout.close()  # the reader is gone before the first write
+    _, err = closed.communicate(timeout=60)
+    assert closed.returncode == 141 and err == b"", err.decode()
+    open_ = subprocess.run(command, capture_output=True, timeout=60)
+    assert open_.returncode == 0 and open_.stdout.count(b"\n") > 3 and open_.stderr == b""
+
+
+def test_a_layout_the_planner_does_not_try_says_why():
+    """--layout cp=64 at 8K leaves a cp rank 128 tokens, under the 1,024 the planner tries; V 3
+    is not among the V it tries; and an interleaved rank's layers are its stages' runs (pp 4, V 2:
+    rank 0 holds stages 0 and 4). The control: a layout it tries has its place."""
+    seventy = ["--preset", "llama3-70b", "--gpus", "64", "--layout"]
+    out = as_script(PLAN, seventy + ["cp=64"]).stdout
+    assert "does not try it: cp 64 leaves a rank 128 tokens of each sequence" in out, out
+    assert "micro_sizes" not in out
+    out = as_script(PLAN, seventy + ["pp=2,tp=8,schedule=interleaved-1f1b,v=3"]).stdout
+    assert "does not try it: v 3: it tries V 2 and 4; nor does it fit" in out, out
+    assert "(pp rank 0, layers 0-12, 26-38, 52-65)" in out
+    out = as_script(PLAN, seventy + ["pp=4,tp=8,dp=2,schedule=interleaved-1f1b,v=2"]).stdout
+    assert "(pp rank 0, layers 0-9, 40-49)" in out, out
+    out = as_script(PLAN, seventy + ["pp=2,tp=8,dp=4,recompute=full"]).stdout
+    assert re.search(r"^place \d+ of the \d+ that fit", out, re.M), out
 
 
 def params(preset, active=False):
