@@ -32,8 +32,9 @@ bf16 compute, fp32 gradient reduction, as the course's trainers run on GPUs); `-
 layout's terms, each with its formula and inputs. The overlap model: a rank's compute, its tp, cp
 and ep collectives and its pipeline sends run one after another (the trainers overlap none of
 them); the pipeline bubble stretches that by 1 / (1 - bubble); FSDP's gathers and reduce-scatters
-hide behind compute, all of it when they run every micro-batch and one micro-batch's worth when
-deferred (they then run before the first forward and after the last backward), and the rest adds.
+hide behind compute alone (not behind the other collectives), all of it when they run every
+micro-batch and one micro-batch's worth when deferred (they then run before the first forward and
+after the last backward), and the rest adds.
 
 See also docs/planner.md (reading the table, the model's limits, the published layouts).
 """
@@ -443,7 +444,7 @@ def estimate(m, c, layout):
     held = max((memory_terms(m, layout, p, steps) for p in parts), key=lambda t: t["total"][0])
     timed = max((time_terms(m, c, layout, p, steps) for p in parts), key=lambda t: t["busy"])
     bubble = (layout.pp - 1) / (layout.v * steps + layout.pp - 1)
-    window = timed["busy"] / (1 if layout.sync == "every" else steps)
+    window = timed["compute"][0] / (1 if layout.sync == "every" else steps)  # FSDP hides here
     step = timed["busy"] / (1 - bubble) + max(0.0, timed["dp"][0] - window)
     usable = USABLE * c.gpu_memory_gb * 1e9
     memory = {name: value for name, (value, _) in held.items()}
@@ -796,12 +797,15 @@ def not_tried(m, c, lay):
 def step_lines(plan, layout, timed):
     """How the step time and MFU follow from the terms (the overlap model)."""
     steps, busy = plan["micro_batches"], timed["busy"]
-    window = busy / (1 if layout.sync == "every" else steps)
+    window = timed["compute"][0] / (1 if layout.sync == "every" else steps)  # FSDP hides here
     return [f"bubble {plan['bubble']:.2%} = (pp - 1) / (V x m + pp - 1) = ({layout.pp} - 1) / "
             f"({layout.v} x {steps} + {layout.pp} - 1)",
             f"busy {busy:,.3f} s = compute + tp + cp + ep + pp (one after another)",
             f"step {plan['step_s']:,.3f} s = busy / (1 - bubble) + max(0, dp {timed['dp'][0]:,.3f}"
-            f" - {window:,.3f} s of compute that hides it)",
+            f" - {window:,.3f} s: "
+            + ("the step's compute, behind which FSDP's traffic of every micro-batch hides)"
+               if layout.sync == "every" else "one micro-batch's compute, behind which FSDP's "
+               "deferred traffic hides)"),
             f"MFU {plan['mfu']:.1%} = the model's FLOPs a step / (step x GPUs x peak)"]
 
 
