@@ -644,8 +644,8 @@ def group_bytes(m, layout, part, steps):
             "gradients)")),
         "ep": (steps * moe * trades * tokens / tp * m.top_k * m.width * BF16 * (ep - 1) / ep,
                lambda: (
-            f"{steps} x {moe} layers x {trades} all-to-alls x {tokens / tp:,.0f} tokens x {m.top_k} "
-            f"copies x {m.width} x 2 B x ({ep}-1)/{ep}")),
+            f"{steps} x {moe} layers x {trades} all-to-alls x {tokens / tp:,.0f} tokens x "
+            f"{m.top_k} copies x {m.width} x 2 B x ({ep}-1)/{ep}")),
         "pp": (steps * hops * stream / tp + tied, lambda: (
             f"{steps} x {hops} sends x {stream / tp / 1e6:,.1f} MB"
             + (f" + the tied gradient's {tied / 1e6:,.1f} MB" if tied else ""))),
@@ -1434,8 +1434,8 @@ def parse_args(argv):
     rest = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     p = Parser(prog="plan_layout.py", description="Which layout for my model on my cluster?")
-    model_flags(p.add_argument_group("the model").add_argument)
-    cluster_flags(p.add_argument_group("the cluster").add_argument)
+    model_flags(p.add_argument_group("the model", MODEL_BY_FLAGS).add_argument)
+    cluster_flags(p.add_argument_group("the cluster", presets_words()).add_argument)
     a = p.add_argument_group("what to print").add_argument
     a("--layout", metavar="K=V,...", action="append", help="explain one layout term by term: "
       "pp=2,tp=8,dp=4,cp=1,ep=1,schedule=1f1b,v=1,micro=1,recompute=full,sync=last (dp: what is "
@@ -1475,6 +1475,20 @@ def refuse_outputs_unused(p, args):
         p.error("--svg draws every layout tried: it goes with the table, not with --layout")
 
 
+MODEL_BY_FLAGS = ("--preset gives every number; a flag given replaces the preset's. Without "
+                  "--preset, a model given by flags starts from course-gpt's shape and takes "
+                  "--seq-len 4096, --tokens-per-step 4,194,304 (2^22), --mlp gelu, --kv-heads "
+                  "= --heads and --mlp-width = 4 x --width unless given.")
+
+
+def presets_words():
+    """The cluster presets' numbers, for --help: what a flag not given takes."""
+    rows = [f"{name}: {c['gpu_memory_gb']:g} GB, {c['peak_tflops']:g} TFLOPS, "
+            f"{c['gpus_per_node']} GPUs a node, {c['intra_node_gbps']:g} GB/s in a node and "
+            f"{c['inter_node_gbps']:g} across" for name, c in sorted(CLUSTERS.items())]
+    return "--cluster gives every number a flag below leaves out: " + "; ".join(rows) + "."
+
+
 def model_flags(a):
     a("--preset", choices=sorted(PRESETS), help="a model's shape (default: course-gpt)")
     for flag, what in (("--layers", "layers"), ("--width", "the residual stream's width"),
@@ -1494,11 +1508,15 @@ def model_flags(a):
 def cluster_flags(a):
     a("--cluster", choices=sorted(CLUSTERS), default="h100-sxm", help="(default: h100-sxm)")
     a("--gpus", type=positive_int, default=8, help="GPUs in all (default: 8)")
-    a("--gpus-per-node", type=positive_int)
-    a("--gpu-memory-gb", type=amount)
-    a("--peak-tflops", type=amount, help="dense bf16 TFLOPS of one GPU")
-    a("--intra-node-gbps", type=amount, help="GB/s (bytes) one GPU sends one way in its node")
-    a("--inter-node-gbps", type=amount, help="GB/s (bytes) one GPU sends one way across nodes")
+    a("--gpus-per-node", type=positive_int, help="GPUs a node: tp stays within one "
+      "(default: the --cluster's)")
+    a("--gpu-memory-gb", type=amount, help="one GPU's memory, GB; 90%% of it usable "
+      "(default: the --cluster's)")
+    a("--peak-tflops", type=amount, help="dense bf16 TFLOPS of one GPU (default: the --cluster's)")
+    a("--intra-node-gbps", type=amount, help="GB/s (bytes) one GPU sends one way in its node "
+      "(default: the --cluster's)")
+    a("--inter-node-gbps", type=amount, help="GB/s (bytes) one GPU sends one way across nodes "
+      "(default: the --cluster's)")
     a("--efficiency", type=share, default=0.6,
       help="the share of the peak a layer's matrix products reach (default: 0.6, assumed)")
 

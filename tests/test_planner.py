@@ -140,6 +140,23 @@ def test_a_layout_the_planner_does_not_try_says_why():
     assert re.search(r"^place \d+ of the \d+ that fit", out, re.M), out
 
 
+def test_help_gives_every_default():
+    """--help shows each cluster preset's numbers, help for every cluster flag, and the defaults
+    a model given by flags takes (the control: --gpus-per-node used to have no help at all)."""
+    text = " ".join(as_script(PLAN, ["--help"]).stdout.split())
+    for name, c in planner.CLUSTERS.items():
+        assert (f"{name}: {c['gpu_memory_gb']:g} GB, {c['peak_tflops']:g} TFLOPS, "
+                f"{c['gpus_per_node']} GPUs a node, {c['intra_node_gbps']:g} GB/s in a node and "
+                f"{c['inter_node_gbps']:g} across") in text, name
+    assert "--gpus-per-node GPUS_PER_NODE GPUs a node" in text
+    assert "--gpu-memory-gb GPU_MEMORY_GB one GPU's memory, GB; 90% of it usable" in text
+    assert ("--seq-len 4096, --tokens-per-step 4,194,304 (2^22), --mlp gelu, --kv-heads = "
+            "--heads and --mlp-width = 4 x --width unless given") in text
+    m = planner.model_from(planner.parse_args(["--layers", "2", "--width", "64", "--heads", "4"]))
+    assert (m.seq_len, m.tokens_per_step, m.mlp, m.kv_heads, m.mlp_width) == (
+        4096, 2**22, "gelu", 4, 256)  # what the help says, the model the planner makes
+
+
 def params(preset, active=False):
     model = planner.Model(preset, **planner.PRESETS[preset])
     return (planner.active_params if active else planner.total_params)(model)
