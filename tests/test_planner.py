@@ -429,6 +429,8 @@ def test_the_readmes_real_output_is_the_planners():
     block = re.search(r"^```\n\$ (python plan_layout\.py [^\n]*)\n(.*?)^```", readme, re.M | re.S)
     shown = block.group(2)
     assert planner_output([block.group(1)]) == shown
+    commands = re.search(r"^## Chapter 13.*?^```bash\n(.*?)^```", readme, re.M | re.S).group(1)
+    assert block.group(1) in commands  # the output's command is the one the section shows
     assert planner_output([block.group(1)]) != shown[:shown.rstrip("\n").rfind("\n") + 1]
 
 
