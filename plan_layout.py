@@ -29,7 +29,8 @@ pipeline schedule always defers it). MFU is the model's FLOPs per second over th
 
 How to read it: every number is an estimate from the sizes (16 bytes of fp32 state a parameter,
 bf16 compute, fp32 gradient reduction, as the course's trainers run on GPUs); `--layout` prints one
-layout's terms, each with its formula and inputs. The overlap model: a rank's compute, its tp, cp
+layout's terms, each with its formula and inputs, and its place in the ranking ("place 3 of 250":
+place, since a rank is a process). The overlap model: a rank's compute, its tp, cp
 and ep collectives and its pipeline sends run one after another (the trainers overlap none of
 them); the pipeline bubble stretches that by 1 / (1 - bubble); FSDP's gathers and reduce-scatters
 hide behind compute alone (not behind the other collectives), all of it when they run every

@@ -3,9 +3,12 @@ seconds. These tests prove:
 
 1. bad input is one line on stderr and exit code 2 through the script's own __main__, never a
    traceback: an unknown preset, a --layout whose sizes are not the GPUs, a tp that does not divide
-   the heads, an ep that does not divide the experts, and a model that fits no layout (the line
-   names the nearest change that fits: more GPUs or a shorter sequence); the control, a good
-   command, exits 0;
+   the heads, an ep that does not divide the experts, a --layout key given twice, --world-size
+   without --chapter-lines, a negative --misses, --svg or --json with nothing to write, and a
+   model that fits no layout (the line names the nearest change that fits: the fewest whole nodes
+   of GPUs, or a shorter sequence); the control, a good command, exits 0; a reader that closes
+   the pipe gets no traceback; a layout the planner does not try says why in words; --help gives
+   every default;
 2. the presets' parameter counts are their published totals (Llama 3 8B, 70B and 405B; Mixtral
    8x7B's 46.7B and 12.9B active; DeepSeek-V3's 671B and 37B active; GPT-2's 124M; the course's
    GPT's 842,496, chapter 11's model line), and the same shape given by flags counts the same (the
@@ -13,7 +16,9 @@ seconds. These tests prove:
 3. the table ranks by the estimated step time (the control: not by memory), and every layout it
    lists has pp x dp x cp x tp equal to the GPUs, a tp that divides the heads, an ep that divides
    the experts and dp x cp, and fits the usable memory, while each miss it lists does not;
-4. --json parses, and --svg is well-formed XML with one dot for every layout tried;
+4. --json parses (the table's, and --layout's explained plans), and --svg is well-formed XML with
+   one dot for every layout tried; FSDP's traffic hides behind compute alone, as the overlap model
+   says;
 5. the chapter lines: for two layouts of each of chapters 7 to 12, on the tests' tiny GPT (2
    layers, 32 wide, context 32, the 256 byte values), the text of the lines that chapter's rank 0
    prints about what a rank holds and sends, written out here; each against a control (another
