@@ -68,8 +68,7 @@ def main(argv=None):
             return 0
         model, cluster = model_from(args), cluster_from(args)
         if args.layout:
-            many = len(args.layout) > 1
-            print(compare(model, cluster, args.layout) if many else
+            print(compare(model, cluster, args.layout) if len(args.layout) > 1 else
                   explain(model, cluster, parse_layout(args.layout[0], model, cluster)))
             if args.json:
                 write_text(args.json, layouts_json(model, cluster, args.layout))
@@ -1457,18 +1456,22 @@ def parse_args(argv):
     a("--world-size", type=positive_int, nargs="+", help="the chapter's process count, for "
       "--chapter-lines; several: a line for each, led by its count")
     args = p.parse_args(argv)
-    if args.chapter_lines and not args.world_size:
-        p.error("--chapter-lines needs --world-size")
-    if args.world_size and not args.chapter_lines:
-        p.error("--world-size goes with --chapter-lines (a chapter's process count)")
-    refuse_outputs_unused(p, args)
+    refuse_flags_unused(p, args)
     args.rest = rest
     return args
 
 
-def refuse_outputs_unused(p, args):
-    """--json and --svg write the ranked table's plans (--json also --layout's); elsewhere they
-    would write nothing, so they are refused."""
+def refuse_flags_unused(p, args):
+    """A flag that needs another, or one that would do nothing: --json and --svg write the
+    ranked table's plans (--json also --layout's), so they are refused elsewhere."""
+    if args.chapter_lines and not args.world_size:
+        p.error("--chapter-lines needs --world-size")
+    if args.world_size and not args.chapter_lines:
+        p.error("--world-size goes with --chapter-lines (a chapter's process count)")
+    modes = [flag for flag, given in (("--bubble", args.bubble), ("--chapter-lines",
+             args.chapter_lines), ("--layout", args.layout)) if given]
+    if len(modes) > 1:
+        p.error(f"{' and '.join(modes)} print different things: give one")
     alone = "--bubble" if args.bubble else "--chapter-lines" if args.chapter_lines else None
     if alone and (args.json or args.svg):
         p.error(f"--json and --svg write plans: {alone} makes none")

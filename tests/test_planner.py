@@ -90,7 +90,8 @@ def test_the_nearest_change_is_the_fewest_whole_nodes_that_fit():
 
 def test_input_that_used_to_pass_unnoticed_is_one_line_and_exit_code_2(tmp_path):
     """A key given twice, --world-size without --chapter-lines, a negative --misses (its line says
-    0 is allowed), --svg beside --layout or --json beside --bubble (nothing to write)."""
+    0 is allowed), --svg beside --layout or --json beside --bubble (nothing to write), two of
+    --bubble, --chapter-lines and --layout (main printed the first and dropped the other)."""
     seventy = ["--preset", "llama3-70b", "--gpus", "64"]
     assert "pp given twice in 'pp=2,pp=4'" in refused(seventy + ["--layout", "pp=2,pp=4"])
     assert "--world-size goes with --chapter-lines" in refused(["--world-size", "4"])
@@ -98,6 +99,8 @@ def test_input_that_used_to_pass_unnoticed_is_one_line_and_exit_code_2(tmp_path)
     assert "--svg draws every layout tried" in refused(
         seventy + ["--layout", "tp=8", "--svg", tmp_path / "x.svg"])
     assert "--bubble makes none" in refused(["--bubble", "4", "--json", tmp_path / "x.json"])
+    assert "--bubble and --layout print different things: give one" in refused(
+        ["--bubble", "4", "--layout", "tp=8"])
     ok = as_script(PLAN, ["--misses", "0", "--top", "1"])  # the control: 0 misses is allowed
     assert ok.returncode == 0 and ok.stderr == "" and "fastest that do not fit" not in ok.stdout
 
