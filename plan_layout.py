@@ -29,11 +29,13 @@ pipeline schedule always defers it). MFU is the model's FLOPs per second over th
 
 How to read it: every number is an estimate from the sizes (16 bytes of fp32 state a parameter,
 bf16 compute, fp32 gradient reduction, as the course's trainers run on GPUs); `--layout` prints one
-layout's terms, each with its formula and inputs. The overlap model: a rank's compute, its tp, cp
+layout's terms, each with its formula and inputs, and its place in the ranking ("place 3 of 250":
+place, since a rank is a process). The overlap model: a rank's compute, its tp, cp
 and ep collectives and its pipeline sends run one after another (the trainers overlap none of
 them); the pipeline bubble stretches that by 1 / (1 - bubble); FSDP's gathers and reduce-scatters
-hide behind compute, all of it when they run every micro-batch and one micro-batch's worth when
-deferred (they then run before the first forward and after the last backward), and the rest adds.
+hide behind compute alone (not behind the other collectives), all of it when they run every
+micro-batch and one micro-batch's worth when deferred (they then run before the first forward and
+after the last backward), and the rest adds.
 
 See also docs/planner.md (reading the table, the model's limits, the published layouts).
 """
@@ -65,11 +67,11 @@ def main(argv=None):
             print("\n".join(sized_lines(args.chapter_lines, args.world_size, args.rest)))
             return 0
         model, cluster = model_from(args), cluster_from(args)
-        if args.layout and len(args.layout) > 1:
-            print(compare(model, cluster, args.layout))
-            return 0
         if args.layout:
-            print(explain(model, cluster, parse_layout(args.layout[0], model, cluster)))
+            print(compare(model, cluster, args.layout) if len(args.layout) > 1 else
+                  explain(model, cluster, parse_layout(args.layout[0], model, cluster)))
+            if args.json:
+                write_text(args.json, layouts_json(model, cluster, args.layout))
             return 0
         plans = [estimate(model, cluster, layout) for layout in layouts(model, cluster)]
         fitting = sorted((p for p in plans if p["fits"]), key=speed)
@@ -442,7 +444,7 @@ def estimate(m, c, layout):
     held = max((memory_terms(m, layout, p, steps) for p in parts), key=lambda t: t["total"][0])
     timed = max((time_terms(m, c, layout, p, steps) for p in parts), key=lambda t: t["busy"])
     bubble = (layout.pp - 1) / (layout.v * steps + layout.pp - 1)
-    window = timed["busy"] / (1 if layout.sync == "every" else steps)
+    window = timed["compute"][0] / (1 if layout.sync == "every" else steps)  # FSDP hides here
     step = timed["busy"] / (1 - bubble) + max(0.0, timed["dp"][0] - window)
     usable = USABLE * c.gpu_memory_gb * 1e9
     memory = {name: value for name, (value, _) in held.items()}
@@ -501,7 +503,16 @@ def memory_terms(m, layout, part, steps):
 
 
 def span(layers):
-    return f"{layers[0]}-{layers[-1]}" if layers else "none"
+    """'0-9, 40-49': a rank's layers as runs of consecutive indices (an interleaved rank's
+    stages are apart)."""
+    if not layers:
+        return "none"
+    runs, start = [], layers[0]
+    for before, index in zip(layers, list(layers[1:]) + [None]):
+        if index != before + 1:  # a run ends at `before`
+            runs.append(f"{start}-{before}" if before > start else f"{start}")
+            start = index
+    return ", ".join(runs)
 
 
 def gradient_term(m, layout, part, params):
@@ -633,8 +644,8 @@ def group_bytes(m, layout, part, steps):
             "gradients)")),
         "ep": (steps * moe * trades * tokens / tp * m.top_k * m.width * BF16 * (ep - 1) / ep,
                lambda: (
-            f"{steps} x {moe} layers x {trades} all-to-alls x {tokens / tp:,.0f} tokens x {m.top_k} "
-            f"copies x {m.width} x 2 B x ({ep}-1)/{ep}")),
+            f"{steps} x {moe} layers x {trades} all-to-alls x {tokens / tp:,.0f} tokens x "
+            f"{m.top_k} copies x {m.width} x 2 B x ({ep}-1)/{ep}")),
         "pp": (steps * hops * stream / tp + tied, lambda: (
             f"{steps} x {hops} sends x {stream / tp / 1e6:,.1f} MB"
             + (f" + the tied gradient's {tied / 1e6:,.1f} MB" if tied else ""))),
@@ -755,28 +766,51 @@ def standing(m, c, plan):
     fitting = ranked(m, c)
     names = [p["name"] for p in fitting]
     if plan["name"] not in names:
-        return (f"not among the {len(names):,} layouts the planner ranks" + (
-            " (it does not fit)" if not plan["fits"] else " (not tried: see micro_sizes)")
-            + (f"; the best: {names[0]}, {fitting[0]['step_s']:,.3g} s" if names else ""))
+        skipped = not_tried(m, c, plan["layout"])
+        why = f"the planner does not try it: {skipped}" if skipped else "it does not fit"
+        why += "; nor does it fit" * bool(skipped and not plan["fits"])
+        return (f"not among the {len(names):,} layouts the planner ranks ({why})"
+                + (f"; the best: {names[0]}, {fitting[0]['step_s']:,.3g} s" if names else ""))
     best = fitting[0]
-    return (f"rank {names.index(plan['name']) + 1:,} of the {len(names):,} that fit; the best: "
+    return (f"place {names.index(plan['name']) + 1:,} of the {len(names):,} that fit; the best: "
             f"{best['name']}, {best['step_s']:,.3g} s, MFU {best['mfu']:.1%}")
+
+
+def not_tried(m, c, lay):
+    """In words, the rule of layouts() that leaves out a layout --layout accepts; None if none."""
+    steps = m.tokens_per_step // m.seq_len // lay.dp // lay.micro
+    most = 64 if lay.pp == 1 else 4
+    rules = [
+        (lay.tp > c.gpus_per_node, f"tp {lay.tp} spans more than a node's {c.gpus_per_node} GPUs"),
+        (lay.cp > 2 and m.seq_len // lay.cp < MIN_CP_TOKENS,
+         f"cp {lay.cp} leaves a rank {m.seq_len // lay.cp:,} tokens of each sequence, and it tries "
+         f"at least {MIN_CP_TOKENS:,} a rank (or cp 2)"),
+        (lay.micro not in micro_sizes(lay.micro, most),
+         f"micro {lay.micro}: it tries powers of two up to {most} sequences"
+         + " under a schedule" * (lay.pp > 1)),
+        (lay.v not in (1, 2, 4), f"v {lay.v}: it tries V 2 and 4"),
+        (lay.schedule == "gpipe" and steps >= lay.pp,
+         f"gpipe where 1f1b runs (m {steps} >= pp {lay.pp}): 1f1b is as fast and holds less")]
+    return next((words for bad, words in rules if bad), None)
 
 
 def step_lines(plan, layout, timed):
     """How the step time and MFU follow from the terms (the overlap model)."""
     steps, busy = plan["micro_batches"], timed["busy"]
-    window = busy / (1 if layout.sync == "every" else steps)
+    window = timed["compute"][0] / (1 if layout.sync == "every" else steps)  # FSDP hides here
     return [f"bubble {plan['bubble']:.2%} = (pp - 1) / (V x m + pp - 1) = ({layout.pp} - 1) / "
             f"({layout.v} x {steps} + {layout.pp} - 1)",
             f"busy {busy:,.3f} s = compute + tp + cp + ep + pp (one after another)",
             f"step {plan['step_s']:,.3f} s = busy / (1 - bubble) + max(0, dp {timed['dp'][0]:,.3f}"
-            f" - {window:,.3f} s of compute that hides it)",
+            f" - {window:,.3f} s: "
+            + ("the step's compute, behind which FSDP's traffic of every micro-batch hides)"
+               if layout.sync == "every" else "one micro-batch's compute, behind which FSDP's "
+               "deferred traffic hides)"),
             f"MFU {plan['mfu']:.1%} = the model's FLOPs a step / (step x GPUs x peak)"]
 
 
 COMPARED = ("layout", "GPUs", "micro x m", "state", "gathered", "gradients", "activations",
-            "logits", "GB", "fits", "rank", "GB sent tp/cp/ep/pp/dp", "s in tp/cp/ep/pp/dp",
+            "logits", "GB", "fits", "place", "GB sent tp/cp/ep/pp/dp", "s in tp/cp/ep/pp/dp",
             "compute s", "bubble", "step s", "MFU")
 
 
@@ -834,8 +868,7 @@ def bubble_table(pp, counts, per_rank):
 def write_outputs(args, model, cluster, fitting, misses, plans):
     """--json: every layout that fits and the misses shown; --svg: the chart."""
     if args.json:
-        clean = [{**{k: v for k, v in p.items() if k != "terms"},
-                  "layout": dataclasses.asdict(p["layout"])} for p in fitting + misses]
+        clean = [plain(p) for p in fitting + misses]
         doc = {"model": dataclasses.asdict(model), "cluster": dataclasses.asdict(cluster),
                "params": total_params(model), "active_params": active_params(model),
                "usable_share": USABLE, "tried": len(plans), "fitting": clean[:len(fitting)],
@@ -844,6 +877,26 @@ def write_outputs(args, model, cluster, fitting, misses, plans):
     if args.svg:
         write_text(args.svg, svg_chart(plans, f"{model.name} on {cluster.gpus:,} x {cluster.name}",
                                        USABLE * cluster.gpu_memory_gb))
+
+
+def plain(plan):
+    """A plan as JSON holds it: its formulas' texts left out, its layout a dict."""
+    return {**{k: v for k, v in plan.items() if k != "terms"},
+            "layout": dataclasses.asdict(plan["layout"])}
+
+
+def layouts_json(m, c, texts):
+    """--layout with --json: each layout's plan, as the table's --json writes one, with its
+    cluster (a compared layout naming dp has its own GPUs) and its place in the ranking."""
+    found = []
+    for text in texts:
+        own = own_gpus(text, c) if len(texts) > 1 else c
+        plan = estimate(m, own, parse_layout(text, m, own))
+        found.append({"given": text, "cluster": dataclasses.asdict(own),
+                      "place": place(m, own, plan), **plain(plan)})
+    doc = {"model": dataclasses.asdict(m), "params": total_params(m),
+           "active_params": active_params(m), "usable_share": USABLE, "layouts": found}
+    return json.dumps(doc, indent=1) + "\n"
 
 
 def write_text(path, text):
@@ -922,6 +975,8 @@ def parse_layout(text, m, c):
         if key.strip() not in LAYOUT_KEYS or not value.strip():
             raise InputError(f"--layout: {item!r} is not KEY=VALUE with KEY one of "
                              + ", ".join(LAYOUT_KEYS))
+        if key.strip() in given:
+            raise InputError(f"--layout: {key.strip()} given twice in {text!r}")
         given[key.strip()] = value.strip()
     sizes = {k: whole_number(given.get(k, "1"), k) for k in ("pp", "cp", "tp", "ep", "v", "micro")}
     rest = c.gpus // (sizes["pp"] * sizes["cp"] * sizes["tp"]) or 1
@@ -993,16 +1048,30 @@ def nearest_change(m, c, plans):
         return (f"no layout of {c.gpus:,} GPUs divides {m.name}'s "
                 f"{m.tokens_per_step // m.seq_len:,} sequences a step: give --gpus a divisor")
     least = min(plans, key=lambda p: p["memory"]["total"])
-    gpus = next((n for n in (c.gpus * 2**k for k in range(1, 13)) if fits_any(
-        m, dataclasses.replace(c, gpus=n))), None)
+    counts = gpu_counts(m, c)
+    gpus = next((n for n in counts if fits_any(m, dataclasses.replace(c, gpus=n))), None)
     seq = next((s for s in (m.seq_len // 2**k for k in range(1, 12)) if s >= 2 and fits_any(
         dataclasses.replace(m, seq_len=s), c)), None)
-    options = ([f"--gpus {gpus}"] if gpus else []) + ([f"--seq-len {seq}"] if seq else [])
+    options = ([f"--gpus {gpus}, the fewest that fit"] if gpus else []) + (
+        [f"--seq-len {seq}"] if seq else [])
     return (f"no layout of {m.name} fits {c.gpus:,} GPUs of {c.gpu_memory_gb:g} GB, full "
             f"recomputation tried: the least memory is {least['memory']['total'] / 1e9:,.1f} GB "
             f"({least['name']}; {least['breaks']} "
             f"{least['memory'][least['breaks']] / 1e9:,.1f} GB); the nearest change: "
-            + (" or ".join(options) or "none found up to 4,096 times the GPUs"))
+            + (" or ".join(options) or f"none found in whole nodes from {counts[0]:,} to "
+               f"{counts[-1]:,} GPUs, nor at shorter sequences"))
+
+
+GPU_COUNTS = 64  # whole-node GPU counts the nearest change tries, from the first that could fit
+
+
+def gpu_counts(m, c):
+    """More GPUs, a whole node at a time: from the first count whose GPUs could hold the state
+    (16 B a parameter over all of them, at most the usable memory each), GPU_COUNTS of them."""
+    node, usable = c.gpus_per_node, USABLE * c.gpu_memory_gb * 1e9
+    least = max(c.gpus + 1, math.ceil(16 * total_params(m) / usable))
+    first = math.ceil(least / node) * node
+    return [first + k * node for k in range(GPU_COUNTS)]
 
 
 def fits_any(m, c):
@@ -1332,7 +1401,10 @@ def positive_int(text):
 
 
 def whole(text):
-    return 0 if text == "0" else positive_int(text)
+    """0 or a positive whole number (--misses 0 lists none)."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a whole number, 0 or more, got {text!r}")
+    return int(text)
 
 
 def amount(text):
@@ -1362,8 +1434,8 @@ def parse_args(argv):
     rest = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     p = Parser(prog="plan_layout.py", description="Which layout for my model on my cluster?")
-    model_flags(p.add_argument_group("the model").add_argument)
-    cluster_flags(p.add_argument_group("the cluster").add_argument)
+    model_flags(p.add_argument_group("the model", MODEL_BY_FLAGS).add_argument)
+    cluster_flags(p.add_argument_group("the cluster", presets_words()).add_argument)
     a = p.add_argument_group("what to print").add_argument
     a("--layout", metavar="K=V,...", action="append", help="explain one layout term by term: "
       "pp=2,tp=8,dp=4,cp=1,ep=1,schedule=1f1b,v=1,micro=1,recompute=full,sync=last (dp: what is "
@@ -1375,17 +1447,50 @@ def parse_args(argv):
     a("--top", type=positive_int, default=15, help="the layouts that fit to list (default: 15)")
     a("--misses", type=whole, default=5,
       help="the fastest that do not fit to list, 0 for none (default: 5)")
-    a("--json", metavar="FILE", help="also write every plan that fits, for tools")
-    a("--svg", metavar="FILE", help="also draw memory against step time, every layout a dot")
+    a("--json", metavar="FILE", help="also write the plans as JSON, for tools: the table's "
+      "(every layout that fits, and the misses shown) or each --layout's")
+    a("--svg", metavar="FILE", help="also draw memory against step time, every layout tried a "
+      "dot (with the table only)")
     a("--chapter-lines", metavar="CHAPTER", help="print the lines chapter 7-12's rank 0 prints "
       "about what a rank holds and sends, for the flags after --")
     a("--world-size", type=positive_int, nargs="+", help="the chapter's process count, for "
       "--chapter-lines; several: a line for each, led by its count")
     args = p.parse_args(argv)
-    if args.chapter_lines and not args.world_size:
-        p.error("--chapter-lines needs --world-size")
+    refuse_flags_unused(p, args)
     args.rest = rest
     return args
+
+
+def refuse_flags_unused(p, args):
+    """A flag that needs another, or one that would do nothing: --json and --svg write the
+    ranked table's plans (--json also --layout's), so they are refused elsewhere."""
+    if args.chapter_lines and not args.world_size:
+        p.error("--chapter-lines needs --world-size")
+    if args.world_size and not args.chapter_lines:
+        p.error("--world-size goes with --chapter-lines (a chapter's process count)")
+    modes = [flag for flag, given in (("--bubble", args.bubble), ("--chapter-lines",
+             args.chapter_lines), ("--layout", args.layout)) if given]
+    if len(modes) > 1:
+        p.error(f"{' and '.join(modes)} print different things: give one")
+    alone = "--bubble" if args.bubble else "--chapter-lines" if args.chapter_lines else None
+    if alone and (args.json or args.svg):
+        p.error(f"--json and --svg write plans: {alone} makes none")
+    if args.layout and args.svg:
+        p.error("--svg draws every layout tried: it goes with the table, not with --layout")
+
+
+MODEL_BY_FLAGS = ("--preset gives every number; a flag given replaces the preset's. Without "
+                  "--preset, a model given by flags starts from course-gpt's shape and takes "
+                  "--seq-len 4096, --tokens-per-step 4,194,304 (2^22), --mlp gelu, --kv-heads "
+                  "= --heads and --mlp-width = 4 x --width unless given.")
+
+
+def presets_words():
+    """The cluster presets' numbers, for --help: what a flag not given takes."""
+    rows = [f"{name}: {c['gpu_memory_gb']:g} GB, {c['peak_tflops']:g} TFLOPS, "
+            f"{c['gpus_per_node']} GPUs a node, {c['intra_node_gbps']:g} GB/s in a node and "
+            f"{c['inter_node_gbps']:g} across" for name, c in sorted(CLUSTERS.items())]
+    return "--cluster gives every number a flag below leaves out: " + "; ".join(rows) + "."
 
 
 def model_flags(a):
@@ -1407,14 +1512,30 @@ def model_flags(a):
 def cluster_flags(a):
     a("--cluster", choices=sorted(CLUSTERS), default="h100-sxm", help="(default: h100-sxm)")
     a("--gpus", type=positive_int, default=8, help="GPUs in all (default: 8)")
-    a("--gpus-per-node", type=positive_int)
-    a("--gpu-memory-gb", type=amount)
-    a("--peak-tflops", type=amount, help="dense bf16 TFLOPS of one GPU")
-    a("--intra-node-gbps", type=amount, help="GB/s (bytes) one GPU sends one way in its node")
-    a("--inter-node-gbps", type=amount, help="GB/s (bytes) one GPU sends one way across nodes")
+    a("--gpus-per-node", type=positive_int, help="GPUs a node: tp stays within one "
+      "(default: the --cluster's)")
+    a("--gpu-memory-gb", type=amount, help="one GPU's memory, GB; 90%% of it usable "
+      "(default: the --cluster's)")
+    a("--peak-tflops", type=amount, help="dense bf16 TFLOPS of one GPU (default: the --cluster's)")
+    a("--intra-node-gbps", type=amount, help="GB/s (bytes) one GPU sends one way in its node "
+      "(default: the --cluster's)")
+    a("--inter-node-gbps", type=amount, help="GB/s (bytes) one GPU sends one way across nodes "
+      "(default: the --cluster's)")
     a("--efficiency", type=share, default=0.6,
       help="the share of the peak a layer's matrix products reach (default: 0.6, assumed)")
 
 
+def quiet_on_a_closed_pipe():
+    """main(), where a reader such as `head` may close the pipe early: then no traceback, and the
+    exit code a shell gives a command stopped by SIGPIPE (128 + 13)."""
+    try:
+        code = main()
+        sys.stdout.flush()  # a late write fails here, inside the try, not at the interpreter's exit
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush
+        code = 141
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(quiet_on_a_closed_pipe())

@@ -3,9 +3,12 @@ seconds. These tests prove:
 
 1. bad input is one line on stderr and exit code 2 through the script's own __main__, never a
    traceback: an unknown preset, a --layout whose sizes are not the GPUs, a tp that does not divide
-   the heads, an ep that does not divide the experts, and a model that fits no layout (the line
-   names the nearest change that fits: more GPUs or a shorter sequence); the control, a good
-   command, exits 0;
+   the heads, an ep that does not divide the experts, a --layout key given twice, --world-size
+   without --chapter-lines, a negative --misses, --svg or --json with nothing to write, and a
+   model that fits no layout (the line names the nearest change that fits: the fewest whole nodes
+   of GPUs, or a shorter sequence); the control, a good command, exits 0; a reader that closes
+   the pipe gets no traceback; a layout the planner does not try says why in words; --help gives
+   every default;
 2. the presets' parameter counts are their published totals (Llama 3 8B, 70B and 405B; Mixtral
    8x7B's 46.7B and 12.9B active; DeepSeek-V3's 671B and 37B active; GPT-2's 124M; the course's
    GPT's 842,496, chapter 11's model line), and the same shape given by flags counts the same (the
@@ -13,7 +16,9 @@ seconds. These tests prove:
 3. the table ranks by the estimated step time (the control: not by memory), and every layout it
    lists has pp x dp x cp x tp equal to the GPUs, a tp that divides the heads, an ep that divides
    the experts and dp x cp, and fits the usable memory, while each miss it lists does not;
-4. --json parses, and --svg is well-formed XML with one dot for every layout tried;
+4. --json parses (the table's, and --layout's explained plans), and --svg is well-formed XML with
+   one dot for every layout tried; FSDP's traffic hides behind compute alone, as the overlap model
+   says;
 5. the chapter lines: for two layouts of each of chapters 7 to 12, on the tests' tiny GPT (2
    layers, 32 wide, context 32, the 256 byte values), the text of the lines that chapter's rank 0
    prints about what a rank holds and sends, written out here; each against a control (another
@@ -34,6 +39,8 @@ import itertools
 import json
 import re
 import shlex
+import subprocess
+import sys
 import xml.etree.ElementTree as ElementTree
 
 import pytest
@@ -66,9 +73,96 @@ def test_bad_input_is_one_line_and_exit_code_2():
     assert "does not divide --width" in refused(["--width", "100", "--heads", "3"])
     line = refused(["--preset", "llama3-70b", "--gpus", "8"])  # 70.6B x 16 B: 1.1 TB of state
     assert line.startswith("error: no layout of llama3-70b fits 8 GPUs of 80 GB") and \
-        "the nearest change: --gpus 32" in line, line
-    ok = as_script(PLAN, ["--preset", "llama3-70b", "--gpus", "32", "--top", "1"])  # the control
+        "the nearest change: --gpus 24, the fewest that fit" in line, line
+    ok = as_script(PLAN, ["--preset", "llama3-70b", "--gpus", "24", "--top", "1"])  # the control
     assert ok.returncode == 0 and ok.stderr == "" and "llama3-70b" in ok.stdout
+
+
+def test_the_nearest_change_is_the_fewest_whole_nodes_that_fit():
+    """70B on 4 GPUs: 24 fits (pp 3 x tp 8), not only the doublings 8, 16, 32; the control: 16,
+    the node count before it, fits no layout."""
+    line = refused(["--preset", "llama3-70b", "--gpus", "4"])
+    assert "the nearest change: --gpus 24, the fewest that fit" in line, line
+    assert "the nearest change: --gpus 24" in refused(["--preset", "llama3-70b", "--gpus", "16"])
+    best = as_script(PLAN, ["--preset", "llama3-70b", "--gpus", "24", "--top", "1"]).stdout
+    assert re.search(r"^1 +3 +1 +1 +8 ", best, re.M), best
+
+
+def test_input_that_used_to_pass_unnoticed_is_one_line_and_exit_code_2(tmp_path):
+    """A key given twice, --world-size without --chapter-lines, a negative --misses (its line says
+    0 is allowed), --svg beside --layout or --json beside --bubble (nothing to write), two of
+    --bubble, --chapter-lines and --layout (main printed the first and dropped the other)."""
+    seventy = ["--preset", "llama3-70b", "--gpus", "64"]
+    assert "pp given twice in 'pp=2,pp=4'" in refused(seventy + ["--layout", "pp=2,pp=4"])
+    assert "--world-size goes with --chapter-lines" in refused(["--world-size", "4"])
+    assert "must be a whole number, 0 or more, got '-1'" in refused(["--misses", "-1"])
+    assert "--svg draws every layout tried" in refused(
+        seventy + ["--layout", "tp=8", "--svg", tmp_path / "x.svg"])
+    assert "--bubble makes none" in refused(["--bubble", "4", "--json", tmp_path / "x.json"])
+    assert "--bubble and --layout print different things: give one" in refused(
+        ["--bubble", "4", "--layout", "tp=8"])
+    ok = as_script(PLAN, ["--misses", "0", "--top", "1"])  # the control: 0 misses is allowed
+    assert ok.returncode == 0 and ok.stderr == "" and "fastest that do not fit" not in ok.stdout
+
+
+def test_layout_with_json_writes_each_explained_plan(tmp_path):
+    """--layout ... --json FILE writes the plan it explains (its layout, memory, seconds, place),
+    and for several layouts one plan each, on its own GPUs where it names dp."""
+    seventy, path = ["--preset", "llama3-70b", "--gpus", "64"], tmp_path / "plans.json"
+    one = as_script(PLAN, seventy + ["--layout", "pp=2,tp=8,dp=4,recompute=full", "--json", path])
+    [plan] = json.loads(path.read_text())["layouts"]
+    assert one.returncode == 0 and plan["layout"]["pp"] == 2 and plan["layout"]["dp"] == 4
+    assert plan["fits"] and f"{plan['step_s']:,.3f} s" in one.stdout
+    assert f"place {plan['place'].replace(' of', ' of the')}" in one.stdout
+    two = as_script(PLAN, seventy + ["--layout", "tp=8,dp=1", "--layout", "tp=8", "--json", path])
+    gpus = [p["cluster"]["gpus"] for p in json.loads(path.read_text())["layouts"]]
+    assert two.returncode == 0 and gpus == [8, 64]  # the control: dp named, its own GPUs
+
+
+def test_a_reader_that_closes_the_pipe_gets_no_traceback():
+    """`plan_layout.py ... | head -1`: the pipe closes before the table is written; the planner
+    stops quietly with SIGPIPE's exit code 141 (the control: an open pipe gets the table)."""
+    command = [sys.executable, str(REPO / PLAN), "--top", "3"]
+    closed = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    closed.stdout.close()  # the reader is gone before the first write
+    _, err = closed.communicate(timeout=60)
+    assert closed.returncode == 141 and err == b"", err.decode()
+    open_ = subprocess.run(command, capture_output=True, timeout=60)
+    assert open_.returncode == 0 and open_.stdout.count(b"\n") > 3 and open_.stderr == b""
+
+
+def test_a_layout_the_planner_does_not_try_says_why():
+    """--layout cp=64 at 8K leaves a cp rank 128 tokens, under the 1,024 the planner tries; V 3
+    is not among the V it tries; and an interleaved rank's layers are its stages' runs (pp 4, V 2:
+    rank 0 holds stages 0 and 4). The control: a layout it tries has its place."""
+    seventy = ["--preset", "llama3-70b", "--gpus", "64", "--layout"]
+    out = as_script(PLAN, seventy + ["cp=64"]).stdout
+    assert "does not try it: cp 64 leaves a rank 128 tokens of each sequence" in out, out
+    assert "micro_sizes" not in out
+    out = as_script(PLAN, seventy + ["pp=2,tp=8,schedule=interleaved-1f1b,v=3"]).stdout
+    assert "does not try it: v 3: it tries V 2 and 4; nor does it fit" in out, out
+    assert "(pp rank 0, layers 0-12, 26-38, 52-65)" in out
+    out = as_script(PLAN, seventy + ["pp=4,tp=8,dp=2,schedule=interleaved-1f1b,v=2"]).stdout
+    assert "(pp rank 0, layers 0-9, 40-49)" in out, out
+    out = as_script(PLAN, seventy + ["pp=2,tp=8,dp=4,recompute=full"]).stdout
+    assert re.search(r"^place \d+ of the \d+ that fit", out, re.M), out
+
+
+def test_help_gives_every_default():
+    """--help shows each cluster preset's numbers, help for every cluster flag, and the defaults
+    a model given by flags takes (the control: --gpus-per-node used to have no help at all)."""
+    text = " ".join(as_script(PLAN, ["--help"]).stdout.split())
+    for name, c in planner.CLUSTERS.items():
+        assert (f"{name}: {c['gpu_memory_gb']:g} GB, {c['peak_tflops']:g} TFLOPS, "
+                f"{c['gpus_per_node']} GPUs a node, {c['intra_node_gbps']:g} GB/s in a node and "
+                f"{c['inter_node_gbps']:g} across") in text, name
+    assert "--gpus-per-node GPUS_PER_NODE GPUs a node" in text
+    assert "--gpu-memory-gb GPU_MEMORY_GB one GPU's memory, GB; 90% of it usable" in text
+    assert ("--seq-len 4096, --tokens-per-step 4,194,304 (2^22), --mlp gelu, --kv-heads = "
+            "--heads and --mlp-width = 4 x --width unless given") in text
+    m = planner.model_from(planner.parse_args(["--layers", "2", "--width", "64", "--heads", "4"]))
+    assert (m.seq_len, m.tokens_per_step, m.mlp, m.kv_heads, m.mlp_width) == (
+        4096, 2**22, "gelu", 4, 256)  # what the help says, the model the planner makes
 
 
 def params(preset, active=False):
@@ -343,6 +437,8 @@ def test_the_readmes_real_output_is_the_planners():
     block = re.search(r"^```\n\$ (python plan_layout\.py [^\n]*)\n(.*?)^```", readme, re.M | re.S)
     shown = block.group(2)
     assert planner_output([block.group(1)]) == shown
+    commands = re.search(r"^## Chapter 13.*?^```bash\n(.*?)^```", readme, re.M | re.S).group(1)
+    assert block.group(1) in commands  # the output's command is the one the section shows
     assert planner_output([block.group(1)]) != shown[:shown.rstrip("\n").rfind("\n") + 1]
 
 
@@ -421,6 +517,24 @@ def test_the_estimates_are_the_formulas_written_out_here():
             m, cluster, lay)["across_nodes"].items() if yes)
     assert crossing == {"tp=2,dp=4": [], "tp=2,dp=8": ["dp"], "tp=8,dp=2": ["dp"],
                         "pp=2,tp=8": ["pp"], "tp=4,cp=4": ["cp", "dp"]}, crossing  # FSDP: dp x cp
+
+
+def test_fsdp_hides_behind_compute_alone():
+    """The overlap model: FSDP's seconds hide behind the compute (all of it when it syncs every
+    micro-batch, compute / m when deferred), not behind the tp collectives, which run one after
+    the compute; 70B at tp 8 x dp 8, --efficiency 0.4: 79 s of FSDP against 74.4 s of compute.
+    The control: hidden behind the busy time (compute and tp), the step would be shorter."""
+    flags = ["--preset", "llama3-70b", "--gpus", "64", "--efficiency", "0.4"]
+    for layout, hides in (("tp=8,dp=8", 1), ("tp=8,dp=8,sync=last", 64)):
+        m, c, lay, _, steps = planned_parts(flags, layout)
+        plan = planner.estimate(m, c, lay)
+        compute, busy, dp = plan["seconds"]["compute"], plan["terms"][1]["busy"], \
+            plan["seconds"]["dp"]
+        assert steps == 64 and dp > compute / hides and busy > compute
+        assert plan["step_s"] == pytest.approx(busy + dp - compute / hides), layout
+        assert plan["step_s"] != pytest.approx(busy + max(0, dp - busy / hides))
+    out = as_script(PLAN, flags + ["--layout", "tp=8,dp=8"]).stdout
+    assert f"- {compute:,.3f} s: the step's compute, behind which" in out, out
 
 
 def test_experts_send_and_count_as_written_out_here():
