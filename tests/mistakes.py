@@ -73,6 +73,7 @@ PLAN_405B = [sys.executable, "plan_layout.py", "--preset", "llama3-405b", "--gpu
 PLAN_DSV3 = [sys.executable, "plan_layout.py", "--preset", "deepseek-v3", "--gpus", "2048",
              "--layout", "pp=16,dp=128,ep=64,recompute=full"]
 MOE_EQUAL = T_MOE + "test_expert_parallel_runs_compute_what_one_process_computes"
+MOE_DROPOUT = T_MOE + "test_no_experts_is_the_dense_model_and_dropout_draws_ddps_masks"
 SCHEDULE = "test_each_step_applies_and_logs_the_schedule_and_times_training_only"
 PAGE_7, PAGE_11 = "docs/fsdp_in_your_trainer.md", "docs/4d_in_your_trainer.md"  # copy pages
 
@@ -1269,6 +1270,15 @@ CATALOGUE = [
             "3 passes of K, V when the block is recomputed",
             [T_CP + "test_a_ring_under_bf16_sends_keys_in_bf16_and_their_gradients_in_fp32"],
             ["--cp-rotate", "ring", "--grad-checkpointing"]),
+    Mistake("cp-recomputation-draws-new-masks", 10, C10,
+            [("                x = checkpoint(block, x, context, use_reentrant=False)  # CP 6",
+              "                x = checkpoint(block, x, context, use_reentrant=False,\n"
+              "                               preserve_rng_state=False)  # CP 6")],
+            "recomputation without the forward's random state: the backward drops other units "
+            "than the forward did, so the gradients belong to no forward",
+            "checkpoint keeps the RNG state (its default)",
+            [T_CP + "test_recomputation_draws_the_forwards_dropout_masks_again"],
+            ["--dropout", "0.1", "--grad-checkpointing"]),
     Mistake("cp-data-check-counts-ranks", 10, C10,
             [("load_data(args, run.dp_size)  # CP 2: sized for a batch per row",
               "load_data(args, run.world_size)  # CP 2: sized for a batch per row")],
@@ -1343,6 +1353,73 @@ CATALOGUE = [
               "    fully_shard(experts, mesh=run.mesh[\"edp\"],")],
             "the experts sharded without the mixed-precision policy: under bf16 they keep fp32 "
             "weights and meet bf16 tokens", "every fully_shard call takes mp_policy=run.policy",
+            [T_MOE + "test_the_policy_computes_in_bf16_and_reduces_gradients_in_fp32"],
+            ["--amp", "bf16"]),
+    Mistake("moe-capacity-rounded-down", 12, C12,
+            [("        capacity = math.ceil(self.capacity_factor * len(order) / "
+              "self.experts_total)\n",
+              "        capacity = int(self.capacity_factor * len(order) / self.experts_total)\n")],
+            "an expert's capacity rounded down: at 0.75 x 20 copies / 4 experts it takes 3, not "
+            "4, and the log says ceil", "math.ceil: c x copies / E, rounded up",
+            [T_MOE + "test_the_log_lines_balance_loss_shares_and_drops_are_what_the_test_counts"],
+            ["--capacity-factor", "1.5"]),
+    Mistake("moe-capacity-split-over-the-row", 12, C12,
+            [("        capacity = math.ceil(self.capacity_factor * len(order) / "
+              "self.experts_total)\n",
+              "        senders = dist.get_world_size(self.groups.ep) if self.groups else 1\n"
+              "        capacity = math.ceil(self.capacity_factor * len(order) / "
+              "self.experts_total / senders)\n")],
+            "each sender given 1 / ep of an expert's capacity, as if the capacity were the "
+            "expert's whole intake: at --ep 2 a rank drops far more than at --ep 1",
+            "each rank caps each expert at c x its own copies / E  # EP 4", [MOE_DROPOUT],
+            ["--capacity-factor", "1.5"]),
+    Mistake("moe-balance-from-the-kept-copies", 12, C12,
+            [("        routed = counts[0]\n", "        routed = counts[1]\n")],
+            "f_e counted from the copies a capacity kept, not those the router sent: a dropping "
+            "expert's share looks smaller than the router made it",
+            "f_e: the copies routed  # EP 3",
+            [T_MOE + "test_the_log_lines_balance_loss_shares_and_drops_are_what_the_test_counts"],
+            ["--capacity-factor", "1.0"]),
+    Mistake("moe-log-aux-summed-over-the-blocks", 12, C12,
+            [("    aux = sum(float(m.aux.detach()) for m in moes) / len(moes)  # 1: even f or P",
+              "    aux = sum(float(m.aux.detach()) for m in moes)")],
+            "the log's balance loss the sum of the blocks', not their mean: 2 when even at 2 "
+            "blocks", "the mean over the blocks",
+            [T_MOE + "test_the_log_lines_balance_loss_shares_and_drops_are_what_the_test_counts"]),
+    Mistake("moe-recomputation-draws-new-masks", 12, C12,
+            [("                x = checkpoint(block, x, use_reentrant=False)",
+              "                x = checkpoint(block, x, use_reentrant=False, "
+              "preserve_rng_state=False)")],
+            "recomputation without the forward's random state: new dropout masks route tokens "
+            "elsewhere, and the backward's all-to-alls no longer match the forward's sizes",
+            "checkpoint keeps the RNG state (its default)", [MOE_DROPOUT],
+            ["--grad-checkpointing"]),
+    Mistake("moe-rank-0s-streams-resumed-everywhere", 12, C12,
+            [('        restore_rng(state["rng"][run.rank], run.device)',
+              '        restore_rng(state["rng"][0], run.device)')],
+            "every rank resumes rank 0's random streams: after a resume rank 1 draws rank 0's "
+            "dropout masks", "state[\"rng\"][run.rank]: this rank's streams  # FSDP 3",
+            [MOE_DROPOUT]),
+    Mistake("moe-ep-rows-strided", 12, C12,
+            [('    shape, names = (world_size // ep, ep), ("edp", "ep")',
+              '    shape, names = (ep, world_size // ep), ("ep", "edp")')],
+            "the ep groups strided, every (world size / ep)-th rank: the same numbers, but on "
+            "GPUs each block's all-to-alls cross nodes", "a row of ep consecutive ranks  # EP 1",
+            [T_MOE + "test_an_ep_row_is_consecutive_ranks_and_every_mixture_trades_in_it"]),
+    Mistake("moe-accumulation-line-times-the-micro-batches", 12, C12,
+            [("    return (f\"--grad-sync last: every rank holds the whole gradients, {whole:.2f} "
+              "MiB", "    return (f\"--grad-sync last: every rank holds the whole gradients, "
+              "{whole * args.grad_accum:.2f} MiB")],
+            "under --grad-sync last the gradients held counted once per micro-batch: they add "
+            "up in one whole copy", "one whole fp32 copy, whatever --grad-accum",
+            [T_MOE + "test_the_planner_predicts_what_each_rank_holds_and_sends"],
+            ["--grad-sync", "last"]),
+    Mistake("moe-experts-policy-without-a-reduce-dtype", 12, C12,
+            [("    fully_shard(experts, mesh=run.mesh[\"edp\"], mp_policy=run.policy,",
+              "    fully_shard(experts, mesh=run.mesh[\"edp\"],\n"
+              "                mp_policy=MixedPrecisionPolicy(run.policy.param_dtype),")],
+            "the experts' policy built again with only the compute dtype: their gradients "
+            "reduce-scatter in bf16", "mp_policy=run.policy",
             [T_MOE + "test_the_policy_computes_in_bf16_and_reduces_gradients_in_fp32"],
             ["--amp", "bf16"]),
     Mistake("plan-bubble-ignores-the-stages-per-rank", 13, C13,

@@ -82,7 +82,7 @@ from helpers import CLIPPED, assert_clipped_run_is_one_processs, one_process_cli
 from helpers import assert_bf16_run_is_one_processs, bf16, one_process_bf16
 from helpers import assert_kv_gradients_summed_in_fp32
 from helpers import assert_planned
-from helpers import (EVAL_6, GPT, NEEDS_CP, NOISY, REPO, SHARDED, as_script, command,
+from helpers import (EVAL_6, GPT, NEEDS_CP, NOISY, REPO, SHARDED, TINY_GPT, as_script, command,
                      ddp_dropout_reference, ddp_reference, finish, in_process, needs_torch, ok,
                      one_process_reference, start, start_two_nodes, summary, trainer)
 
@@ -619,3 +619,18 @@ def test_each_step_applies_and_logs_the_schedule_and_times_training_only(tmp_pat
     evaluations and saves (a clock the test moves), as a world of one with --cp 1."""
     assert_the_schedule_is_applied_and_logged_and_the_clock_is_training(
         CP, ["--cp", "1"], tmp_path)
+
+
+def test_recomputation_draws_the_forwards_dropout_masks_again():
+    """With --dropout 0.1, in this process as a world of one (--cp 1: the blocks are the same
+    code at any cp), --grad-checkpointing logs the losses and gradient norms of the same run
+    without it, to every printed digit: the backward recomputes each block with the random state
+    its forward drew from. The control: without dropout the losses differ."""
+    flags = [*TINY_GPT, "--cp", 1, "--max-steps", 3, "--eval-every", 3, "--eval-windows", 2,
+             "--save", "", "--export", "", "--max-new-tokens", 1]
+    kept, recomputed, still = (
+        in_process(CP, [*flags, "--dropout", dropout, *more])
+        for dropout, more in ((0.1, []), (0.1, ["--grad-checkpointing"]), (0.0, [])))
+    assert sorted(losses(kept)) == [1, 2, 3]
+    assert losses(recomputed) == losses(kept) and grad_norms(recomputed) == grad_norms(kept)
+    assert losses(still)[1] != losses(kept)[1]

@@ -18,9 +18,11 @@
    code 2);
 2. --experts 0 is the dense model, and dropout draws DDP's masks: with dropout, a clip that binds
    and a padded validation, --experts 0 at 2 processes logs chapter 3's losses, gradient norms and
-   validation losses at 2 processes (DDP), and with experts and a shared expert --ep 2 logs
-   --ep 1's at 2 processes;
-   the experts change the losses, and so does dropout (the controls);
+   validation losses at 2 processes (DDP), and with experts, a shared expert and a capacity
+   factor of 1.0, --ep 2 logs --ep 1's at 2 processes, drops included, under --grad-checkpointing
+   (recomputation draws the forward's masks again) and across a kill and a resume at step 2
+   (each rank resumes its own random streams); the experts change the losses, and so does
+   dropout (the controls);
 3. checkpoints resume at another --ep: saved at --ep 2 on 2 processes (step 4), resumed at --ep 1
    in one process with the same global batch, steps 5 to 8 log the uninterrupted one-process
    run's losses (DCP names each expert by its number in the block, whichever rank holds it);
@@ -48,6 +50,9 @@
    file of token ids, --ep 2 logs one process's bf16 numbers and the data line the test computes.
 The eight launches run side by side in one module fixture while the one-process references run in
 this process.
+The schedule and the clock, in this process as a world of one: each step applies and logs
+the warmup and cosine worked out by hand, and ms/step leaves out evaluation and saving (the
+test moves the clock: 1 s a step, 100 s an evaluation or a save).
 """
 import ast
 import difflib
@@ -57,13 +62,14 @@ import re
 
 import pytest
 import torch
+from helpers import assert_the_schedule_is_applied_and_logged_and_the_clock_is_training
 from helpers import logged_grad_norms as norms, logged_losses as losses
 from helpers import kills, logged_val_losses as val_losses
 from helpers import NOISY, SHARDED, as_script, command, finish, in_process, ok, start, trainer
 from helpers import REPO, ddp_dropout_reference, start_two_nodes, summary, run_single
 import benchmark_scaling as bench  # noqa: E402  (the repository is on sys.path: helpers)
 from helpers import assert_every_unit_computes_in_bf16_and_reduces_in_fp32
-from helpers import assert_planned
+from helpers import assert_planned, fake_world
 from helpers import assert_bf16_policy_reduces_in_fp32, assert_dropout_run_is_ddps
 from helpers import assert_data_line, token_data
 
@@ -76,6 +82,7 @@ FLAGS = SHARDED + ["--clip", "2.0", "--eval-windows", 13, "--max-steps", 8, "--e
 EXPERTS = ["--experts", 4, "--experts-per-token", 2, "--aux-weight", 0.01]
 SHARED = EXPERTS + ["--shared-expert"]  # one more expert, on every token
 CAPACITY = ["--max-steps", 3, "--eval-every", 3, "--capacity-factor", 1.0]
+ROOM = ["--capacity-factor", 1.0]  # the dropout runs' capacity: each rank drops past it alike
 # bf16 with recomputation, as a GPU run turns them on: 6 steps, evaluated every 3
 BF16 = [*FLAGS, *EXPERTS, "--max-steps", 6, "--eval-every", 3, "--grad-checkpointing", "--amp",
         "bf16"]
@@ -108,8 +115,13 @@ def runs(tmp_path_factory):
                                                   4, "--batch-size", 3, "--max-steps", 4], nproc=4),
             "capacity": command(MOE, [*FLAGS, *EXPERTS, *CAPACITY, "--ep", 2], nproc=2),
             "dense": command(MOE, [*NOISY, "--experts", 0, "--export", ""], nproc=2),
-            "noisy": command(MOE, [*NOISY, *SHARED, "--ep", 2, "--export", ""], nproc=2),
-            "noisy ep1": command(MOE, [*NOISY, *SHARED, "--export", ""], nproc=2),
+            "noisy": command("tests/probe_moe.py",
+                             ["killsave", "renamed@2:0", d / "noisy", *NOISY, *SHARED, *ROOM,
+                              "--ep", 2, "--grad-checkpointing", "--save-every", 2, "--save",
+                              d / "noisy",
+                              "--resume", "auto", "--export", ""],
+                             nproc=2, torchrun_args=["--max-restarts=1"]),
+            "noisy ep1": command(MOE, [*NOISY, *SHARED, *ROOM, "--export", ""], nproc=2),
             "bf16": command(MOE, [*BF16, *token_data(), "--ep", 2, "--reshard-after-forward",
                                   "no", "--grad-sync", "last", "--compile", "--compile-backend",
                                   "aot_eager", "--debug", "--dist-timeout", 600], nproc=2),
@@ -117,7 +129,9 @@ def runs(tmp_path_factory):
                                                    2, "--batch-size", 3, "--export",
                                                    d / "grid.pt"], nproc=4),
             }
-    started = {name: start(cmd, REPO) for name, cmd in cmds.items()}
+    restart_fix = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch/pytorch#135712
+    started = {name: start(cmd, REPO, restart_fix if name == "noisy" else None)
+               for name, cmd in cmds.items()}
     bad_ep = command(MOE, ["--ep", 4], nproc=2)  # refused before any group: its test reads it
     refused = start(bad_ep, REPO)
     # two nodes of one process through chapter 4's launcher, rank 1's disk full in the save of
@@ -149,6 +163,10 @@ def runs(tmp_path_factory):
                                     "--max-steps", 1])  # no dropout
     ddp_dropout_reference()  # chapter 3 at 2 processes, with dropout: run now, while they run
     r = {name: ok(finish(proc, cmds[name])) for name, proc in started.items()}
+    before, after = r["noisy"].split(f"resumed from {d / 'noisy' / 'step-000002'} at step 2\n")
+    r["noisy killed"] = "step 2/4 | loss" in before and "step 3/4 | loss" in after
+    # the resumed run's first evaluation aside: the uninterrupted run evaluates at 0 and 4 only
+    r["noisy"] = before + re.sub(r"^step 2/4 \| val loss .*\n", "", after, flags=re.M)
     r["bad ep"] = finish(refused, bad_ep)
     r["restarted"] = next(out for out in restarted() if "world size 2 " in out)  # rank 0's node
     r["resumed"] = in_process(MOE, [*FLAGS, *EXPERTS, "--batch-size", 12, "--resume", d / "ck"])
@@ -191,18 +209,44 @@ def test_no_experts_is_the_dense_model_and_dropout_draws_ddps_masks(runs):
     """With dropout 0.1, a clip of 2.0 that binds in steps 1 and 2, and 13 validation windows: at
     --experts 0, 2 processes log chapter 3's numbers at 2 processes (DDP: each rank draws its own
     masks, seeded by its rank); with experts, --ep 2 logs --ep 1's (the router draws nothing, so
-    each rank's masks stay DDP's). The controls: the experts change the losses, and without dropout
-    the first loss differs."""
+    each rank's masks stay DDP's), both at a capacity factor of 1.0 (each rank caps each expert
+    at a share of its own copies, wherever the expert lives: the same drops), the --ep 2 run under
+    --grad-checkpointing (the backward recomputes each block with the masks its forward drew, so
+    the routing and the all-to-alls' sizes repeat) and killed once step 2 is saved and restarted
+    (every rank resumes its own random streams). The controls: the experts change the losses, the
+    capacity drops copies, and without dropout the first loss differs."""
     dense = runs["dense"]
     assert_dropout_run_is_ddps(dense)
     assert "| aux " not in dense and "experts" not in dense.split("memory per rank")[0]
     noisy, ep1 = runs["noisy"], runs["noisy ep1"]
+    assert runs["noisy killed"]  # the control: rank 0 was killed once step 2 was saved
     assert sorted(losses(noisy)) == [1, 2, 3, 4]
     assert losses(noisy) == pytest.approx(losses(ep1), rel=1e-5)
     assert norms(noisy) == pytest.approx(norms(ep1), rel=1e-5)
     assert val_losses(noisy) == pytest.approx(val_losses(ep1), abs=1e-4)
+    dropped = [re.findall(r"\| dropped (\S+)%", out) for out in (noisy, ep1)]
+    assert dropped[0] == dropped[1] and len(dropped[0]) == 4 and min(map(float, dropped[0])) > 1
     assert abs(losses(noisy)[4] - losses(dense)[4]) > 1e-3  # the control: experts differ
     assert abs(losses(dense)[1] - losses(runs["one"]["still"])[1]) > 1e-3  # dropout was on
+
+
+def test_an_ep_row_is_consecutive_ranks_and_every_mixture_trades_in_it():
+    """Built as rank 0 of a fake world of 4 at --ep 2 and of 8 at --ep 4 (no launch): rank 0's ep
+    row, the group every block's all-to-alls run in, is ranks 0 to ep - 1, so that on GPUs a row
+    sits in one node; its edp column (the same experts' other holders) is every ep-th rank; the
+    balance loss sums over the world. The control: the column is not the row."""
+    import torch.distributed as dist
+    for world, ep in ((4, 2), (8, 4)):
+        args = moe.parse_args([*map(str, FLAGS + EXPERTS), "--ep", str(ep), "--device", "cpu"])
+        with fake_world(world):
+            run = moe.make_run(args, torch.device("cpu"), 0, world)
+            layers = moe.mixtures(moe.build_model(run, 256)[0])
+            rows = {tuple(dist.get_process_group_ranks(m.groups.ep)) for m in layers}
+            worlds = {tuple(dist.get_process_group_ranks(m.groups.world)) for m in layers}
+            column = dist.get_process_group_ranks(run.mesh["edp"].get_group())
+        assert len(layers) == 2 and rows == {tuple(range(ep))}, rows
+        assert worlds == {tuple(range(world))} and column == list(range(0, world, ep)) != list(
+            range(ep))
 
 
 def test_the_size_lines_are_what_the_test_counts_at_every_layout(runs):
@@ -533,7 +577,14 @@ def test_the_planner_predicts_what_each_rank_holds_and_sends(runs):
         (runs["grid"], 4, FLAGS + EXPERTS + ["--ep", 2, "--batch-size", 3]),
         (runs["capacity"], 2, FLAGS + EXPERTS + CAPACITY + ["--ep", 2]),
         (runs["dense"], 2, NOISY + ["--experts", 0]),
-        (runs["noisy"], 2, NOISY + SHARED + ["--ep", 2]),
-        (runs["noisy ep1"], 2, NOISY + SHARED),
+        (runs["noisy"], 2, NOISY + SHARED + ROOM + ["--ep", 2]),
+        (runs["noisy ep1"], 2, NOISY + SHARED + ROOM),
         (runs["bf16"], 2, BF16 + token_data() + ["--ep", 2, "--grad-sync", "last"])],
         other=(4, FLAGS + EXPERTS + ["--ep", 4]))
+
+
+def test_each_step_applies_and_logs_the_schedule_and_times_training_only(tmp_path):
+    """The warmup and cosine by hand, applied and logged at each step; ms/step leaves out the
+    evaluations and saves (a clock the test moves), as a world of one with --ep 1."""
+    assert_the_schedule_is_applied_and_logged_and_the_clock_is_training(
+        MOE, [], tmp_path)
