@@ -623,7 +623,8 @@ def assert_the_schedule_is_applied_and_logged_and_the_clock_is_training(script, 
     """A sharded chapter's main(), in this process as a world of one (`flags` make the layout
     one rank), applies and logs the schedule worked out by hand in chapter 3's test (TINY_GPT:
     1e-2 after 2 warmup steps, then a cosine over steps 2 and 3 towards 3e-4: 5e-3, 1e-2, 1e-2,
-    5.15e-3), and its ms/step counts training only. The clock is the test's: each step moves it
+    5.15e-3), a step at a time whatever its micro-batches (2 here), and its ms/step counts
+    training only. The clock is the test's: each step moves it
     1 s, each evaluation and each save 100 s, so every step logs 1000.0 ms/step exactly; the
     control is that evaluations and saves ran between logged steps (a counted one would log
     101000.0)."""
@@ -647,7 +648,8 @@ def assert_the_schedule_is_applied_and_logged_and_the_clock_is_training(script, 
             module, time=clock, make_optimizer=recorded, train_step=moving(module.train_step, 1),
             evaluate=moving(module.evaluate, 100),
             save_checkpoint=moving(module.save_checkpoint, 100)):
-        out = in_process(script, [*TINY_GPT, *flags, "--max-steps", 4, "--eval-every", 2,
+        out = in_process(script, [*TINY_GPT, *flags, "--max-steps", 4, "--grad-accum", 2,
+                                  "--batch-size", 4, "--eval-every", 2,
                                   "--eval-windows", 2, "--save", tmp_path / "ck", "--save-every",
                                   2, "--export", "", "--max-new-tokens", 1])
     assert applied == pytest.approx([5e-3, 1e-2, 1e-2, 5.15e-3], rel=1e-9)

@@ -626,6 +626,56 @@ CATALOGUE = [
             "its .metadata is resumed", "complete(s) and not cut_short(s)", [RULE]),
 
     # chapter 9: PP
+    Mistake("pp-lr-of-the-next-step", 9, C9,
+            [('        group["lr"] = lr_at(step, args)',
+              '        group["lr"] = lr_at(step + 1, args)')],
+            "each step applies the next step's learning rate: the warmup skips a step, and the "
+            "log still shows the schedule's", "lr_at(step) before the step",
+            [T_PP + SCHEDULE]),
+    Mistake("pp-lr-logged-ahead", 9, C9,
+            [("lr_at(step - 1, self.args):.2e}", "lr_at(step, self.args):.2e}")],
+            "the log shows the learning rate of the step after the one it reports",
+            "the log's lr: lr_at(done - 1)", [T_PP + SCHEDULE]),
+    Mistake("pp-recomputation-draws-new-masks", 9, C9,
+            [("        for block in self.blocks.values():\n"
+              "            if self.grad_checkpointing and self.training:  # keep block inputs; "
+              "recompute the rest\n"
+              "                x = checkpoint(block, x, use_reentrant=False)",
+              "        for block in self.blocks.values():\n"
+              "            if self.grad_checkpointing and self.training:  # keep block inputs; "
+              "recompute the rest\n"
+              "                x = checkpoint(block, x, use_reentrant=False, "
+              "preserve_rng_state=False)")],
+            "a stage recomputes its blocks without the forward's random state: with dropout the "
+            "backward drops other units than the forward did",
+            "checkpoint keeps the RNG state (its default)",
+            [T_PP + "test_dropout_in_the_pipeline_draws_what_one_process_draws"],
+            ["--dropout", "0.1", "--grad-checkpointing"]),
+    Mistake("pp-export-of-local-shards", 9, C9,
+            [("    stage = get_model_state_dict(raw_model, options=options)",
+              "    stage = {k: v.to_local() for k, v in raw_model.state_dict().items()}")],
+            "the export takes each rank's shards of its stage, not the stage gathered over its "
+            "replicas: right only at dp 1", "get_model_state_dict(full_state_dict=True)",
+            [T_PP + "test_the_dp2_x_pp2_export_holds_every_whole_weight_and_samples_in_chapter_3"]),
+    Mistake("pp-export-from-the-first-ranks", 9, C9,
+            [("    dist.gather_object(stage if run.dp_rank == 0 else {}, stages, dst=0)",
+              "    dist.gather_object(stage if run.rank < run.args.pp else {}, stages, dst=0)")],
+            "rank 0 gathers the stages of the first pp ranks, as if a replica were consecutive "
+            "ranks: at dp 2 the export holds stage 0 alone",
+            "each stage from the replica 0 rank that holds it",
+            [T_PP + "test_the_dp2_x_pp2_export_holds_every_whole_weight_and_samples_in_chapter_3"]),
+    Mistake("pp-mfu-peak-of-one-replica", 9, C9,
+            [("    return peak * 1e12 * run.world_size, note",
+              "    return peak * 1e12 * run.dp_size, note")],
+            "MFU's denominator counts one replica's GPUs, not every stage's: pp times too high",
+            "peak x every GPU of the job",
+            [T_BAD + "test_mfu_counts_the_peak_of_every_gpu_of_the_job"]),
+    Mistake("pp-data-check-counts-ranks", 9, C9,
+            [("load_data(args, run.dp_size)  # PP 3: a batch per replica",
+              "load_data(args, run.world_size)  # PP 3: a batch per replica")],
+            "the data check sized for a batch per rank, where a replica's stages share one: at pp "
+            "2, data that is enough is refused", "a batch per replica",
+            [T_BAD + "test_the_data_check_counts_the_replicas_where_a_rows_ranks_share_a_batch"]),
     Mistake("pp-padding-counted", 9, C9,
             [("        totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token\n",
               "        totals[1] += y.numel()\n")],
@@ -1329,6 +1379,34 @@ CATALOGUE = [
             "ranks) rows of every parameter, so at 3 processes rank 0 holds 11,728 of 34,688, "
             "not 11,562", "count the local shards: p.to_local().numel()",
             [T_FSDP + "test_the_memory_line_is_rank_0s_share_at_one_two_and_three_processes"]),
+    Mistake("tp-lr-counted-in-micro-batches", 8, C8,
+            [('        group["lr"] = lr_at(step, args)',
+              '        group["lr"] = lr_at(step * args.grad_accum, args)')],
+            "the schedule counted in micro-batches: warmup and cosine run --grad-accum times too "
+            "fast, while the log shows the schedule by steps", "lr_at(step): one a step",
+            [T_TP + SCHEDULE]),
+    Mistake("tp-lr-logged-off-by-one", 8, C8,
+            [("lr_at(step - 1, self.args):.2e}", "lr_at(step, self.args):.2e}")],
+            "the log shows the learning rate of the step after the one it reports",
+            "the log's lr: lr_at(done - 1)", [T_TP + SCHEDULE]),
+    Mistake("tp-streams-restored-by-row", 8, C8,
+            [('        restore_rng(state["rng"][run.rank], run.device)',
+              '        restore_rng(state["rng"][run.dp_rank], run.device)')],
+            "each rank resumes the random streams of the rank numbered as its row: after a resume "
+            "with dropout every row draws row 0's masks",
+            "state[\"rng\"][run.rank]: this rank's own streams",
+            [T_TP + "test_with_dropout_and_a_padded_evaluation_dp2_x_tp2_logs_ddps_numbers"]),
+    Mistake("tp-mfu-peak-of-the-replicas", 8, C8,
+            [("    return peak * 1e12 * run.world_size, note",
+              "    return peak * 1e12 * run.dp_size, note")],
+            "MFU's denominator counts one GPU per replica, not every GPU of a row: tp times too "
+            "high", "peak x every GPU of the job",
+            [T_BAD + "test_mfu_counts_the_peak_of_every_gpu_of_the_job"]),
+    Mistake("tp-world-line-counts-ranks-as-replicas", 8, C8,
+            [('f"{run.dp_size} replicas)")', 'f"{run.world_size} replicas)")')],
+            "the world line's batch counts every rank as a replica: its factors no longer make "
+            "the tokens per step it prints", "a batch per replica (row)",
+            [T_TP + "test_dp2_x_tp2_computes_what_ddp_computes"]),
     Mistake("tp-traffic-sent-without-the-ring-share", 8, C8,
             [("    sent = halves * tensor * (tp - 1) / tp", "    sent = halves * tensor")],
             "the traffic line's MiB sent counts each half whole: a rank of a ring sends (tp - 1) / "

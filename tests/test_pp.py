@@ -8,7 +8,9 @@ real torchrun launches on CPU/gloo. These tests prove:
    (13 steps through two resumes), and its greedy sample after training is chapter 3's text;
    dp 2 x pp 2 at 4 processes logs the losses and gradient norms of 2 DDP processes; the gradient
    norm is the global one (across the stages and the shards: each stage alone has a smaller one);
-   with dropout, --pp 1 draws one process's masks, and at dp 2 x pp 2 every rank draws its own;
+   with dropout, --pp 1 under --grad-checkpointing draws one process's masks (recomputation
+   draws them again), and at dp 2 x pp 2 every rank draws its own; the dp 2 x pp 2 export holds
+   chapter 3's names and whole shapes, and chapter 3 samples from it;
    three ranks of two interleaved stages each (6 blocks) evaluate and sample as one process, each
    forward going round the ranks twice;
 2. the stages: the blocks are cut into contiguous runs that cover them once (any --n-layer and
@@ -118,7 +120,7 @@ def runs(tmp_path_factory):
         (d / name).mkdir()
     grid_cmd = command("tests/probe_pp.py", ["record", d / "counted", *SHARDED, "--pp", 2,
                                              "--max-steps", 10, "--debug", "--save", d / "grid",
-                                             "--export", ""], nproc=4)
+                                             "--export", d / "grid.pt"], nproc=4)
     grid = start(grid_cmd, REPO)
     dropout_cmd = command("tests/probe_pp.py", ["record", d / "dropout", *SHARDED, "--pp", 2,
                                                 "--dropout", 0.1, "--schedule", "gpipe",
@@ -356,7 +358,7 @@ def counted_stages(stages, vocab=256, dp=1):
 
 def test_the_memory_line_holds_each_stages_parameters_as_the_test_counts_them(runs):
     """What the memory line gives for each stage of replica 0, counted from the model's shapes at
-    five layouts: pp 2 (two nodes), dp 2 x pp 2 (replica 0's half of each stage), pp 3 over 3
+    six layouts: pp 2 (two nodes), dp 2 x pp 2 (replica 0's half of each stage), pp 3 over 3
     blocks, 2 ranks of two interleaved stages over 4 blocks, 3 ranks of two over 6, and pp 2 on
     the bf16 run's 300-token vocabulary. The control: the grid's line is not the one-replica
     count of its stages."""
@@ -494,16 +496,32 @@ def test_bf16_compiled_at_pp2_logs_one_processs_bf16_numbers(runs):
 
 
 def test_dropout_in_the_pipeline_draws_what_one_process_draws():
-    """With --dropout 0.1 the pipeline at --pp 1 logs chapter 3's one-process losses: the same
-    masks, drawn in the same order; without dropout chapter 3's losses differ, so dropout was on."""
+    """With --dropout 0.1 the pipeline at --pp 1 under --grad-checkpointing logs chapter 3's
+    one-process losses without it: the same masks, drawn in the same order, and drawn again alike
+    when the backward recomputes a block; without dropout chapter 3's losses differ, so dropout
+    was on."""
     flags = SHARDED + ["--batch-size", 12, "--max-steps", 3, "--save", "", "--dropout", 0.1]
-    piped = losses(in_process(PP, flags + ["--pp", 1, "--export", ""]))
+    piped = losses(in_process(PP, flags + ["--pp", 1, "--grad-checkpointing", "--export", ""]))
     one = losses(in_process(GPT, flags))
     plain = losses(one_process_reference()[0])  # the same run without dropout
     assert sorted(piped) == sorted(one) == [1, 2, 3]
     for step, loss in piped.items():
         assert loss == pytest.approx(one[step], rel=1e-5), step
         assert abs(one[step] - plain[step]) > 1e-3, step
+
+
+def test_the_dp2_x_pp2_export_holds_every_whole_weight_and_samples_in_chapter_3(runs):
+    """At dp 2 x pp 2 each stage's weights are sharded over its 2 replicas: the export gathers
+    them whole, from every stage, into chapter 3's names, shapes and order (one process's export,
+    the control: its own keys and shapes), and chapter 3 samples from it."""
+    grid = torch.load(runs["dir"] / "grid.pt", map_location="cpu", weights_only=True)
+    one = torch.load(runs["one.pt"], map_location="cpu", weights_only=True)
+    assert grid["config"] == one["config"] and grid["step"] == 10
+    assert [(k, v.shape) for k, v in grid["model"].items()] == [
+        (k, v.shape) for k, v in one["model"].items()]
+    sampled = in_process(GPT, ["--sample", "--ckpt", runs["dir"] / "grid.pt", "--prompt", "def ",
+                               "--max-new-tokens", 8])
+    assert sampled.startswith("def ") and len(sampled) > 8
 
 
 def test_the_tied_copies_stay_equal_and_the_export_is_chapter_3s_model(runs):

@@ -30,7 +30,8 @@ launches on CPU/gloo. These tests prove:
    an SP checkpoint with dropout resumed without SP keeps a row's copies equal (--check-sync);
 4. with --dropout 0.1 and 13 validation windows (one row padded), dp 2 x tp 2 without sequence
    parallelism logs 2 DDP processes' losses and validation losses: a row draws its DDP rank's
-   masks; with it, each rank draws its own (its own tokens);
+   masks, also after rank 0 is killed once step 2 is saved and the group restarts (each rank
+   resumes its own streams); with it, each rank draws its own (its own tokens);
 5. bad input is one line and exit code 2: a --tp that does not divide the world size, --n-head
    or (sequence parallel) --block-size; --check-sync (on in the dp 2 x tp 2 run) stops a tp row
    whose copies of a replicated parameter differ with one line per rank and exit code 3 (a probe
@@ -102,9 +103,11 @@ def runs(tmp_path_factory):
                                           "--max-steps", 4, "--save", d / "sp", "--save-every", 1,
                                           "--export", ""], nproc=2)  # saves step 1, then drifts
     drifting = start(drift, REPO)
-    beside = {"tp dropout": command("tests/probe_tp.py", [
-                  "record", d / "dropout", *NOISY, "--tp", 2, "--sequence-parallel", "off",
-                  "--export", ""], nproc=4),  # 13 windows: rows of 7 and 6, one padded
+    beside = {"tp dropout": command("tests/probe_tp.py", [  # 13 windows: rows of 7 and 6
+                  "killsave", "renamed@2:0", d / "dropout", *NOISY, "--tp", 2,
+                  "--sequence-parallel", "off", "--save-every", 2, "--save", d / "noisy",
+                  "--resume", "auto", "--export", ""], nproc=4,  # rank 0 killed once step 2
+                  torchrun_args=["--max-restarts=1"]),  # is saved; the group restarted
               "sp dropout": command("tests/probe_tp.py", [
                   "record", d / "sp dropout", *SHARDED, "--tp", 2, "--max-steps", 1, "--dropout",
                   0.1, "--grad-sync", "last", "--amp", "bf16", "--save", "", "--export", ""],
@@ -112,7 +115,9 @@ def runs(tmp_path_factory):
     beside["bf16"] = command(TP, [*bf16(), "--batch-size", 12, "--tp", 2, "--sequence-parallel",
                                   "off", "--reshard-after-forward", "no", "--dist-timeout", 600,
                                   "--debug", "--export", ""], nproc=2)
-    started = {name: start(cmd, REPO) for name, cmd in beside.items()}
+    restart_fix = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch#135712
+    started = {name: start(cmd, REPO, restart_fix if name == "tp dropout" else None)
+               for name, cmd in beside.items()}
     ddp, ddp_ckpt, _ = ddp_reference()
     r = {"drift": finish(drifting, drift), "ddp dropout": ddp_dropout_reference()[0]}
     switch = command(TP, [*TINY_GPT, "--tp", 2, "--check-sync", "--dropout", 0.1,
@@ -125,6 +130,11 @@ def runs(tmp_path_factory):
                                               "--check-sync", "--max-new-tokens", 12], nproc=4))})
     r["switched"] = ok(finish(switched, switch))
     r.update({name: ok(finish(proc, beside[name])) for name, proc in started.items()})
+    resumed = f"resumed from {d / 'noisy' / 'step-000002'} at step 2\n"
+    before, after = r["tp dropout"].split(resumed)
+    r["tp dropout killed"] = "step 2/4 | loss" in before and "step 3/4 | loss" in after
+    # the resumed run's first evaluation aside: the uninterrupted run evaluates at 0 and 4 only
+    r["tp dropout"] = before + re.sub(r"^step 2/4 \| val loss .*\n", "", after, flags=re.M)
     resume = FLAGS + ["--batch-size", 12, "--resume", d / "ck", "--save", ""]
     shutil.copytree(d / "ck" / "step-000010", d / "killed" / "ck" / "step-000010")
     kill = command("tests/probe_tp.py", ["killsave", "metadata@12:1", d / "killed", *FLAGS,
@@ -165,7 +175,10 @@ def test_with_dropout_and_a_padded_evaluation_dp2_x_tp2_logs_ddps_numbers(runs):
     hash alike, of two rows not), so dp 2 x tp 2 logs 2 DDP processes' losses; 13 validation
     windows on 2 rows (7 and 6: one padded, counted as 0) give DDP's validation losses. The
     control: they change. With --clip 2.0 the gradient norms before clipping are DDP's too, in
-    the steps where the clip binds (1 and 2) and where it does not (3 and 4)."""
+    the steps where the clip binds (1 and 2) and where it does not (3 and 4). Rank 0 is killed
+    once step 2 is saved and the group restarted: every rank resumes its own random streams, so
+    steps 3 and 4 (their first masks recorded) are DDP's too."""
+    assert runs["tp dropout killed"]  # the control: the run was killed and resumed
     masks = [rank_record(runs["dir"] / "dropout", rank)["dropout_mask"] for rank in range(4)]
     assert masks[0] == masks[1] and masks[2] == masks[3] and masks[0] != masks[2]
     tp_out, ddp = runs["tp dropout"], runs["ddp dropout"]
@@ -262,7 +275,9 @@ def test_a_tp_row_is_consecutive_ranks_and_draws_one_sample(runs):
 
 def test_dp2_x_tp2_computes_what_ddp_computes(runs):
     grid, ddp = runs["grid"], runs["ddp"]
-    assert "world size 4 (2 dp x 2 tp)" in grid
+    # 6 sequences of 32 tokens, 2 micro-batches, on each of 2 replicas: a row's ranks share one
+    assert f"world size 4 (2 dp x 2 tp) | device cpu | amp off | {6 * 32 * 2 * 2:,} tokens per " \
+           "step (6 x 32 x 2 accumulation x 2 replicas)" in grid, grid
     assert sorted(losses(grid)) == list(range(1, 11))
     for step, loss in losses(grid).items():
         assert loss == pytest.approx(losses(ddp)[step], rel=1e-5), step
