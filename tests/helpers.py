@@ -619,16 +619,17 @@ class FakeClock:
         return getattr(time, name)
 
 
-def assert_the_schedule_is_applied_and_logged_and_the_clock_is_training(script, flags, tmp_path):
+def assert_a_world_of_one_schedules_times_and_samples_as_it_should(script, flags, tmp_path):
     """A sharded chapter's main(), in this process as a world of one (`flags` make the layout
     one rank), applies and logs the schedule worked out by hand in chapter 3's test (TINY_GPT:
     1e-2 after 2 warmup steps, then a cosine over steps 2 and 3 towards 3e-4: 5e-3, 1e-2, 1e-2,
-    5.15e-3), a step at a time whatever its micro-batches (2 here), and its ms/step counts
-    training only. The clock is the test's: each step moves it
-    1 s, each evaluation and each save 100 s, so every step logs 1000.0 ms/step exactly; the
-    control is that evaluations and saves ran between logged steps (a counted one would log
-    101000.0)."""
+    5.15e-3), a step at a time whatever its micro-batches (2 here); its ms/step counts training
+    only; and its closing sample runs every module in evaluation mode (no dropout). The clock is
+    the test's: each step moves it 1 s, each evaluation and each save 100 s, so every step logs
+    1000.0 ms/step exactly; the controls: evaluations and saves ran between logged steps (a
+    counted one would log 101000.0), and the steps ran in training mode."""
     module, clock, applied, calls = trainer(script), FakeClock(), [], collections.Counter()
+    phase, modes = ["start"], collections.defaultdict(set)  # the modes modules ran in, by phase
 
     def recorded(*args):
         optimizer = make(*args)
@@ -636,27 +637,38 @@ def assert_the_schedule_is_applied_and_logged_and_the_clock_is_training(script, 
             lambda opt, *_: applied.append(opt.param_groups[0]["lr"]))
         return optimizer
 
+    def hooked(*args):  # every module of the model, a pipeline's stages too, notes its mode
+        built = build(*args)
+        for part in [built[0], *getattr(built[0], "parts", [])]:
+            for m in part.modules():
+                m.register_forward_pre_hook(lambda m, _: modes[phase[0]].add(m.training))
+        return built
+
     def moving(function, seconds):
         def moved(*args):
             calls[function.__name__] += 1
+            phase[0] = function.__name__
             result = function(*args)
             clock.now += seconds
+            phase[0] = "after " + function.__name__  # the last save's is the sample's
             return result
         return moved
-    make = module.make_optimizer
+    make, build = module.make_optimizer, module.build_model
     with unittest.mock.patch.multiple(
-            module, time=clock, make_optimizer=recorded, train_step=moving(module.train_step, 1),
-            evaluate=moving(module.evaluate, 100),
+            module, time=clock, make_optimizer=recorded, build_model=hooked,
+            train_step=moving(module.train_step, 1), evaluate=moving(module.evaluate, 100),
             save_checkpoint=moving(module.save_checkpoint, 100)):
         out = in_process(script, [*TINY_GPT, *flags, "--max-steps", 4, "--grad-accum", 2,
-                                  "--batch-size", 4, "--eval-every", 2,
-                                  "--eval-windows", 2, "--save", tmp_path / "ck", "--save-every",
-                                  2, "--export", "", "--max-new-tokens", 1])
+                                  "--batch-size", 4, "--eval-every", 2, "--eval-windows", 2,
+                                  "--dropout", 0.1, "--save", tmp_path / "ck", "--save-every", 2,
+                                  "--export", "", "--max-new-tokens", 2])
     assert applied == pytest.approx([5e-3, 1e-2, 1e-2, 5.15e-3], rel=1e-9)
     logged = re.findall(r"^step \d/4 \| loss \S+ \| lr (\S+) \| .* \| (\S+) ms/step", out, re.M)
     assert logged == [("5.00e-03", "1000.0"), ("1.00e-02", "1000.0"), ("1.00e-02", "1000.0"),
                       ("5.15e-03", "1000.0")], out
     assert calls == {"train_step": 4, "evaluate": 3, "save_checkpoint": 2}, calls
+    assert modes["train_step"] == {True} and modes["evaluate"] == {False}, modes
+    assert modes["after save_checkpoint"] == {False}, modes  # the sample, after the last save
 
 
 # ----------------------------------------------------------------------------------------- data

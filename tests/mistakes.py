@@ -74,7 +74,7 @@ PLAN_DSV3 = [sys.executable, "plan_layout.py", "--preset", "deepseek-v3", "--gpu
              "--layout", "pp=16,dp=128,ep=64,recompute=full"]
 MOE_EQUAL = T_MOE + "test_expert_parallel_runs_compute_what_one_process_computes"
 MOE_DROPOUT = T_MOE + "test_no_experts_is_the_dense_model_and_dropout_draws_ddps_masks"
-SCHEDULE = "test_each_step_applies_and_logs_the_schedule_and_times_training_only"
+SCHEDULE = "test_a_world_of_one_applies_the_schedule_times_training_and_samples_in_eval_mode"
 PAGE_7, PAGE_11 = "docs/fsdp_in_your_trainer.md", "docs/4d_in_your_trainer.md"  # copy pages
 
 
@@ -676,6 +676,11 @@ CATALOGUE = [
             "the data check sized for a batch per rank, where a replica's stages share one: at pp "
             "2, data that is enough is refused", "a batch per replica",
             [T_BAD + "test_the_data_check_counts_the_replicas_where_a_rows_ranks_share_a_batch"]),
+    Mistake("pp-sample-drawn-in-training-mode", 9, C9,
+            [("        raw_model.eval()\n        start = 10 if unit", "        start = 10 if unit")],
+            "the closing sample drawn with the model still in training mode: dropout on while it "
+            "generates", "raw_model.eval() before sampling", [T_PP + SCHEDULE],
+            ["--dropout", "0.1"]),
     Mistake("pp-padding-counted", 9, C9,
             [("        totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token\n",
               "        totals[1] += y.numel()\n")],
@@ -1407,6 +1412,11 @@ CATALOGUE = [
             "the world line's batch counts every rank as a replica: its factors no longer make "
             "the tokens per step it prints", "a batch per replica (row)",
             [T_TP + "test_dp2_x_tp2_computes_what_ddp_computes"]),
+    Mistake("tp-sample-drawn-in-training-mode", 8, C8,
+            [("        raw_model.eval()\n        start = 10", "        start = 10")],
+            "the closing sample drawn with the model still in training mode: dropout on while it "
+            "generates", "raw_model.eval() before sampling", [T_TP + SCHEDULE],
+            ["--dropout", "0.1"]),
     Mistake("tp-traffic-sent-without-the-ring-share", 8, C8,
             [("    sent = halves * tensor * (tp - 1) / tp", "    sent = halves * tensor")],
             "the traffic line's MiB sent counts each half whole: a rank of a ring sends (tp - 1) / "

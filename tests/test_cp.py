@@ -63,7 +63,8 @@ torchrun launches on CPU/gloo. These tests prove:
    in bf16, and for a recomputed ring (its passes counted by the probe too).
 The schedule and the clock, in this process as a world of one: each step applies and logs
 the warmup and cosine worked out by hand, and ms/step leaves out evaluation and saving (the
-test moves the clock: 1 s a step, 100 s an evaluation or a save).
+test moves the clock: 1 s a step, 100 s an evaluation or a save); with dropout, the closing
+sample runs every module in evaluation mode.
 With --dropout 0.1, in this process as a world of one, --grad-checkpointing logs the losses
 and norms of the same run without it (the backward recomputes with the forward's masks).
 """
@@ -74,7 +75,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from helpers import assert_the_schedule_is_applied_and_logged_and_the_clock_is_training
+from helpers import assert_a_world_of_one_schedules_times_and_samples_as_it_should
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import kills, logged_val_losses as val_losses
 from helpers import streams_restored
@@ -616,10 +617,12 @@ def test_the_planner_predicts_what_each_rank_holds_and_sends(runs):
         other=(4, SHARDED + ["--cp", 4]))
 
 
-def test_each_step_applies_and_logs_the_schedule_and_times_training_only(tmp_path):
+def test_a_world_of_one_applies_the_schedule_times_training_and_samples_in_eval_mode(
+        tmp_path):
     """The warmup and cosine by hand, applied and logged at each step; ms/step leaves out the
-    evaluations and saves (a clock the test moves), as a world of one with --cp 1."""
-    assert_the_schedule_is_applied_and_logged_and_the_clock_is_training(
+    evaluations and saves (a clock the test moves); the closing sample in evaluation mode (no
+    dropout); as a world of one with --cp 1."""
+    assert_a_world_of_one_schedules_times_and_samples_as_it_should(
         CP, ["--cp", "1"], tmp_path)
 
 

@@ -46,7 +46,8 @@ The launches run side by side in one module fixture (`runs`); the counted run of
 two-node run of 6; --grad-sync last is a counted run of 4 steps beside it.
 The schedule and the clock, in this process as a world of one: each step applies and logs
 the warmup and cosine worked out by hand, and ms/step leaves out evaluation and saving (the
-test moves the clock: 1 s a step, 100 s an evaluation or a save).
+test moves the clock: 1 s a step, 100 s an evaluation or a save); with dropout, the closing
+sample runs every module in evaluation mode.
 """
 import json
 import logging
@@ -58,7 +59,7 @@ import types
 
 import pytest
 import torch
-from helpers import assert_the_schedule_is_applied_and_logged_and_the_clock_is_training
+from helpers import assert_a_world_of_one_schedules_times_and_samples_as_it_should
 from helpers import kills, logged_val_losses as val_losses
 from helpers import assert_bf16_run_is_one_processs, bf16, one_process_bf16
 from helpers import assert_every_unit_computes_in_bf16_and_reduces_in_fp32
@@ -525,8 +526,10 @@ def test_the_planner_predicts_what_each_rank_holds_and_sends(runs):
                    other=(3, FLAGS))
 
 
-def test_each_step_applies_and_logs_the_schedule_and_times_training_only(tmp_path):
+def test_a_world_of_one_applies_the_schedule_times_training_and_samples_in_eval_mode(
+        tmp_path):
     """The warmup and cosine by hand, applied and logged at each step; ms/step leaves out the
-    evaluations and saves (a clock the test moves), as a world of one with one rank."""
-    assert_the_schedule_is_applied_and_logged_and_the_clock_is_training(
+    evaluations and saves (a clock the test moves); the closing sample in evaluation mode (no
+    dropout); as a world of one with one rank."""
+    assert_a_world_of_one_schedules_times_and_samples_as_it_should(
         FSDP, [], tmp_path)

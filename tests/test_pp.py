@@ -44,7 +44,8 @@ real torchrun launches on CPU/gloo. These tests prove:
    --dist-timeout and --amp off too.
 The schedule and the clock, in this process as a world of one: each step applies and logs
 the warmup and cosine worked out by hand, and ms/step leaves out evaluation and saving (the
-test moves the clock: 1 s a step, 100 s an evaluation or a save).
+test moves the clock: 1 s a step, 100 s an evaluation or a save); with dropout, the closing
+sample runs every module in evaluation mode.
 """
 import importlib
 import json
@@ -52,7 +53,7 @@ import re
 
 import pytest
 import torch
-from helpers import assert_the_schedule_is_applied_and_logged_and_the_clock_is_training
+from helpers import assert_a_world_of_one_schedules_times_and_samples_as_it_should
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import kills, logged_val_losses as val_losses
 from helpers import assert_every_unit_computes_in_bf16_and_reduces_in_fp32
@@ -607,8 +608,10 @@ def test_the_planner_predicts_what_each_rank_holds_and_sends(runs):
         other=(4, COLUMN))
 
 
-def test_each_step_applies_and_logs_the_schedule_and_times_training_only(tmp_path):
+def test_a_world_of_one_applies_the_schedule_times_training_and_samples_in_eval_mode(
+        tmp_path):
     """The warmup and cosine by hand, applied and logged at each step; ms/step leaves out the
-    evaluations and saves (a clock the test moves), as a world of one with --pp 1."""
-    assert_the_schedule_is_applied_and_logged_and_the_clock_is_training(
+    evaluations and saves (a clock the test moves); the closing sample in evaluation mode (no
+    dropout); as a world of one with --pp 1."""
+    assert_a_world_of_one_schedules_times_and_samples_as_it_should(
         PP, ["--pp", "1"], tmp_path)
