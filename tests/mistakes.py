@@ -1417,6 +1417,19 @@ CATALOGUE = [
             "the closing sample drawn with the model still in training mode: dropout on while it "
             "generates", "raw_model.eval() before sampling", [T_TP + SCHEDULE],
             ["--dropout", "0.1"]),
+    Mistake("tp-traffic-line-recompute-gathers-once", 8, C8,
+            [("        gathers, scatters = each + 2 * again, each + reduced",
+              "        gathers, scatters = each + reduced, each + reduced")],
+            "the traffic line counts a recomputed block's gathers once: without dropout its "
+            "forward gathers twice again (attention and MLP) but reduces once",
+            "each + 2 x again gathers", [T_TP + "test_the_traffic_line_counts_the_collectives_a_step_makes"], ["--grad-checkpointing"]),
+    Mistake("tp-recomputation-reentrant", 8, C8,
+            [("                x = checkpoint(block, x, use_reentrant=False)",
+              "                x = checkpoint(block, x, use_reentrant=True)")],
+            "the reentrant checkpoint: its recompute runs the MLP's reduction again too, a "
+            "reduce-scatter per block more than the traffic line says",
+            "use_reentrant=False: recompute up to what backward needs", [T_TP + "test_the_traffic_line_counts_the_collectives_a_step_makes"],
+            ["--grad-checkpointing"]),
     Mistake("tp-traffic-sent-without-the-ring-share", 8, C8,
             [("    sent = halves * tensor * (tp - 1) / tp", "    sent = halves * tensor")],
             "the traffic line's MiB sent counts each half whole: a rank of a ring sends (tp - 1) / "
