@@ -681,6 +681,14 @@ CATALOGUE = [
             "the closing sample drawn with the model still in training mode: dropout on while it "
             "generates", "raw_model.eval() before sampling", [T_PP + SCHEDULE],
             ["--dropout", "0.1"]),
+    Mistake("pp-recomputation-on-the-first-stage-only", 9, C9,
+            [("    for part in raw_model.parts:\n        part.grad_checkpointing = "
+              "args.grad_checkpointing",
+              "    raw_model.parts[0].grad_checkpointing = args.grad_checkpointing")],
+            "--grad-checkpointing set on a rank's first stage alone: with interleaved stages the "
+            "second keeps every activation", "every stage this rank holds recomputes",
+            [T_PP + "test_interleaved_stages_compute_what_one_process_computes_from_chapter_7s_"
+                    "checkpoint"], ["--grad-checkpointing"]),
     Mistake("pp-padding-counted", 9, C9,
             [("        totals[1] += (y != -100).sum()  # FSDP 5: the padding counts no token\n",
               "        totals[1] += y.numel()\n")],
