@@ -619,7 +619,8 @@ class FakeClock:
         return getattr(time, name)
 
 
-def assert_a_world_of_one_schedules_times_and_samples_as_it_should(script, flags, tmp_path):
+def assert_a_world_of_one_schedules_times_and_samples_as_it_should(script, flags, tmp_path,
+                                                                  dense=True):
     """A sharded chapter's main(), in this process as a world of one (`flags` make the layout
     one rank), applies and logs the schedule worked out by hand in chapter 3's test (TINY_GPT:
     1e-2 after 2 warmup steps, then a cosine over steps 2 and 3 towards 3e-4: 5e-3, 1e-2, 1e-2,
@@ -627,7 +628,9 @@ def assert_a_world_of_one_schedules_times_and_samples_as_it_should(script, flags
     only; and its closing sample runs every module in evaluation mode (no dropout). The clock is
     the test's: each step moves it 1 s, each evaluation and each save 100 s, so every step logs
     1000.0 ms/step exactly; the controls: evaluations and saves ran between logged steps (a
-    counted one would log 101000.0), and the steps ran in training mode."""
+    counted one would log 101000.0), and the steps ran in training mode. It runs at --seed 7
+    with dropout: a `dense` chapter logs chapter 3's losses and validation losses in one process
+    at that seed (dropout seeded by --seed; the control: chapter 3 at --seed 0 logs others)."""
     module, clock, applied, calls = trainer(script), FakeClock(), [], collections.Counter()
     phase, modes = ["start"], collections.defaultdict(set)  # the modes modules ran in, by phase
 
@@ -654,13 +657,13 @@ def assert_a_world_of_one_schedules_times_and_samples_as_it_should(script, flags
             return result
         return moved
     make, build = module.make_optimizer, module.build_model
+    run = [*TINY_GPT, "--max-steps", 4, "--grad-accum", 2, "--batch-size", 4, "--eval-every", 2,
+           "--eval-windows", 2, "--dropout", 0.1, "--seed", 7]
     with unittest.mock.patch.multiple(
             module, time=clock, make_optimizer=recorded, build_model=hooked,
             train_step=moving(module.train_step, 1), evaluate=moving(module.evaluate, 100),
             save_checkpoint=moving(module.save_checkpoint, 100)):
-        out = in_process(script, [*TINY_GPT, *flags, "--max-steps", 4, "--grad-accum", 2,
-                                  "--batch-size", 4, "--eval-every", 2, "--eval-windows", 2,
-                                  "--dropout", 0.1, "--save", tmp_path / "ck", "--save-every", 2,
+        out = in_process(script, [*run, *flags, "--save", tmp_path / "ck", "--save-every", 2,
                                   "--export", "", "--max-new-tokens", 2])
     assert applied == pytest.approx([5e-3, 1e-2, 1e-2, 5.15e-3], rel=1e-9)
     logged = re.findall(r"^step \d/4 \| loss \S+ \| lr (\S+) \| .* \| (\S+) ms/step", out, re.M)
@@ -669,6 +672,12 @@ def assert_a_world_of_one_schedules_times_and_samples_as_it_should(script, flags
     assert calls == {"train_step": 4, "evaluate": 3, "save_checkpoint": 2}, calls
     assert modes["train_step"] == {True} and modes["evaluate"] == {False}, modes
     assert modes["after save_checkpoint"] == {False}, modes  # the sample, after the last save
+    if dense:
+        losses = re.compile(r"^step \d/4 \| (?:val )?loss (\S+)", re.M)
+        chapter_3 = [in_process(GPT, [*run[:-1], seed, "--save", "", "--max-new-tokens", 1])
+                     for seed in (7, 0)]
+        assert losses.findall(out) == losses.findall(chapter_3[0]), (out, chapter_3[0])
+        assert losses.findall(chapter_3[1]) != losses.findall(chapter_3[0])
 
 
 # ----------------------------------------------------------------------------------------- data

@@ -1444,6 +1444,18 @@ CATALOGUE = [
             "tp of the tensor in an all-gather or a reduce-scatter, half of it at tp 2",
             "(tp - 1) / tp of each half", [T_TP + "test_the_traffic_line_counts_the_collectives_a_"
                                            "step_makes"]),
+    Mistake("tp-dropout-seed-without-seed", 8, C8,
+            [("    torch.manual_seed(args.seed + dropout_stream(run))",
+              "    torch.manual_seed(dropout_stream(run))")],
+            "the dropout streams seeded by the rank's offset alone: every --seed draws seed 0's "
+            "masks (the weights and the data order still follow --seed)",
+            "args.seed + the offset", [T_TP + SCHEDULE], ["--dropout", "0.1", "--seed", "7"]),
+    Mistake("4d-dropout-seed-without-seed", 11, C11,
+            [("    torch.manual_seed(args.seed + dropout_stream(run))",
+              "    torch.manual_seed(dropout_stream(run))")],
+            "the dropout streams seeded by the rank's offset alone: every --seed draws seed 0's "
+            "masks (the weights and the data order still follow --seed)",
+            "args.seed + the offset", [T_4D + SCHEDULE], ["--dropout", "0.1", "--seed", "7"]),
     Mistake("pp-memory-line-counts-the-whole-stage", 9, C9,
             [("    mine = sum(p.to_local().numel() for p in model.parameters())",
               "    mine = sum(p.numel() for p in model.parameters())")],

@@ -590,4 +590,4 @@ def test_a_world_of_one_applies_the_schedule_times_training_and_samples_in_eval_
     evaluations and saves (a clock the test moves); the closing sample in evaluation mode (no
     dropout); as a world of one with --ep 1."""
     assert_a_world_of_one_schedules_times_and_samples_as_it_should(
-        MOE, [], tmp_path)
+        MOE, [], tmp_path, dense=False)
