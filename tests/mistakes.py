@@ -1450,6 +1450,15 @@ CATALOGUE = [
             "the dropout streams seeded by the rank's offset alone: every --seed draws seed 0's "
             "masks (the weights and the data order still follow --seed)",
             "args.seed + the offset", [T_TP + SCHEDULE], ["--dropout", "0.1", "--seed", "7"]),
+    Mistake("tp-streams-restored-across-tp", 8, C8,
+            [('    if (saved.get("tp"), saved.get("sequence_parallel"), len(state["rng"])) == (\n'
+              '            run.args.tp, run.args.sequence_parallel, run.world_size):',
+              '    if (saved.get("sequence_parallel"), len(state["rng"])) == (\n'
+              '            run.args.sequence_parallel, run.world_size):')],
+            "the saved random streams restored whenever the world size matches, whatever tp saved "
+            "them: saved at dp 2 x tp 2 without sequence parallelism, a resume at dp 4 x tp 1 "
+            "gives two replicas one stream", "restore only at the tp, SP and world that saved",
+            [T_TP + "test_random_streams_come_back_only_at_the_tp_and_sp_that_saved_them"]),
     Mistake("4d-dropout-seed-without-seed", 11, C11,
             [("    torch.manual_seed(args.seed + dropout_stream(run))",
               "    torch.manual_seed(dropout_stream(run))")],

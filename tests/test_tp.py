@@ -57,7 +57,7 @@ from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import kills, logged_val_losses as val_losses
 from helpers import assert_every_unit_computes_in_bf16_and_reduces_in_fp32
 from helpers import assert_bf16_policy_reduces_in_fp32
-from helpers import assert_planned
+from helpers import assert_planned, streams_restored
 from helpers import VOCAB, built_in_a_fake_world, first_rank_share, gpt_shapes, memory_words
 from helpers import assert_bf16_run_is_one_processs, bf16, one_process_bf16
 from helpers import (EVAL_6, GPT, NOISY, REPO, SHARDED, TINY_GPT, command, ddp_dropout_reference,
@@ -356,6 +356,26 @@ def test_a_switch_of_sequence_parallelism_on_resume_keeps_the_copies_equal(runs)
     --check-sync finds its copies equal after every step. The control: restored, they drift."""
     out = runs["switched"]
     assert "resumed from" in out and "step 3/3 | loss" in out and "done | val loss" in out
+
+
+def test_random_streams_come_back_only_at_the_tp_and_sp_that_saved_them(monkeypatch):
+    """A checkpoint's RNG states are restored rank by rank only at the tp, sequence parallelism
+    and world size that saved them: saved at dp 2 x tp 2 without sequence parallelism (a row's
+    two ranks hold one stream), a resume at dp 4 x tp 1 restoring them would give two replicas
+    one mask. Each switch of tp, of sequence parallelism or of the world size keeps the fresh
+    seeds. The control: the same layout restores them."""
+    restored = streams_restored(tp, monkeypatch)
+    for saved_tp, here_tp, saved_sp, here_sp, world, expected in [
+            (2, 2, "off", "off", 4, ["rank 1's"]), (2, 2, "on", "on", 4, ["rank 1's"]),
+            (2, 1, "off", "off", 4, []), (1, 2, "on", "on", 4, []),
+            (2, 2, "on", "off", 4, []), (2, 2, "off", "off", 2, [])]:
+        args = types.SimpleNamespace(tp=here_tp, sequence_parallel=here_sp)
+        run = types.SimpleNamespace(rank=1, world_size=world, device=torch.device("cpu"), args=args)
+        state = {"args": {"tp": saved_tp, "sequence_parallel": saved_sp},
+                 "rng": ["rank 0's", "rank 1's", "rank 2's", "rank 3's"]}
+        restored.clear()
+        tp.load_shards("ck", state, run, None, None)
+        assert restored == expected, (saved_tp, here_tp, saved_sp, here_sp, world)
 
 
 def test_sampling_pads_on_the_right_and_draws_what_one_process_draws(runs):
