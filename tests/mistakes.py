@@ -1459,6 +1459,13 @@ CATALOGUE = [
             "them: saved at dp 2 x tp 2 without sequence parallelism, a resume at dp 4 x tp 1 "
             "gives two replicas one stream", "restore only at the tp, SP and world that saved",
             [T_TP + "test_random_streams_come_back_only_at_the_tp_and_sp_that_saved_them"]),
+    Mistake("tp-export-without-cpu-offload", 8, C8,
+            [("    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to "
+              "rank 0",
+              "    options = StateDictOptions(full_state_dict=True)  # gathered to rank 0")],
+            "the export gathered without cpu_offload: every rank is handed the whole model on "
+            "its device, a second copy of the model on each GPU", "cpu_offload=True: rank 0's CPU",
+            [T_TP + "test_the_export_gathers_the_whole_model_to_rank_0s_cpu_alone"]),
     Mistake("4d-dropout-seed-without-seed", 11, C11,
             [("    torch.manual_seed(args.seed + dropout_stream(run))",
               "    torch.manual_seed(dropout_stream(run))")],

@@ -12,7 +12,8 @@ Launched under torchrun in place of the script; the course never imports it:
         elements] of each of DTensor's reductions (all-reduce, reduce-scatter) in that step, and
         "fsdp_sum_dtypes": the dtype of each of FSDP's reduce-scatters}; after the
         closing sample OUT_DIR/sample{RANK}.json: the token ids it drew (every rank samples: each
-        forward is a collective of its tp row)
+        forward is a collective of its tp row); at the export OUT_DIR/export{RANK}.json: the
+        {"elements", "devices"} of the whole weights get_model_state_dict handed it
     torchrun ... tests/probe_tp.py drift STEP:RANK OUT_DIR [trainer flags]
         as record, and before step STEP that rank adds 1e-3 to its shard of the final norm's
         weight (a parameter TP does not split: every rank of a tp row holds a copy), as a wrong
@@ -94,7 +95,17 @@ def record(out_dir, drift_at=None):
             json.dump(out[0].tolist(), f)
         return out
 
+    gather = trainer.get_model_state_dict
+
+    def recorded_gather(model, options=None):  # the export's: what each rank is handed
+        weights = gather(model, options=options)
+        with open(os.path.join(out_dir, f"export{os.environ['RANK']}.json"), "w") as f:
+            json.dump({"elements": sum(t.numel() for t in weights.values()),
+                       "devices": sorted({t.device.type for t in weights.values()})}, f)
+        return weights
+
     trainer.train_step, trainer.generate_in_row = recorded_step, recorded_generate
+    trainer.get_model_state_dict = recorded_gather
     run_as_script(trainer)
 
 

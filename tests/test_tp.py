@@ -131,8 +131,9 @@ def runs(tmp_path_factory):
     r.update({"ddp": ddp, "ddp.pt": ddp_ckpt,
          "grid": ok(run("tests/probe_tp.py", ["record", d, *FLAGS, *RECOMPUTED, "--tp", 2,
                                               "--max-steps", 10,
-                                              *EVAL_6, "--save", d / "ck", "--export", "",
-                                              "--check-sync", "--max-new-tokens", 12], nproc=4))})
+                                              *EVAL_6, "--save", d / "ck", "--export",
+                                              d / "grid.pt", "--check-sync",
+                                              "--max-new-tokens", 12], nproc=4))})
     r["switched"] = ok(finish(switched, switch))
     r.update({name: ok(finish(proc, beside[name])) for name, proc in started.items()})
     resumed = f"resumed from {d / 'noisy' / 'step-000002'} at step 2\n"
@@ -348,6 +349,21 @@ def test_the_export_holds_ddps_weights_and_samples_in_chapter_3(runs):
     sampled = in_process(GPT, ["--sample", "--ckpt", runs["dir"] / "tp.pt", "--prompt", "def ",
                                "--max-new-tokens", 20])
     assert sampled.startswith("def ") and len(sampled) > 10
+
+
+def test_the_export_gathers_the_whole_model_to_rank_0s_cpu_alone(runs):
+    """At dp 2 x tp 2 (the grid run) the export hands rank 0 every whole weight on the CPU and the
+    other ranks nothing (tests/probe_tp.py records what get_model_state_dict returns to each), so
+    no rank holds a second copy of the model on its GPU; the file holds DDP's names and sizes.
+    The control: rank 0's share is every weight of chapter 3's checkpoint."""
+    ddp = torch.load(runs["ddp.pt"], map_location="cpu", weights_only=True)["model"]
+    whole = sum(value.numel() for value in ddp.values())
+    held = [json.loads((runs["dir"] / f"export{rank}.json").read_text()) for rank in range(4)]
+    assert held == [{"elements": whole, "devices": ["cpu"]}] + [
+        {"elements": 0, "devices": []}] * 3, held
+    exported = torch.load(runs["dir"] / "grid.pt", map_location="cpu", weights_only=True)
+    assert {k: v.shape for k, v in exported["model"].items()} == {
+        k: v.shape for k, v in ddp.items()}
 
 
 def test_a_switch_of_sequence_parallelism_on_resume_keeps_the_copies_equal(runs):
