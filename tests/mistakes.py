@@ -1466,6 +1466,14 @@ CATALOGUE = [
             "the export gathered without cpu_offload: every rank is handed the whole model on "
             "its device, a second copy of the model on each GPU", "cpu_offload=True: rank 0's CPU",
             [T_TP + "test_the_export_gathers_the_whole_model_to_rank_0s_cpu_alone"]),
+    Mistake("pp-streams-restored-by-replica", 9, C9,
+            [('        restore_rng(state["rng"][run.rank], run.device)',
+              '        restore_rng(state["rng"][run.dp_rank], run.device)')],
+            "each rank resumes the random streams of the rank numbered as its replica: after a "
+            "dropout resume at dp 2 x pp 2 the stages of both replicas draw one replica's masks",
+            "state[\"rng\"][run.rank]: this rank's own streams",
+            [T_PP + "test_each_rank_resumes_its_own_random_streams_at_the_pp_and_world_that_saved_"
+             "them"]),
     Mistake("4d-dropout-seed-without-seed", 11, C11,
             [("    torch.manual_seed(args.seed + dropout_stream(run))",
               "    torch.manual_seed(dropout_stream(run))")],

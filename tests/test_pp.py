@@ -50,6 +50,7 @@ sample runs every module in evaluation mode.
 import importlib
 import json
 import re
+import types
 
 import pytest
 import torch
@@ -60,7 +61,7 @@ from helpers import assert_every_unit_computes_in_bf16_and_reduces_in_fp32
 from helpers import assert_bf16_policy_reduces_in_fp32
 from helpers import CLIPPED, assert_clipped_run_is_one_processs, one_process_clipped
 from helpers import assert_bf16_run_is_one_processs, bf16, one_process_bf16
-from helpers import VOCAB, assert_planned, first_rank_share, gpt_shapes
+from helpers import VOCAB, assert_planned, first_rank_share, gpt_shapes, streams_restored
 from helpers import (GPT, NEEDS_PP, REPO, SHARDED, TINY_GPT, as_script, command, ddp_reference,
                      finish, in_process, needs_torch, ok, one_process_reference, start,
                      start_two_nodes, summary, trainer)
@@ -613,6 +614,25 @@ def test_the_planner_predicts_what_each_rank_holds_and_sends(runs):
                                         "--grad-checkpointing", "--amp", "bf16"]),
         (runs["bf16"], 2, bf16(dropout=False) + ["--batch-size", 12, "--pp", 2])],
         other=(4, COLUMN))
+
+
+def test_each_rank_resumes_its_own_random_streams_at_the_pp_and_world_that_saved_them(
+        monkeypatch):
+    """A checkpoint saved at dp 2 x pp 2 holds each rank's random streams (rank 3: stage 1 of
+    replica 1); resumed at that layout, rank 3 restores rank 3's, not its replica's (rank 1's,
+    stage 1 of replica 0: with dropout the two replicas' stage 1 would draw one mask). At
+    another pp or world size the fresh seeds stay. The control: the layout that saved them."""
+    restored = streams_restored(pp, monkeypatch)  # and, with no state to rename:
+    monkeypatch.setattr(pp, "as_whole_model", lambda run, model, optim_state: [])
+    monkeypatch.setattr(pp, "as_stage", lambda optim_state, own_names: optim_state)
+    state = {"args": {"pp": 2}, "rng": ["rank 0's", "rank 1's", "rank 2's", "rank 3's"]}
+    for here_pp, world, expected in [(2, 4, ["rank 3's"]), (4, 4, []), (2, 8, [])]:
+        run = types.SimpleNamespace(rank=3, dp_rank=1, pp_rank=1, world_size=world,
+                                    device=torch.device("cpu"),
+                                    args=types.SimpleNamespace(pp=here_pp))
+        restored.clear()
+        pp.load_shards("ck", state, run, None, None)
+        assert restored == expected, (here_pp, world)
 
 
 def test_a_world_of_one_applies_the_schedule_times_training_and_samples_in_eval_mode(
