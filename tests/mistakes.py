@@ -1474,6 +1474,15 @@ CATALOGUE = [
             "state[\"rng\"][run.rank]: this rank's own streams",
             [T_PP + "test_each_rank_resumes_its_own_random_streams_at_the_pp_and_world_that_saved_"
              "them"]),
+    Mistake("cp-reshard-flag-ignored", 10, C10,
+            [('    reshard = run.args.reshard_after_forward == "yes"\n    for i, block in '
+              'enumerate(model.blocks):  # sharding',
+              '    reshard = True\n    for i, block in enumerate(model.blocks):  # sharding')],
+            "--reshard-after-forward no ignored: every block but the last is gathered again for "
+            "its backward, the numbers unchanged and the memory and traffic not what was asked",
+            "reshard_after_forward from the flag",
+            [T_CP + "test_fsdp_under_cp_reduce_scatters_as_grad_sync_says_and_keeps_the_last_"
+             "block"], ["--reshard-after-forward", "no"]),
     Mistake("4d-dropout-seed-without-seed", 11, C11,
             [("    torch.manual_seed(args.seed + dropout_stream(run))",
               "    torch.manual_seed(dropout_stream(run))")],

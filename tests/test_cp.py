@@ -151,8 +151,8 @@ def runs(tmp_path_factory):
                                            "--max-steps", 2, "--save", "", "--export", ""], nproc=2)
     proc16 = start(ring16, REPO)
     (d / "noisy").mkdir()  # dropout and a padded evaluation at dp 2 x cp 2, --grad-sync every
-    noisy = command("tests/probe_cp.py", ["record", d / "noisy", *NOISY, "--cp", 2, "--export", ""],
-                    nproc=4)
+    noisy = command("tests/probe_cp.py", ["record", d / "noisy", *NOISY, "--cp", 2, "--export", "",
+                                          "--reshard-after-forward", "no"], nproc=4)
     procn = start(noisy, REPO)
     ring_rows = command(CP, [*CLIPPED, "--cp", 2, "--cp-rotate", "ring", "--export", ""],
                         nproc=4)  # dp 2 x cp 2: two rings
@@ -204,11 +204,13 @@ def test_fsdp_under_cp_reduce_scatters_as_grad_sync_says_and_keeps_the_last_bloc
     """FSDP's own collectives (over dp x cp; not the cp group's gathers of keys and values) in the
     first step of 2 micro-batches, 2 blocks and the root: --grad-sync every reduce-scatters each
     unit per micro-batch (6), last once per step (3, the two-node run); each micro-batch gathers
-    the root, both blocks and block 0 again for its backward (4; the last block stays whole)."""
-    for run_dir, scatters in (("noisy", 6), ("grid", 3)):
+    the root, both blocks and block 0 again for its backward (4; the last block stays whole).
+    With --reshard-after-forward no (the noisy run) block 0 stays whole too: 3 per micro-batch."""
+    for run_dir, scatters, gathers in (("noisy", 6, 6), ("grid", 3, 8)):
         for rank in range(4):
             seen = record(runs["dir"] / run_dir, rank)["fsdp"]
-            assert seen == {"reduce_scatters": scatters, "all_gathers": 8}, (run_dir, rank, seen)
+            assert seen == {"reduce_scatters": scatters, "all_gathers": gathers}, (
+                run_dir, rank, seen)
 
 
 def record(out_dir, rank):
