@@ -16,7 +16,8 @@ torchrun launches on CPU/gloo. These tests prove:
    losses and gradient norms of 2 DDP processes (1e-5 relative) and their validation losses at
    steps 0 and 6: every rank of a row reads one batch, the rows read what DDP's ranks read, and
    the validation sums of every rank add up (none is left out); FSDP shards over the grid's dp and
-   cp dims flattened into one ("dp_cp", every rank);
+   cp dims flattened into one ("dp_cp", every rank) and gathers 4 units a micro-batch, 3 in the
+   dropout run at dp 2 x cp 2 (--reshard-after-forward no: block 0 kept whole for its backward);
 3. --cp-rotate ring at cp 4 (4 processes) logs one process's losses, gradient norms (1e-5) and
    validation losses (1e-4); each pass carries one rank's keys and values or their fp32 gradients
    (3 + 3 + 4 passes per block and micro-batch, counted, no all-gather; under bf16 K, V travel in
