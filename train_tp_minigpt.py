@@ -105,7 +105,6 @@ import hashlib  # TP 8
 import io  # FSDP 8
 import json
 import logging  # FSDP 3
-import logging  # TP 4
 import math
 import os
 import pickle
