@@ -1450,6 +1450,45 @@ CATALOGUE = [
             "the dropout streams seeded by the rank's offset alone: every --seed draws seed 0's "
             "masks (the weights and the data order still follow --seed)",
             "args.seed + the offset", [T_TP + SCHEDULE], ["--dropout", "0.1", "--seed", "7"]),
+    Mistake("4d-recomputation-draws-new-masks", 11, C11,
+            [("                x = checkpoint(block, x, context, use_reentrant=False)  # 4D 3",
+              "                x = checkpoint(block, x, context, use_reentrant=False, "
+              "preserve_rng_state=False)  # 4D 3")],
+            "a block recomputed without the forward's random state: with dropout the backward "
+            "drops other units than the forward did", "checkpoint keeps the RNG state (default)",
+            [T_4D + "test_with_dropout_and_sp_off_dp2_x_tp2_logs_ddps_numbers_and_a_tp_pair_"
+             "drops_alike"], ["--dropout", "0.1", "--grad-checkpointing"]),
+    Mistake("4d-reshard-flag-misread", 11, C11,
+            [('    reshard = run.args.reshard_after_forward == "yes"',
+              '    reshard = run.args.reshard_after_forward == "true"')],
+            "--reshard-after-forward yes read as no: every block stays gathered from forward to "
+            "backward, the numbers unchanged and the memory not what was asked",
+            "reshard_after_forward from the flag's yes",
+            [T_4D + "test_at_pp1_each_micro_batch_reduce_scatters_and_under_a_schedule_the_step_"
+             "once"], ["--reshard-after-forward", "yes"]),
+    Mistake("4d-meter-counts-from-step-0", 11, C11,
+            [("    meter = Meter(run, raw_model, start)  # the training clock starts now",
+              "    meter = Meter(run, raw_model, 0)  # the training clock starts now")],
+            "the meter counts a resumed run's steps from 0: its first log line's ms/step, and "
+            "the summary's steps and tokens/s, count steps it never ran",
+            "Meter(run, raw_model, start)",
+            [T_4D + "test_a_resumed_run_times_and_counts_only_its_own_steps"]),
+    Mistake("4d-recomputation-on-the-first-stage-only", 11, C11,
+            [("    for part in raw_model.parts:\n        part.grad_checkpointing = "
+              "args.grad_checkpointing",
+              "    raw_model.parts[0].grad_checkpointing = args.grad_checkpointing")],
+            "--grad-checkpointing set on a rank's first stage alone: with interleaved stages the "
+            "second keeps every activation", "every stage this rank holds recomputes",
+            [T_4D + "test_interleaved_stages_under_tp_compute_what_one_process_computes"]),
+    Mistake("4d-rank-0s-streams-saved-for-all", 11, C11,
+            [("    rng_states = [None] * run.world_size  # DDP 11: every rank's RNG, for an exact "
+              "resume\n    dist.all_gather_object(rng_states, rng_state(run.device))  # so rank 0 "
+              "can save them all",
+              "    rng_states = [rng_state(run.device)] * run.world_size  # DDP 11: every rank's "
+              "RNG")],
+            "rank 0 saves its own random state for every rank: a resumed run draws rank 0's "
+            "masks on every rank", "all_gather_object of every rank's state",
+            [T_4D + "test_the_checkpoint_keeps_every_ranks_own_random_streams"]),
     Mistake("tp-streams-restored-across-tp", 8, C8,
             [('    if (saved.get("tp"), saved.get("sequence_parallel"), len(state["rng"])) == (\n'
               '            run.args.tp, run.args.sequence_parallel, run.world_size):',

@@ -108,10 +108,11 @@ def runs(tmp_path_factory):
     2 x tp 2 at 8 processes for 4 steps of CLIPPED with --debug (`grid`), and from `nodes`' step 8
     pp 2 x cp 2 at 4 processes to step 16 (`pipes`), one process to step 12, killed once step 10 is
     saved and renamed, before step 8 is dropped, and restarted by torchrun (`restarted`), and chapters 7-10 in this process to step 10.
-    Once `grid` is done: dp 2 x tp 2 with NOISY's dropout and sequence parallelism off
-    (`dropout`), and cp 2 x tp 2 with dropout under bf16 for one step (`sp dropout`), both
-    recorded, and pp 3 over 4 blocks (`three`). `nodes` samples 4 tokens at random (top-k 40,
-    temperature 0.8: the defaults), the others 1."""
+    Once `grid` is done: dp 2 x tp 2 with NOISY's dropout and sequence parallelism off,
+    recomputed and resharded after forward (`dropout`), and cp 2 x tp 2 with dropout under bf16
+    for one step (`sp dropout`), both recorded, pp 3 over 4 blocks (`three`), and two
+    interleaved stages per rank, recomputed (`interleaved`). `nodes` samples 4 tokens at random
+    (top-k 40, temperature 0.8: the defaults), the others 1."""
     d = tmp_path_factory.mktemp("fourd")
     for name in ("nodes", "restarted"):
         (d / name).mkdir()
@@ -125,10 +126,11 @@ def runs(tmp_path_factory):
         (d / name).mkdir()
     cmds["interleaved"] = command("tests/probe_4d.py", [
         "record", d / "interleaved", *THREE, "--pp", 2, "--cp", 1, "--tp", 2, "--schedule",
-        "interleaved-1f1b", "--stages-per-rank", 2, "--export", ""], nproc=4)
+        "interleaved-1f1b", "--stages-per-rank", 2, "--grad-checkpointing", "--export", ""],
+        nproc=4)
     cmds["dropout"] = command("tests/probe_4d.py", [
         "record", d / "dropout", *NOISY, "--pp", 1, "--cp", 1, "--tp", 2, "--sequence-parallel",
-        "off", "--export", ""], nproc=4)
+        "off", "--grad-checkpointing", "--reshard-after-forward", "yes", "--export", ""], nproc=4)
     cmds["three"] = command("tests/probe_4d.py", ["run", *THREE, "--pp", 3, "--cp", 1, "--tp", 1,
                                                   "--export", ""], nproc=3)
     cmds["bf16"] = command(FOURD, [*bf16(dropout=False), "--batch-size", 12, "--pp", 2, "--cp", 1,
@@ -229,10 +231,11 @@ def test_dp2_pp2_tp2_logs_one_processs_norms_about_a_binding_clip_and_padded_val
 
 def test_with_dropout_and_sp_off_dp2_x_tp2_logs_ddps_numbers_and_a_tp_pair_drops_alike(runs):
     """With --dropout 0.1, sequence parallelism off, dp 2 x tp 2 (helpers.NOISY: a clip that binds
-    in steps 1 and 2, 13 validation windows) logs chapter 3's DDP at 2 processes with dropout: the
-    losses, gradient norms and validation losses. The two tp ranks of a replica hold one stream
-    and drop it alike (one recorded mask), the replicas differ; ranks seeded each their own would
-    drop the copies apart, and the losses would leave DDP's."""
+    in steps 1 and 2, 13 validation windows), its blocks recomputed in backward, logs chapter 3's
+    DDP at 2 processes with dropout and without recomputation: the losses, gradient norms and
+    validation losses (a recomputed block must draw its forward's masks again). The two tp ranks of
+    a replica hold one stream and drop it alike (one recorded mask), the replicas differ; ranks
+    seeded each their own would drop the copies apart, and the losses would leave DDP's."""
     out, ddp = runs["dropout"], runs["ddp_dropout"]
     assert "world size 4 (1 pp x 2 dp x 1 cp x 2 tp) |" in out
     assert sorted(losses(out)) == [1, 2, 3, 4]
@@ -274,7 +277,12 @@ def test_interleaved_stages_under_tp_compute_what_one_process_computes(runs):
     split by vocabulary, and blocks 0 and 2; rank 1's blocks 1 and 3 and the head): one process's
     losses and clipped gradient norms. Each micro-batch goes round the pp group twice, so rank 0
     sends activations on from stages 0 and 2 and gradients back from stage 2: three times what
-    one stage per rank sends. The bytes recorded in step 2 are the traffic line's."""
+    one stage per rank sends. The bytes recorded in step 2 are the traffic line's. Under
+    --grad-checkpointing both of rank 0's stages recompute their blocks: at most its 2 blocks'
+    inputs for each of the 4 micro-batches are saved at once (B x T / tp x C fp32 each, under
+    sequence parallelism; half as much again allowed for the rest), where a stage left
+    unrecomputed saves every activation of its block (245,248 bytes measured by a reviewer,
+    against 27,904)."""
     out = runs["interleaved"]
     assert "| schedule interleaved-1f1b, 2 stages per rank" in out
     assert "stages 0, 2 (embeddings, blocks 0, 2)" in out
@@ -286,6 +294,8 @@ def test_interleaved_stages_under_tp_compute_what_one_process_computes(runs):
     once = 4 * 3 * 16 * 32 * 4  # K x B x T / tp (sequence parallel) x C x 4 bytes, one stage
     assert sent["pp"] == pytest.approx(3 * once, abs=8) and sent["tied"] > 0, sent
     assert sent["pp"] + sent["tied"] == pytest.approx(float(line.group(1)) * 2**20, abs=600)
+    saved = record(runs["dir"] / "interleaved", 0)["peak_saved_bytes"]
+    assert 0 < saved < 1.5 * 2 * 4 * (3 * 16 * 32 * 4), saved
 
 
 def test_at_an_uneven_cut_the_traffic_line_counts_stage_0s_blocks(runs):
@@ -352,6 +362,26 @@ def test_pp2_cp2_goes_on_from_the_8_process_checkpoint(runs):
     assert "world size 4 (2 pp x 1 dp x 2 cp x 1 tp) |" in out and "| schedule gpipe" in out
     assert f"resumed from {runs['dir'] / 'ck' / 'step-000008'} at step 8" in out
     assert_same_steps(out, runs["one"], list(range(9, 17)))
+
+
+def test_the_checkpoint_keeps_every_ranks_own_random_streams(runs):
+    """The 8-process run (sequence parallelism on: each rank seeds its own stream) saves 8 random
+    states in its run.json, one per rank and all different, so that a resume at this layout draws
+    each rank's own masks on. The control: the states are real ones, of the size this torch's
+    CPU generator keeps."""
+    rng = json.loads((runs["dir"] / "ck" / "step-000008" / "run.json").read_text())["rng"]
+    assert len(rng) == 8 and len({tuple(r["cpu"]) for r in rng}) == 8
+    assert all(len(r["cpu"]) == len(torch.get_rng_state()) for r in rng)
+
+
+def test_a_resumed_run_times_and_counts_only_its_own_steps(runs):
+    """tp 2 x cp 2 resumed from chapter 7's step 8 and trained to step 16 (`square`): its summary
+    counts the 8 steps it ran (it logged steps 9 to 16), and its tokens per second are those 8
+    steps' tokens over their training time (a meter counting from step 0 would claim 16 steps in
+    that time, and twice the speed)."""
+    got = summary(runs["square"])
+    assert sorted(losses(runs["square"])) == list(range(9, 17)) and got["steps"] == 8, got
+    assert got["tokens_per_s"] == pytest.approx(8 * got["per_step"] / got["train_s"], rel=1e-3)
 
 
 def test_a_killed_process_restarts_and_goes_on_from_the_8_process_checkpoint(runs):
@@ -476,6 +506,10 @@ def test_at_pp1_each_micro_batch_reduce_scatters_and_under_a_schedule_the_step_o
     # (resharded after its backward), once per step under the schedule; yes would gather block 0
     # again in each backward
     assert square["fsdp all_gather"] == 3 * 2 and pipes["fsdp all_gather"] == 2, (square, pipes)
+    # with --reshard-after-forward yes (the dropout run, recomputed) block 0 is gathered again
+    # for its backward (its recomputation uses that gather): 4 a micro-batch, the last block kept
+    resharded = [record(runs["dir"] / "dropout", rank)["calls"] for rank in range(4)]
+    assert [calls["fsdp all_gather"] for calls in resharded] == [(1 + 2 + 1) * 2] * 4, resharded
 
 
 def test_inside_a_step_a_rank_holds_its_stages_gathered_and_their_gradients_whole(runs):
