@@ -5,8 +5,9 @@ CPU/gloo), with a small model on the default corpus. These tests prove:
    each rank's first windows, whole lines in rank order); with --grad-accum 2 DDP all-reduces the
    gradients once per optimizer step (a counting comm hook), not once per micro-batch;
 2. 2 processes x batch 6 x 2 accumulation steps give the weights of 1 process x batch 24 in one
-   micro-batch (accumulation with no_sync is exact), and the validation loss falls, equal to
-   one process's at steps 0 and 18 (evaluation sums, then divides once);
+   micro-batch (accumulation with no_sync is exact within an epoch: an epoch deals whole
+   micro-batches, so across epochs the two drop different windows), and the validation loss
+   falls, equal to one process's at steps 0 and 18 (evaluation sums, then divides once);
    1 and 2 read the shared 2-process reference run (helpers.ddp_reference: 18 steps, recorded by
    a probe, --debug, launched from a hostile shell), which chapters 7 and 8 reproduce;
 3. a worker that dies at step 6 under `torchrun --max-restarts=1` (killed by a probe in tests/,
@@ -123,10 +124,16 @@ def test_three_processes_log_one_processs_norms_and_validation_and_resume_at_one
     """3 processes (THREE, 4 steps) log what one process logs at the same global batch (18 x 2,
     in this process, 6 steps): the losses, the gradient norms before clipping where --clip 1.9
     binds and where it does not, and the validation losses over 13 windows dealt unequally. Their
-    checkpoint of step 4 goes on in one process with the uninterrupted run's steps 5 and 6."""
+    checkpoint of step 4 goes on in one process with the uninterrupted run's steps 5 and 6. Its
+    summary counts the tokens of every rank in a step (3 x 6 x 32 x 2, the world line's) and its
+    throughput is those over a step's time."""
     out, ckpt = three()
     one = in_process(GPT, [*THREE, "--batch-size", 18, "--max-steps", 6, "--save", ""])
     assert "world size 3 |" in out and sorted(losses(out)) == [1, 2, 3, 4]
+    pace = summary(out)  # every rank's tokens: 3 replicas x 6 sequences x 32 tokens x 2
+    assert pace["per_step"] == 3 * 6 * 32 * 2 and pace["steps"] == 4, pace
+    assert pace["throughput"] == pytest.approx(pace["per_step"] / (pace["step_ms"] / 1000),
+                                               rel=0.01), pace
     for step in range(1, 5):
         assert losses(out)[step] == pytest.approx(losses(one)[step], rel=1e-5), step
         assert grad_norms(out)[step] == pytest.approx(grad_norms(one)[step], abs=2e-3), step
@@ -395,7 +402,8 @@ def test_a_crashed_worker_is_restarted_and_resumes_exactly(crashed):
     """torchrun --max-restarts=1: rank 1 dies as step 6 begins (first attempt only); torchrun
     restarts both workers, --resume auto picks up the step-4 checkpoint, and the restarted run's
     step 5 is the first attempt's step 5 to the printed digit (loss, lr, grad norm): weights,
-    optimizer, data position and every rank's dropout stream came back exactly."""
+    optimizer, data position and every rank's dropout stream came back exactly. Its summary counts
+    the 4 steps it ran (a clock counting from step 0 would claim 8 in their time)."""
     result, folder = crashed()
     out = ok(result)
     first, _, second = out.partition(f"resumed from {folder / 'ck.pt'} at step 4")
@@ -403,4 +411,5 @@ def test_a_crashed_worker_is_restarted_and_resumes_exactly(crashed):
     before, after = steps_logged(first), steps_logged(second)
     assert sorted(before) == [1, 2, 3, 4, 5] and sorted(after) == [5, 6, 7, 8]
     assert after[5].split(" | ")[:4] == before[5].split(" | ")[:4]
+    assert summary(second)["steps"] == 4  # the restarted run timed its own steps 5-8 alone
     assert torch.load(folder / "ck.pt", weights_only=True)["step"] == 8
