@@ -1489,6 +1489,18 @@ CATALOGUE = [
             "rank 0 saves its own random state for every rank: a resumed run draws rank 0's "
             "masks on every rank", "all_gather_object of every rank's state",
             [T_4D + "test_the_checkpoint_keeps_every_ranks_own_random_streams"]),
+    Mistake("gpt-tokens-per-step-of-one-rank", 3, C3,
+            [("        self.args, self.tokens = run.args, tokens_per_step(run)\n",
+              "        self.args, self.tokens = run.args, tokens_per_step(run) // run.world_size\n")],
+            "tok/s, MFU and the summary's tokens per step count one rank's tokens: N times too "
+            "low at N processes", "tokens_per_step(run): every rank's",
+            [T_GPT + "test_three_processes_log_one_processs_norms_and_validation_and_resume_at_one"]),
+    Mistake("gpt-meter-counts-from-step-0", 3, C3,
+            [("    meter = Meter(run, raw_model, start)  # the training clock starts now",
+              "    meter = Meter(run, raw_model, 0)  # the training clock starts now")],
+            "the meter counts a resumed run's steps from 0: its first ms/step, and the summary's "
+            "steps and tokens/s, count steps it never ran", "Meter(run, raw_model, start)",
+            [T_GPT + "test_a_crashed_worker_is_restarted_and_resumes_exactly"]),
     Mistake("tp-streams-restored-across-tp", 8, C8,
             [('    if (saved.get("tp"), saved.get("sequence_parallel"), len(state["rng"])) == (\n'
               '            run.args.tp, run.args.sequence_parallel, run.world_size):',
