@@ -1534,6 +1534,90 @@ CATALOGUE = [
             "reshard_after_forward from the flag",
             [T_CP + "test_fsdp_under_cp_reduce_scatters_as_grad_sync_says_and_keeps_the_last_"
              "block"], ["--reshard-after-forward", "no"]),
+    Mistake("4d-resume-forgets-the-cpu-stream", 11, C11,
+            [('    torch.set_rng_state(torch.tensor(saved["cpu"], dtype=torch.uint8))\n', "")],
+            "restore_rng sets the GPU's stream alone: on a CPU a resumed run with dropout draws "
+            "from the fresh seed, not the saved stream",
+            "torch.set_rng_state(saved[\"cpu\"])  # FSDP 3",
+            [T_4D + "test_restore_rng_puts_back_the_cpu_stream_that_run_json_keeps"],
+            command=[sys.executable, "-c", "import torch, train_4d_minigpt as m; "
+                     "c = torch.device('cpu'); torch.manual_seed(1); s = m.rng_state(c); "
+                     "a = torch.rand(4); m.restore_rng({'cpu': s['cpu'].tolist(), 'cuda': None}, "
+                     "c); print('draws after restore_rng:', 'the saved stream again' if "
+                     "torch.equal(torch.rand(4), a) else 'new ones')"],
+            pick=r"^draws after restore_rng: (.*)$"),
+    Mistake("4d-compiled-block-discarded", 11, C11,
+            [("        block.compile(backend=run.args.compile_backend)",
+              "        torch.compile(block, backend=run.args.compile_backend)")],
+            "torch.compile(block) with its result dropped: --compile compiles nothing, and the "
+            "numbers, eager's, pass", "block.compile(): in place  # PP 1",
+            [T_4D + "test_with_compile_every_block_of_a_ranks_stages_is_compiled_in_place"],
+            command=[sys.executable, "-c", "import types, torch, train_4d_minigpt as m; "
+                     "b = torch.nn.ModuleDict({'0': torch.nn.Linear(2, 2)}); "
+                     "m.wrap_model(types.SimpleNamespace(args=m.parse_args(['--compile'])), "
+                     "types.SimpleNamespace(blocks=b)); print('blocks compiled:', "
+                     "sum(x._compiled_call_impl is not None for x in b.values()), 'of 1')"],
+            pick=r"^blocks compiled: (.*)$"),
+    Mistake("4d-embedding-gradient-counted-over-tp", 11, C11,
+            [("    grads = 4 * (gathered + emb - emb // run.args.tp) * (run.args.pp > 1)",
+              "    grads = 4 * (gathered + emb // run.args.tp) * (run.args.pp > 1)")],
+            "the memory line's gradients inside a step count the vocabulary-split embedding's "
+            "as 2 / tp of it: right at tp 2 only", "emb - emb // tp more  # 4D 5",
+            [T_4D + "test_at_tp_4_inside_a_step_the_embeddings_gradient_is_counted_whole"],
+            command=[sys.executable, "-c", "import sys; sys.path.insert(0, 'tests'); "
+                     "import helpers; print(helpers.built_in_a_fake_world('train_4d_minigpt.py', "
+                     "helpers.SHARDED + ['--pp', '2', '--cp', '1', '--tp', '4', '--n-head', '4'], "
+                     "world_size=8)[1])"],
+            pick=r"gradients whole: stage 0 ([\d.]+ MiB)"),
+    Mistake("4d-traffic-tp-ring-as-1-over-tp", 11, C11,
+            [('    sent = {"tp": 2 * tp_ops * stream * (tp - 1) / tp,',
+              '    sent = {"tp": 2 * tp_ops * stream / tp * (tp > 1),')],
+            "the traffic line's tp bytes as 1 / tp of each collective's tensor, not a ring's "
+            "(tp - 1) / tp: right at tp 2, 3 times too few at tp 4", "(tp - 1) / tp  # 4D 6",
+            [T_4D + "test_at_tp_4_the_traffic_line_counts_the_rings_three_quarters"],
+            command=[sys.executable, "-c", "import types, torch, train_4d_minigpt as m; "
+                     "a = m.parse_args(['--pp', '1', '--cp', '1', '--tp', '4', '--n-head', '4']); "
+                     "print(m.traffic_line(types.SimpleNamespace(args=a, world_size=4, "
+                     "policy=m.mixed_precision('off', torch.device('cpu'))[1]), 256))"],
+            pick=r": tp ([\d.]+ MiB)"),
+    Mistake("4d-traffic-cp-ring-as-one-chunk", 11, C11,
+            [('            "cp": blocks * K * (cp - 1) * kv * (2 + 4 / width),',
+              '            "cp": blocks * K * kv * (2 + 4 / width) * (cp > 1),')],
+            "the traffic line's cp bytes as one chunk's keys and values per gather, not the "
+            "ring's cp - 1: right at cp 2, 3 times too few at cp 4", "(cp - 1) x kv  # 4D 6",
+            [T_4D + "test_at_cp_4_the_traffic_line_counts_the_rings_three_quarters"],
+            command=[sys.executable, "-c", "import types, torch, train_4d_minigpt as m; "
+                     "a = m.parse_args(['--pp', '1', '--cp', '4', '--tp', '1']); "
+                     "print(m.traffic_line(types.SimpleNamespace(args=a, world_size=4, "
+                     "policy=m.mixed_precision('off', torch.device('cpu'))[1]), 256))"],
+            pick=r"\| cp ([\d.]+ MiB)"),
+    Mistake("4d-mfu-counts-the-stage", 11, C11,
+            [("    n = raw_model.whole_params - args.block_size * args.n_embd  # PP 5: the "
+              "whole GPT",
+              "    n = sum(p.numel() for p in raw_model.parameters()) - args.block_size * "
+              "args.n_embd")],
+            "MFU's FLOPs per token from the rank's stage's parameters, not the GPT's: about "
+            "1 / pp of the true MFU on a GPU", "raw_model.whole_params  # PP 5",
+            [T_4D + "test_mfu_counts_the_whole_gpts_flops_per_token_on_a_stage"],
+            command=[sys.executable, "-c", "import sys; sys.path.insert(0, 'tests'); "
+                     "import helpers, train_4d_minigpt as m; "
+                     "f = helpers.SHARDED + ['--pp', '2', '--cp', '1', '--tp', '1']; "
+                     "print('flops per token', m.flops_per_token(helpers.built_in_a_fake_world("
+                     "'train_4d_minigpt.py', f, world_size=2)[0], m.parse_args(f)))"],
+            pick=r"^flops per token (\d+)"),
+    Mistake("4d-stage-sends-an-sp-share-with-sp-off", 11, C11,
+            [('    split = run.args.tp if run.args.sequence_parallel == "on" else 1\n'
+              "    return size[0], size[1] // split, run.args.n_embd  # 4D 6",
+              "    return size[0], size[1] // run.args.tp, run.args.n_embd  # 4D 6")],
+            "a stage's activations always split by tp: with --sequence-parallel off the receive "
+            "buffer is tp times too small, and the run aborts at the first evaluation",
+            "stream_shape: (B, T / tp, C) under SP alone  # 4D 6",
+            [T_4D + "test_a_stage_sends_a_tp_share_of_its_tokens_only_under_sequence_parallelism"],
+            command=[sys.executable, "-c", "import types, train_4d_minigpt as m; "
+                     "a = m.parse_args(['--tp', '2', '--sequence-parallel', 'off']); "
+                     "print('a stage sends', m.stream_shape(types.SimpleNamespace(args=a), "
+                     "(6, 16)))"],
+            pick=r"^a stage sends (.*)$"),
     Mistake("4d-dropout-seed-without-seed", 11, C11,
             [("    torch.manual_seed(args.seed + dropout_stream(run))",
               "    torch.manual_seed(dropout_stream(run))")],

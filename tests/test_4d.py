@@ -49,6 +49,7 @@ test moves the clock: 1 s a step, 100 s an evaluation or a save); with dropout, 
 sample runs every module in evaluation mode.
 """
 import json
+import math
 import re
 import shutil
 import types
@@ -63,7 +64,7 @@ from helpers import assert_bf16_policy_reduces_in_fp32
 from helpers import CLIPPED, assert_clipped_run_is_one_processs, one_process_clipped
 from helpers import assert_bf16_run_is_one_processs, bf16, one_process_bf16
 from helpers import assert_kv_gradients_summed_in_fp32, streams_restored
-from helpers import assert_planned
+from helpers import assert_planned, built_in_a_fake_world, gpt_shapes
 from helpers import (EVAL_6, GPT, NEEDS_CP, NOISY, REPO, SHARDED, as_script, command,
                      ddp_dropout_reference, ddp_reference, finish, in_process, needs_torch, ok,
                      one_process_reference, start, start_two_nodes, summary, trainer)
@@ -724,3 +725,134 @@ def test_a_world_of_one_applies_the_schedule_times_training_and_samples_in_eval_
     dropout); as a world of one with a 1 x 1 x 1 x 1 mesh."""
     assert_a_world_of_one_schedules_times_and_samples_as_it_should(
         FOURD, ["--pp", "1", "--cp", "1", "--tp", "1"], tmp_path)
+
+
+def test_restore_rng_puts_back_the_cpu_stream_that_run_json_keeps():
+    """A resume's random streams are the saved ones: the CPU's state taken by rng_state(), kept as
+    run.json keeps it (run_state's lists of bytes), and given to restore_rng after 8 draws makes
+    the next 8 draws those 8 again, so dropout after a resume draws the masks the unbroken run
+    draws. The control: without restore_rng the next draws are new ones."""
+    module, cpu = trainer(FOURD), torch.device("cpu")
+    run = types.SimpleNamespace(args=module.parse_args([]))
+    before = torch.get_rng_state()
+    try:
+        torch.manual_seed(1)
+        kept = json.loads(module.run_state(run, types.SimpleNamespace(vocab_size=256), 0,
+                                           [module.rng_state(cpu)]))["rng"][0]
+        assert isinstance(kept["cpu"], list) and kept["cuda"] is None
+        drawn = torch.rand(8)
+        module.restore_rng(kept, cpu)
+        assert torch.equal(torch.rand(8), drawn)
+        assert not torch.equal(torch.rand(8), drawn)  # the control: the stream went on
+    finally:
+        torch.set_rng_state(before)
+
+
+def test_with_compile_every_block_of_a_ranks_stages_is_compiled_in_place():
+    """--compile compiles each block of the rank's stages in place (nn.Module.compile: the module
+    keeps its FSDP and TP hooks and the schedule gets the very same object; torch.compile(block)
+    would return a wrapper, and the block left eager). Rank 0's model, built at pp 2 x tp 2 in a
+    fake world of 4: wrap_model returns the model itself, each block's call compiled. The
+    control: without --compile no block is."""
+    module = trainer(FOURD)
+    flags = [*map(str, SHARDED), "--pp", "2", "--cp", "1", "--tp", "2"]
+    model = built_in_a_fake_world(FOURD, flags)[0]
+    blocks = list(model.blocks.values())
+    assert len(blocks) == 1  # stage 0 of 2 over 2 blocks
+    compiled_flags = ["--compile", "--compile-backend", "aot_eager"]
+    for compile_, compiled in (([], False), (compiled_flags, True)):
+        run = types.SimpleNamespace(args=module.parse_args(flags + compile_))
+        assert module.wrap_model(run, model) is model
+        assert [b._compiled_call_impl is not None for b in blocks] == [compiled] * len(blocks)
+
+
+def test_at_tp_4_inside_a_step_the_embeddings_gradient_is_counted_whole():
+    """At pp 2 x tp 4 (4 heads; rank 0 of a fake world of 8, no launch), stage 0 holds inside a
+    step its weights gathered (TP's quarter of what TP splits, all the rest) and their gradients
+    whole (fp32), of which the vocabulary-split embedding's comes back whole on every tp rank:
+    the bytes counted here from the stage's shapes, as stage_holding gives them and the memory
+    line prints them. At tp 2 the embedding's 1 - 1/tp and 1/tp are one number; at tp 4 the
+    control, the embedding's gradient counted as 2/tp of it, is 16 KiB, 0.02 MiB, less."""
+    module, tp, v, c, t = trainer(FOURD), 4, 256, 32, 32
+    flags = [*map(str, SHARDED), "--pp", "2", "--cp", "1", "--tp", str(tp), "--n-head", "4"]
+    model, printed = built_in_a_fake_world(FOURD, flags, world_size=8)
+    split = [v * c, 3 * c * c, 3 * c, c * c, 4 * c * c, 4 * c, 4 * c * c]  # tok_emb, qkv, proj
+    whole = [t * c, 2 * c, c, 2 * c, c]  # pos_emb, ln1, proj's bias, ln2, mlp.2's bias
+    gathered = sum(split) // tp + sum(whole)  # TP's part of block 0 and the embeddings, fp32
+    emb = v * c  # its gradient: every row's, where TP holds a quarter of the rows
+    expected = 4 * gathered + 4 * (gathered + emb - emb // tp)
+    run = types.SimpleNamespace(args=module.parse_args(flags), rank=0, world_size=8,
+                                policy=module.mixed_precision("off", torch.device("cpu"))[1])
+    assert module.stage_holding(run, model)[4] == expected
+    line = re.search(r"inside a step also the weights gathered and the gradients whole: stage 0 "
+                     r"([\d.]+) MiB", printed)
+    assert line.group(1) == f"{expected / 2**20:.2f}", printed
+    assert f"{(expected - 4 * (emb - 2 * emb // tp)) / 2**20:.2f}" != line.group(1)
+
+
+def traffic(module, flags, world_size):
+    """The traffic line of rank 0 at these flags, fp32, as build_model prints it."""
+    run = types.SimpleNamespace(args=module.parse_args([*map(str, [*SHARDED, *flags])]),
+                                world_size=world_size,
+                                policy=module.mixed_precision("off", torch.device("cpu"))[1])
+    return module.traffic_line(run, 256)
+
+
+def test_at_tp_4_the_traffic_line_counts_the_rings_three_quarters():
+    """At tp 4 (pp 1, cp 1, 4 heads) each of a step's tp collectives (4 a block, the embedding and
+    the head: 10 a micro-batch, 2 micro-batches) moves a stream of B x T x C fp32 twice (an
+    all-reduce, or an all-gather and a reduce-scatter), and a ring sends (n - 1) / n of the
+    tensor each time: 3/4 at tp 4, as written out here. The control: at tp 2 it is 1/2 of it,
+    where (n - 1) / n and 1 / n are one number."""
+    module, ops, stream = trainer(FOURD), (4 * 2 + 2) * 2, 6 * 32 * 32 * 4
+    for tp, share in ((4, 3 / 4), (2, 1 / 2)):
+        line = traffic(module, ["--pp", 1, "--cp", 1, "--tp", tp, "--n-head", 4], tp)
+        assert f": tp {2 * ops * stream * share / 2**20:.3f} MiB | cp 0.000 MiB" in line, line
+        assert f"(tp: {ops} collectives of {stream / 2**20:.3f} MiB;" in line, line
+    assert f"{2 * ops * stream * 3 / 4 / 2**20:.3f}" != f"{2 * ops * stream / 4 / 2**20:.3f}"
+
+
+def test_at_cp_4_the_traffic_line_counts_the_rings_three_quarters():
+    """At cp 4 (pp 1, tp 1) each block gathers the keys and values of the cp group's 4 chunks
+    twice a micro-batch (forward, and backward's recompute) and reduce-scatters their fp32
+    gradients: each a tensor of cp x 2 x B x T / cp x C, of which a ring sends (n - 1) / n,
+    3/4 at cp 4, as written out here. The control: at cp 2 it is 1/2, where (n - 1) / n and one
+    chunk's worth are one number."""
+    module, blocks, k = trainer(FOURD), 2, 2
+    for cp, share in ((4, 3 / 4), (2, 1 / 2)):
+        gathered = cp * 2 * 6 * (32 // cp) * 32 * 4  # K and V of every chunk, fp32
+        sent = blocks * k * share * gathered * (2 + 1)  # 2 gathers, 1 reduce-scatter (fp32)
+        line = traffic(module, ["--pp", 1, "--cp", cp, "--tp", 1], cp)
+        assert f"| cp {sent / 2**20:.3f} MiB | pp 0.000 MiB" in line, (cp, line)
+        one_chunk = blocks * k * gathered / cp * (2 + 1)  # what (n - 1) / n is not, but at cp 2
+        assert (f"{one_chunk / 2**20:.3f}" == f"{sent / 2**20:.3f}") == (cp == 2), cp
+
+
+def test_mfu_counts_the_whole_gpts_flops_per_token_on_a_stage():
+    """MFU's FLOPs per token are the whole GPT's (nanoGPT's 6 per parameter, the position
+    embeddings aside, plus attention's 12 x layers x width x context), written out here from
+    helpers.gpt_shapes, whichever stage a rank holds: rank 0's model at pp 2 (a fake world of 2)
+    gives them. The control: the stage's own parameters are fewer, so counting them would put MFU
+    low by about 1 / pp."""
+    module = trainer(FOURD)
+    flags = [*map(str, SHARDED), "--pp", "2", "--cp", "1", "--tp", "1"]
+    model = built_in_a_fake_world(FOURD, flags, world_size=2)[0]
+    n = sum(math.prod(shape) for shape in gpt_shapes()) - 32 * 32  # the GPT's, positions aside
+    flops = 6 * n + 12 * 2 * 32 * 32  # attention: layers x width x context
+    assert module.flops_per_token(model, module.parse_args(flags)) == flops
+    block = 12 * 32 * 32 + 13 * 32  # qkv, proj and the MLP's weights and biases, two norms
+    stage = sum(p.numel() for p in model.parameters())  # the control: the embeddings, block 0
+    assert stage == 256 * 32 + 32 * 32 + block < n, (stage, n)
+
+
+def test_a_stage_sends_a_tp_share_of_its_tokens_only_under_sequence_parallelism():
+    """What a stage sends on for a micro-batch's ids (B, T / cp): with sequence parallelism each
+    tp rank holds T / cp / tp of the tokens, so (B, T / cp / tp, C); without it every tp rank
+    holds them all, (B, T / cp, C), and a receive buffer of the SP share would be tp times too
+    small. The control: the two differ at tp 2; at tp 1 they are one shape."""
+    module = trainer(FOURD)
+    for tp, sp, expected in ((2, "on", (6, 8, 32)), (2, "off", (6, 16, 32)),
+                             (1, "on", (6, 16, 32)), (1, "off", (6, 16, 32))):
+        args = module.parse_args([*map(str, SHARDED), "--tp", str(tp), "--sequence-parallel", sp])
+        run = types.SimpleNamespace(args=args)
+        assert module.stream_shape(run, (6, 32 // 2)) == expected, (tp, sp)
