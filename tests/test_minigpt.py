@@ -26,7 +26,11 @@ CPU/gloo), with a small model on the default corpus. These tests prove:
    masks (recorded by the probe: the two ranks' differ);
 10. with --amp bf16 the matrix products run in bf16 while DDP all-reduces fp32 gradients, and
     2 processes under bf16 with recomputation, on a file of token ids, log the one-process
-    bf16 run's numbers at the same global batch within bf16's rounding.
+    bf16 run's numbers at the same global batch within bf16's rounding;
+11. in one process: recomputation with dropout logs the run without it (the forward's masks
+    replayed), weight decay falls on the 2-D tensors alone, a fake clock sees training timed
+    alone (every log line 1000.0 ms/step, at --log-every 2 too), two epochs at world 2 give
+    whole micro-batches on both ranks, and a resume restores the global rank's random state.
 Bad inputs are in test_minigpt_inputs.py; --check-sync and timeouts in test_debugging.py.
 """
 import collections
