@@ -620,17 +620,18 @@ class FakeClock:
 
 
 def assert_a_world_of_one_schedules_times_and_samples_as_it_should(script, flags, tmp_path,
-                                                                  dense=True):
-    """A sharded chapter's main(), in this process as a world of one (`flags` make the layout
-    one rank), applies and logs the schedule worked out by hand in chapter 3's test (TINY_GPT:
-    1e-2 after 2 warmup steps, then a cosine over steps 2 and 3 towards 3e-4: 5e-3, 1e-2, 1e-2,
-    5.15e-3), a step at a time whatever its micro-batches (2 here); its ms/step counts training
-    only; and its closing sample runs every module in evaluation mode (no dropout). The clock is
-    the test's: each step moves it 1 s, each evaluation and each save 100 s, so every step logs
-    1000.0 ms/step exactly; the controls: evaluations and saves ran between logged steps (a
-    counted one would log 101000.0), and the steps ran in training mode. It runs at --seed 7
-    with dropout: a `dense` chapter logs chapter 3's losses and validation losses in one process
-    at that seed (dropout seeded by --seed; the control: chapter 3 at --seed 0 logs others)."""
+                                                                  dense=True, export=True):
+    """A chapter's main(), in this process as a world of one (`flags` make the layout one rank;
+    `export`: it takes --export, as chapters 7-12 do and chapter 3 does not), applies and logs the
+    schedule worked out by hand in chapter 3's test (TINY_GPT: 1e-2 after 2 warmup steps, then a
+    cosine over steps 2 and 3 towards 3e-4: 5e-3, 1e-2, 1e-2, 5.15e-3), a step at a time whatever
+    its micro-batches (2 here); its ms/step counts training only; and its closing sample runs every
+    module in evaluation mode (no dropout). The clock is the test's: each step moves it 1 s, each
+    evaluation and each save 100 s, so every step logs 1000.0 ms/step exactly; the controls:
+    evaluations and saves ran between logged steps (a counted one would log 101000.0), and the steps
+    ran in training mode. It runs at --seed 7 with dropout: a `dense` chapter logs chapter 3's
+    losses and validation losses in one process at that seed (dropout seeded by --seed; the control:
+    chapter 3 at --seed 0 logs others)."""
     module, clock, applied, calls = trainer(script), FakeClock(), [], collections.Counter()
     phase, modes = ["start"], collections.defaultdict(set)  # the modes modules ran in, by phase
 
@@ -664,7 +665,7 @@ def assert_a_world_of_one_schedules_times_and_samples_as_it_should(script, flags
             train_step=moving(module.train_step, 1), evaluate=moving(module.evaluate, 100),
             save_checkpoint=moving(module.save_checkpoint, 100)):
         out = in_process(script, [*run, *flags, "--save", tmp_path / "ck", "--save-every", 2,
-                                  "--export", "", "--max-new-tokens", 2])
+                                  *(["--export", ""] if export else []), "--max-new-tokens", 2])
     assert applied == pytest.approx([5e-3, 1e-2, 1e-2, 5.15e-3], rel=1e-9)
     logged = re.findall(r"^step \d/4 \| loss \S+ \| lr (\S+) \| .* \| (\S+) ms/step", out, re.M)
     assert logged == [("5.00e-03", "1000.0"), ("1.00e-02", "1000.0"), ("1.00e-02", "1000.0"),

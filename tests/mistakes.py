@@ -1510,6 +1510,61 @@ CATALOGUE = [
             "them: saved at dp 2 x tp 2 without sequence parallelism, a resume at dp 4 x tp 1 "
             "gives two replicas one stream", "restore only at the tp, SP and world that saved",
             [T_TP + "test_random_streams_come_back_only_at_the_tp_and_sp_that_saved_them"]),
+    # chapter 3, a reviewer's survivors (each caught by a test written for it, or named)
+    Mistake("gpt-recompute-rng", 3, C3,
+            [("                x = checkpoint(block, x, use_reentrant=False)\n",
+              "                x = checkpoint(block, x, use_reentrant=False, "
+              "preserve_rng_state=False)\n")],
+            "blocks recomputed without the forward's random state: with dropout the backward "
+            "drops other units than the forward did, and the gradients are not the forward's",
+            "checkpoint keeps and replays the RNG state (its default)",
+            [T_GPT + "test_recomputation_draws_the_forwards_dropout_masks_again"],
+            ["--grad-checkpointing"]),
+    Mistake("gpt-decay-everything", 3, C3,
+            [("    decay = [p for p in model.parameters() if p.dim() >= 2]\n"
+              "    no_decay = [p for p in model.parameters() if p.dim() < 2]\n",
+              "    decay = [p for p in model.parameters()]\n    no_decay = []\n")],
+            "weight decay on every parameter: the LayerNorms' gains pulled towards 0, the biases "
+            "too", "decay the 2-D tensors alone, norms and biases at 0",
+            [T_GPT + "test_weight_decay_falls_on_the_matrices_and_embeddings_alone"]),
+    Mistake("gpt-clock-stop-dropped", 3, C3,
+            [("        meter.stop_clock()  # evaluation and checkpoints are not training time\n",
+              "")],
+            "the clock restarted after each step but never stopped: the steps between log lines "
+            "are thrown away, ms/step about 1/--log-every of the truth",
+            "stop_clock() and start_clock() in pairs",
+            [T_GPT + "test_a_world_of_one_schedules_times_training_alone_and_samples_in_eval_mode"],
+            ["--log-every", "2"]),
+    Mistake("gpt-epoch-count-per-rank", 3, C3,
+            [("        count = self.per_epoch * self.batch * self.world\n",
+              "        count = self.per_epoch * self.batch\n")],
+            "an epoch deals per_epoch x batch windows in all, not per rank: halfway through the "
+            "epoch the micro-batches run short, then empty, and the run dies",
+            "per_epoch x batch x world windows an epoch",
+            [T_GPT + "test_every_micro_batch_of_two_epochs_is_whole_on_both_ranks"]),
+    Mistake("gpt-rng-by-local-rank", 3, C3,
+            [('        if run.rank < len(state["rng"]):  # the ranks it knows get their own RNG '
+              'state back\n            torch.set_rng_state(state["rng"][run.rank]["cpu"])\n',
+              '        local = int(os.environ["LOCAL_RANK"])  # this process\'s own RNG stream\n'
+              '        if local < len(state["rng"]):  # the ranks it knows get their own RNG '
+              'state back\n            torch.set_rng_state(state["rng"][local]["cpu"])\n')],
+            "the resume restores the random state saved by the rank on this node: on two nodes "
+            "ranks 0 and 1 resume one dropout stream", "state[\"rng\"][run.rank], the global rank",
+            [T_GPT + "test_a_resume_restores_the_random_state_of_the_global_rank"]),
+    Mistake("gpt-mfu-one-gpu-peak", 3, C3,
+            [("    return peak * 1e12 * run.world_size, note", "    return peak * 1e12, note")],
+            "MFU's denominator one GPU's peak, not the job's: N times too high on N GPUs",
+            "peak x every GPU of the job",
+            [T_BAD + "test_mfu_counts_the_peak_of_every_gpu_of_the_job",
+             T_PATHS + "test_mfu_counts_flops_without_position_embeddings_and_takes_the_override"]),
+    Mistake("gpt-mfu-tied-twice", 3, C3,
+            [("    n = sum(p.numel() for p in raw_model.parameters()) - raw_model.pos_emb",
+              "    n = sum(p.numel() for p in raw_model.state_dict().values()) - "
+              "raw_model.pos_emb")],
+            "FLOPs per token counted from the state dict: the tied embedding and head matrix "
+            "twice, MFU 22% too high on the tiny GPT",
+            "parameters(), each tensor once",
+            [T_PATHS + "test_mfu_counts_flops_without_position_embeddings_and_takes_the_override"]),
     Mistake("tp-export-without-cpu-offload", 8, C8,
             [("    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to "
               "rank 0",

@@ -27,14 +27,20 @@ CPU/gloo), with a small model on the default corpus. These tests prove:
    masks (recorded by the probe: the two ranks' differ);
 10. with --amp bf16 the matrix products run in bf16 while DDP all-reduces fp32 gradients, and
     2 processes under bf16 with recomputation, on a file of token ids, log the one-process
-    bf16 run's numbers at the same global batch within bf16's rounding.
+    bf16 run's numbers at the same global batch within bf16's rounding;
+11. in one process: recomputation with dropout logs the run without it (the forward's masks
+    replayed), weight decay falls on the 2-D tensors alone, a fake clock sees training timed
+    alone (every log line 1000.0 ms/step, at --log-every 2 too), two epochs at world 2 give
+    whole micro-batches on both ranks, and a resume restores the global rank's random state.
 Bad inputs are in test_minigpt_inputs.py; --check-sync and timeouts in test_debugging.py.
 """
+import collections
 import contextlib
 import io
 import json
 import re
 import types
+import unittest.mock
 
 import numpy as np
 import pytest
@@ -43,6 +49,7 @@ import torch.nn.functional as F
 from helpers import logged_grad_norms as grad_norms, logged_losses as losses
 from helpers import logged_val_losses as val_losses
 from helpers import assert_bf16_run_is_one_processs, bf16
+from helpers import FakeClock, assert_a_world_of_one_schedules_times_and_samples_as_it_should
 from helpers import (GPT, REPO, SHARDED, TINY_GPT, command, ddp_dropout_reference, ddp_reference,
                      in_process, ok, one_process_group, started, summary, trainer, weights)
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -396,6 +403,119 @@ def test_no_sync_holds_the_forward_too_or_every_micro_batch_all_reduces():
             counts[form], grads[form] = len(calls), model.module.linear.weight.grad.clone()
     assert counts == {"the script's": 3, "backward only": 6}
     torch.testing.assert_close(grads["the script's"], grads["backward only"])
+
+
+def test_recomputation_draws_the_forwards_dropout_masks_again():
+    """With --dropout 0.1, in this process as a world of one, --grad-checkpointing logs the losses
+    and gradient norms of the same run without it, to every printed digit: the backward
+    recomputes each block from the random state its forward drew from (the checkpoint keeps and
+    replays it), so the gradients belong to the forward's masks. The control: the run at
+    --dropout 0 logs other losses, so the masks count."""
+    flags = [*TINY_GPT, "--max-steps", 3, "--eval-every", 3, "--eval-windows", 2, "--save", "",
+             "--max-new-tokens", 1]
+    kept, recomputed, still = (
+        in_process(GPT, [*flags, "--dropout", dropout, *more])
+        for dropout, more in ((0.1, []), (0.1, ["--grad-checkpointing"]), (0.0, [])))
+    assert sorted(losses(kept)) == [1, 2, 3] and sorted(grad_norms(kept)) == [1, 2, 3]
+    assert losses(recomputed) == losses(kept) and grad_norms(recomputed) == grad_norms(kept)
+    assert losses(still)[1] != losses(kept)[1]
+
+
+def test_weight_decay_falls_on_the_matrices_and_embeddings_alone():
+    """make_optimizer's decayed group (--weight-decay 0.3) holds exactly the 2-D tensors, named
+    here: the tied embedding and head matrix (once), the position embeddings and each block's
+    qkv, proj and two MLP weights; the other group, at weight decay 0, holds every LayerNorm's
+    gain and bias and every Linear's bias (decayed, a norm's gain would be pulled towards 0). The
+    control: those vectors are parameters too, so decaying every parameter would differ."""
+    args = gpt.parse_args(["--weight-decay", "0.3"])
+    model = gpt.GPT(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
+    decayed, kept = gpt.make_optimizer(model, args, torch.device("cpu")).param_groups
+    names = {id(p): name for name, p in model.named_parameters()}  # the tied matrix once
+    blocks = [f"blocks.{i}." for i in range(2)]
+    matrices = ["tok_emb.weight", "pos_emb.weight"] + [
+        b + m + ".weight" for b in blocks for m in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")]
+    vectors = ["ln_f.weight", "ln_f.bias"] + [
+        b + m for b in blocks for m in ("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias",
+                                        "attn.qkv.bias", "attn.proj.bias", "mlp.0.bias",
+                                        "mlp.2.bias")]
+    assert (decayed["weight_decay"], kept["weight_decay"]) == (0.3, 0.0)
+    assert sorted(names[id(p)] for p in decayed["params"]) == sorted(matrices)
+    assert sorted(names[id(p)] for p in kept["params"]) == sorted(vectors)
+    assert model.head.weight is model.tok_emb.weight and len(matrices) == 2 + 4 * 2
+    assert sorted(names.values()) == sorted(matrices + vectors) and vectors  # the control
+
+
+def test_a_world_of_one_schedules_times_training_alone_and_samples_in_eval_mode(tmp_path):
+    """Chapter 3 passes the check chapters 7-12 pass (helpers.assert_a_world_of_one_schedules_
+    times_and_samples_as_it_should, without --export, which chapter 3 has not): the schedule's
+    learning rates, 1000.0 ms/step on a clock that only the test moves (1 s a step, 100 s each
+    evaluation and save, never counted), steps in training mode, the sample in evaluation mode.
+    Then at --log-every 2, with an evaluation and a save after every step: each logged line
+    still says 1000.0 ms/step, so the steps between log lines are timed too (a clock restarted
+    after each step but not stopped would drop them: 500.0). The control: the unlogged steps
+    1 and 3 ran, were evaluated and saved (the clock moved 1 + 200 s each)."""
+    assert_a_world_of_one_schedules_times_and_samples_as_it_should(GPT, [], tmp_path,
+                                                                  dense=False, export=False)
+    clock, calls = FakeClock(), collections.Counter()
+
+    def moving(function, seconds):
+        def moved(*args):
+            calls[function.__name__] += 1
+            result = function(*args)
+            clock.now += seconds
+            return result
+        return moved
+    with unittest.mock.patch.multiple(
+            gpt, time=clock, train_step=moving(gpt.train_step, 1),
+            evaluate=moving(gpt.evaluate, 100), save_checkpoint=moving(gpt.save_checkpoint, 100)):
+        out = in_process(GPT, [*TINY_GPT, "--max-steps", 4, "--log-every", 2, "--eval-every", 1,
+                               "--eval-windows", 2, "--save", tmp_path / "every.pt",
+                               "--save-every", 1, "--max-new-tokens", 1])
+    logged = re.findall(r"^step (\d)/4 \| loss .* \| (\S+) ms/step", out, re.M)
+    assert logged == [("2", "1000.0"), ("4", "1000.0")], out
+    assert calls == {"train_step": 4, "evaluate": 5, "save_checkpoint": 4}, calls
+    assert clock.now == 4 * 1 + 5 * 100 + 4 * 100
+
+
+def test_every_micro_batch_of_two_epochs_is_whole_on_both_ranks():
+    """At world 2, each rank's share of an epoch is per_epoch micro-batches of B windows: over two
+    whole epochs every micro-batch of rank 0 and of rank 1 is a full (B, T + 1) block of tokens,
+    per_epoch being the windows that fit (whatever the offset) split over the ranks, in batches:
+    (2000 - 8) // 9 // 2 // 4 = 27. An epoch dealt per_epoch x B windows in all, not per rank,
+    would run short halfway, then empty. The control: the two epochs read other windows."""
+    tokens = np.arange(2000) % 256
+    for rank in (0, 1):
+        windows = gpt.Windows(tokens, 8, 4, rank, 2, seed=0)
+        assert windows.per_epoch == (2000 - 8) // 9 // 2 // 4
+        shapes = [tuple(windows.rows(k).shape) for k in range(2 * windows.per_epoch)]
+        assert shapes == [(4, 9)] * (2 * 27), (rank, sorted(set(shapes)))
+        firsts = [windows.starts_of_epoch(epoch) for epoch in (0, 1)]
+        assert list(firsts[0]) != list(firsts[1])
+
+
+def test_a_resume_restores_the_random_state_of_the_global_rank(tmp_path, monkeypatch):
+    """A checkpoint of 2 ranks holds 2 random states; loaded as rank 1 on a node where it is
+    LOCAL_RANK 0 (two nodes of one process), the run gets rng[1] back, its global rank's: by
+    the rank on its node, ranks 0 and 1 would resume one dropout stream. The control: the two
+    saved states differ, and loaded as rank 0 the run gets rng[0]."""
+    args = gpt.parse_args(list(map(str, TINY_GPT)))
+    data = types.SimpleNamespace(vocab_size=256, itos=None)
+    model = gpt.GPT(**gpt.model_config(args, 256))
+    optimizer = gpt.make_optimizer(model, args, torch.device("cpu"))
+    amp, autocast, scaler = gpt.mixed_precision("off", torch.device("cpu"))
+    runs = [gpt.Run(args, torch.device("cpu"), rank, 2, rank == 0, amp, autocast, scaler)
+            for rank in (0, 1)]
+    with torch.random.fork_rng():
+        saved = [torch.manual_seed(seed) and gpt.rng_state(torch.device("cpu")) for seed in (5, 6)]
+        torch.save(gpt.checkpoint_state(runs[0], model, optimizer, data, 2, saved),
+                   tmp_path / "ck.pt")
+        assert not torch.equal(saved[0]["cpu"], saved[1]["cpu"])
+        monkeypatch.setenv("LOCAL_RANK", "0")  # rank 1 is the first process of its node
+        for rank in (1, 0):
+            torch.manual_seed(99)
+            assert gpt.load_checkpoint(tmp_path / "ck.pt", runs[rank], model, optimizer,
+                                       data) == 2
+            assert torch.equal(torch.get_rng_state(), saved[rank]["cpu"]), rank
 
 
 def test_a_crashed_worker_is_restarted_and_resumes_exactly(crashed):
