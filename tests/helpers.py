@@ -807,11 +807,10 @@ BF16 = SHARDED + ["--max-steps", "6", "--eval-every", "3", "--amp", "bf16", "--g
 VOCAB, VAL_FRACTION = 300, 0.25  # the bf16 runs' data: token ids, not bytes, and a longer tail
 
 
-@functools.cache
 # The bf16 runs' words: a text of its own, so that no edit of a course file moves their numbers
-WORDS = ("def return self import from class for in if else while with as yield lambda None True "
-         "False and or not is try except raise print range len list dict tuple torch model loss "
-         "step rank world batch grad norm data token block layer head").split()
+WORDS = ("def return self import from class for in if else while with as yield lambda None "
+         "True False and or not is try except raise print range len list dict tuple torch model "
+         "loss step rank world batch grad norm data token block layer head").split()
 
 
 def fixed_text(size=40_000):
@@ -825,6 +824,7 @@ def fixed_text(size=40_000):
     return "".join(text).encode()[:size]
 
 
+@functools.cache
 def token_ids():
     """A .bin of uint16 token ids, as a user's tokenizer writes one, made once: fixed_text()'s
     40,000 bytes, each id its byte plus 44, all below VOCAB. Returns its path."""
